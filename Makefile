@@ -1,0 +1,37 @@
+# duet — two commands on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= .cache/tiny-llama
+PYTEST_ARGS ?=
+SMALL ?=
+
+.PHONY: install run test test-fast bench-engine bench-kernels bench-kvtransfer clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
+	@touch $(STAMP)
+
+$(MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/duet make-tiny-model $(MODEL)
+
+run: install $(MODEL)/config.json
+	$(VENV)/bin/duet generate --model $(MODEL) --prompt "The river and the mountain" --max-tokens 48
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench-engine: install
+	$(PY) -m bench.bench_engine $(if $(SMALL),--small,)
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,113 @@
+"""``duet`` command line.
+
+    duet make-tiny-model DIR [--arch llama|qwen2|mistral]   write a small random HF checkpoint
+    duet generate --model DIR --prompt TEXT [...]           run prompts through one engine, streaming
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--quantization", default=None, choices=["w8a16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.tiny import make_tiny_model
+
+    path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, num_shards=args.shards)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    engine = Engine(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    prompts = args.prompt or ["Hello"]
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    ids = [engine.add_request(prompt_token_ids=engine.tokenizer.encode(p, add_special_tokens=not args.chat),
+                              params=params).request_id for p in prompts]
+    texts = {i: "" for i in ids}
+    t0 = time.perf_counter()
+    n_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n_tokens += len(out.new_token_ids)
+            texts[out.request_id] += out.new_text
+            if len(ids) == 1:
+                print(out.new_text, end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    if len(ids) == 1:
+        print()
+    else:
+        for i, p in zip(ids, prompts):
+            print(f"--- {p!r}\n{texts[i]}")
+    print(f"[{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-tiny-model", help="write a small random-weight HF checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    p.set_defaults(fn=cmd_make_tiny_model)
+
+    p = sub.add_parser("generate", help="generate with one in-process engine")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--prompt", action="append", help="prompt (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.set_defaults(fn=cmd_generate)
+
+    args = parser.parse_args(argv)
+    from engine.errors import DuetError
+
+    try:
+        return args.fn(args)
+    except DuetError as e:
+        print(f"duet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

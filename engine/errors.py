@@ -1,0 +1,18 @@
+"""Errors the engine raises on purpose. Everything a user can cause is a subclass of ``DuetError`` so the
+front doors (HTTP, gRPC, CLI) can map it to a 4xx / INVALID_ARGUMENT instead of a 500."""
+
+
+class DuetError(Exception):
+    """Base of every error duet raises deliberately."""
+
+
+class ModelLoadError(DuetError, ValueError):
+    """A checkpoint directory is missing a file, has an unsupported architecture or mismatched shapes."""
+
+
+class InvalidRequestError(DuetError, ValueError):
+    """A request the engine refuses: empty prompt, too long, bad sampling parameters, unknown token ids."""
+
+
+class ConfigError(DuetError, ValueError):
+    """A configuration value is out of range or inconsistent."""

@@ -1,0 +1,86 @@
+"""Block hashing — the contract shared by the block pool, the KV events and the router (DESIGN.md).
+
+``hash(block i) = xxh3_64(parent_hash as u64 LE ‖ token ids of the block as u32 LE)``; the chain's root is
+``xxh3_64(b"duet-root/v1" ‖ hash_seed as u64 LE ‖ namespace utf-8)``. Only full blocks are hashed.
+
+The hash is 64 bits wide. The engine's block pool re-checks a hit's token ids against the block it
+found (so a collision can never corrupt an engine's output); the router does not see tokens and accepts
+the ~2^-64 chance of a wrong routing hint, which costs speed, never correctness.
+
+Pure Python + xxhash: no torch import, so the router uses the very same function.
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+HASH_VERSION = 1
+_LE = sys.byteorder == "little"
+
+
+def root_hash(hash_seed: int = 0, namespace: str = "") -> int:
+    """The parent of a sequence's first block."""
+    seed = int(hash_seed) & 0xFFFFFFFFFFFFFFFF
+    return xxhash.xxh3_64_intdigest(b"duet-root/v1" + seed.to_bytes(8, "little") + namespace.encode())
+
+
+def _u32_bytes(token_ids: Sequence[int]) -> bytes:
+    buf = array("I", token_ids)
+    if not _LE:
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little") + _u32_bytes(token_ids))
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent_hash: int,
+    start_block: int = 0,
+) -> list[int]:
+    """Hashes of full blocks ``start_block, start_block+1, …`` of ``token_ids``.
+
+    ``parent_hash`` is the hash of block ``start_block - 1`` (the root for ``start_block == 0``), so a
+    request extends its hash chain incrementally as tokens arrive.
+    """
+    num_full = len(token_ids) // block_size
+    if start_block >= num_full:
+        return []
+    raw = _u32_bytes(token_ids[start_block * block_size : num_full * block_size])
+    width = 4 * block_size
+    out = []
+    parent = parent_hash
+    digest = xxhash.xxh3_64_intdigest
+    for off in range(0, len(raw), width):
+        parent = digest(parent.to_bytes(8, "little") + raw[off : off + width])
+        out.append(parent)
+    return out
+
+
+class BlockHasher:
+    """Binds block size, seed and namespace: one object per engine / router, compared at registration."""
+
+    def __init__(self, block_size: int, hash_seed: int = 0, namespace: str = "") -> None:
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.namespace = namespace
+        self.root = root_hash(hash_seed, namespace)
+
+    def __call__(self, token_ids: Sequence[int]) -> list[int]:
+        return hash_blocks(token_ids, self.block_size, self.root)
+
+    def extend(self, hashes: list[int], token_ids: Sequence[int]) -> None:
+        """Append the hashes of blocks that became full since ``hashes`` was last extended."""
+        parent = hashes[-1] if hashes else self.root
+        hashes.extend(hash_blocks(token_ids, self.block_size, parent, start_block=len(hashes)))
+
+    @property
+    def fingerprint(self) -> tuple[int, int, int, str]:
+        """What two parties must agree on to share hashes; a mismatch must be refused at registration."""
+        return (HASH_VERSION, self.block_size, self.hash_seed, self.namespace)

@@ -1,0 +1,88 @@
+"""Building blocks of the Llama family, written to match Hugging Face's arithmetic step for step (so fp32
+greedy outputs are token-exact): RMSNorm in fp32, rotate-half RoPE with fp32 frequencies, SwiGLU.
+Linear layers call the kernel backend (``KernelOps.linear`` / ``w8a16_linear``) — the GEMM seam."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.ops import KernelOps
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` through the backend; ``quantize_int8`` swaps W for int8 + scales (w8a16)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.ops = ops
+        self.qweight: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.ops.w8a16_linear(x, self.qweight, self.scales, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
+
+    def quantize_int8(self, group_size: int | None = None) -> None:
+        from kernels.gemm import quantize_weight_int8
+
+        self.qweight, self.scales = quantize_weight_int8(self.weight.data, group_size)
+        self.weight = None  # the float weight is gone: its memory is what quantization saves
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], incl. ``linear`` and ``llama3`` scaling as HF computes them."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling_dict
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif cfg.rope_type == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

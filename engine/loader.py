@@ -1,0 +1,129 @@
+"""Loading a Hugging Face checkpoint directory into ``CausalLM``.
+
+Reads ``config.json``, then the weights from ``model.safetensors.index.json`` (sharded) or every
+``*.safetensors`` file, tensor by tensor (safetensors memory-maps, so peak memory is the model plus one
+tensor). q/k/v and gate/up land in their fused parameters. Every failure a user can cause is a
+``ModelLoadError`` that names the file or tensor: missing files, an unsupported architecture, a tensor
+whose shape does not match the config, or parameters the checkpoint does not provide.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.model import CausalLM
+from engine.ops import KernelOps
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for checkpoints from 1 GiB up
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
+    name = cfg.checkpoint_dtype if requested == "auto" else requested
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards named in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        has_bin = any(model_dir.glob("*.bin"))
+        hint = " (only PyTorch .bin weights found; convert them to safetensors)" if has_bin else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(f.stat().st_size for f in files)
+    bar = None
+    if total >= _PROGRESS_MIN_BYTES:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", file=sys.stderr)
+    try:
+        for f in files:
+            try:
+                with safe_open(f, framework="pt") as st:
+                    for name in st.keys():
+                        tensor = st.get_tensor(name)
+                        yield name, tensor
+                        if bar is not None:
+                            bar.update(tensor.numel() * tensor.element_size())
+            except ModelLoadError:
+                raise
+            except Exception as e:  # a truncated or corrupt file
+                raise ModelLoadError(f"{f}: cannot read safetensors file: {e}") from e
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    ops: KernelOps,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+) -> CausalLM:
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops, max_positions)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.rope = model.rope.__class__(cfg, max_positions).to(device)  # buffers are not checkpoint data
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, set[int]] = {}
+    with torch.no_grad():
+        for hf_name, tensor in iter_checkpoint(weight_files(model_dir)):
+            target = model.checkpoint_to_param(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+            if shard is None:
+                dest, expected = param.data, tuple(param.shape)
+            else:
+                sizes = model.shard_sizes(name)
+                offset = sum(sizes[:shard])
+                dest = param.data.narrow(0, offset, sizes[shard])
+                expected = tuple(dest.shape)
+            if tuple(tensor.shape) != expected:
+                raise ModelLoadError(
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {expected}")
+            dest.copy_(tensor.to(dtype))
+            loaded.setdefault(name, set()).add(-1 if shard is None else shard)
+    missing = []
+    for name, param in params.items():
+        fused = any(f in name for f, _ in CausalLM.stacked_params.values())
+        want = set(range(len(model.shard_sizes(name)))) if fused else {-1}
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if not want <= loaded.get(name, set()):
+            missing.append(name)
+    if missing:
+        raise ModelLoadError(f"{model_dir}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")
+    return model.eval()

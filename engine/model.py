@@ -1,0 +1,123 @@
+"""The Llama family (Llama 2/3, Qwen2, Mistral) as one readable torch model over a paged KV cache.
+
+Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
+tied embeddings, Mistral may use a sliding window, Llama 3 scales RoPE. q/k/v and gate/up projections are
+fused into one GEMM each at load time (``stacked_params``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.ops import KernelOps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops)
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
+        self.ops = ops
+
+    def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, h, positions, rope, key_cache, value_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, key_cache, value_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg, max_positions)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def shard_sizes(self, fused_name: str) -> list[int]:
+        a = self.layers[0].self_attn
+        if ".qkv_proj." in fused_name:
+            return [a.q_size, a.kv_size, a.kv_size]
+        return [self.cfg.intermediate_size] * 2
+
+    def checkpoint_to_param(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Our parameter name (and shard index for a fused one) for a checkpoint tensor; None = ignore."""
+        if "rotary_emb.inv_freq" in hf_name:
+            return None
+        name = hf_name.removeprefix("model.")
+        if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+            return None  # tied: the embedding is the head (some checkpoints store both)
+        for frag, (fused, shard) in self.stacked_params.items():
+            if frag in name:
+                return name.replace(frag, fused), shard
+        return name, None
+
+    def quantize_int8(self, group_size: int | None = None) -> None:
+        """w8a16: int8 weights for every projection (embedding and lm_head stay in float)."""
+        for layer in self.layers:
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.quantize_int8(group_size)
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.state_dict(keep_vars=False).items()

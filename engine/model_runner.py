@@ -1,0 +1,85 @@
+"""Model runner: owns the model and the KV cache tensor; turns a ``SchedulerOutput`` into one forward
+pass and returns the logits of every request that completed its sequence this step.
+
+The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md):
+all layers of a block are contiguous, so one block moves as one descriptor between workers.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import load_model, resolve_dtype
+from engine.ops import get_ops, resolve_backend
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int) -> None:
+        self.model_cfg = model_cfg
+        self.block_size = cfg.block_size
+        self.device = torch.device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
+        self.backend = resolve_backend(cfg.kernels, cfg.device)
+        self.ops = get_ops(self.backend)
+        self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len)
+        if cfg.quantization == "w8a16":
+            self.model.quantize_int8()
+        self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
+                                * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+        self.num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.bytes_per_block)
+        self.kv_cache = torch.zeros(
+            self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
+            model_cfg.head_dim, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Run one step. Returns (logits [num_sampled, vocab] fp32, the scheduled requests they belong to)."""
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        ordered = prefills + decodes
+        B = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu_q = [0]
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in ordered:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            block_ids = r.block_ids
+            slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
+            seq_lens.append(end)
+            cu_q.append(cu_q[-1] + s.num_new_tokens)
+            tables.append(block_ids)
+            if s.completes_sequence:
+                sample_rows.append(cu_q[-1] - 1)
+                sampled.append(s)
+        dev = self.device
+        n_p = len(prefills)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_prefill_tokens=cu_q[n_p],
+            prefill_block_tables=table[:n_p],
+            prefill_cu_seqlens_q=torch.tensor(cu_q[: n_p + 1], dtype=torch.int32, device=dev),
+            prefill_seq_lens=lens[:n_p],
+            decode_block_tables=table[n_p:],
+            decode_seq_lens=lens[n_p:],
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_cache, meta)
+        if not sample_rows:
+            return torch.empty(0, self.model_cfg.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return logits.cpu(), sampled

@@ -1,0 +1,12 @@
+"""Triton kernels and their torch references.
+
+Each module holds private ``@triton.jit`` kernel(s), one public launcher that checks shapes/strides and
+allocates outputs, and a torch reference ``<name>_ref`` with the same signature. This package knows
+nothing of requests: it sees tensors, block tables and lengths.
+
+KV cache layout (DESIGN.md contract): one tensor per engine,
+``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``. A layer's keys are the
+strided view ``kv_cache[:, layer, 0]`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+kernels take such views and read them through their strides (only the last dim must be contiguous).
+A slot is ``block_id * block_size + offset``.
+"""

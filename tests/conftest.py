@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny checkpoints are written once per test session (a few ms each) and reused."""
+from __future__ import annotations
+
+import json
+import os
+
+import shutil
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Without a GPU, Triton kernels run in the interpreter. It must be chosen before anything imports triton.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(arch, **make_tiny_model kwargs) -> Path``, cached by arguments."""
+    from engine.tiny import make_tiny_model
+
+    cache: dict[str, object] = {}
+
+    def get(arch: str = "llama", **kw):
+        key = arch + json.dumps(kw, sort_keys=True)
+        if key not in cache:
+            cache[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, **kw)
+        return cache[key]
+
+    return get
