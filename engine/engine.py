@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
+from engine.disagg import KVHandoff, RemoteKVPlan
 from engine.errors import InvalidRequestError
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
@@ -41,6 +42,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    handoff: KVHandoff | None = None  # prefill role: set on the output that ends with reason "remote"
 
 
 @dataclass
@@ -51,6 +53,12 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_handoffs: int = 0  # prefill role: requests whose KV was handed to a decode worker
+    num_remote_kv_received: int = 0  # decode role: requests whose prompt KV arrived from a prefill worker
+    num_remote_blocks_received: int = 0
+    num_remote_prefix_hit_blocks: int = 0  # decode role: blocks not transferred because we had them
+    num_remote_recomputes: int = 0  # decode role: failed transfers recomputed locally
+    num_remote_failures: int = 0  # decode role: failed transfers ended with an error
 
 
 class Engine:
@@ -70,6 +78,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.held: dict[str, Request] = {}  # prefill role: handed-off requests whose blocks stay pinned
+        self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(
@@ -118,8 +128,10 @@ class Engine:
         self.stats.num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add(request)
 
-    def add_request(self, request_id=None, prompt=None, prompt_token_ids=None, params=None) -> Request:
+    def add_request(self, request_id=None, prompt=None, prompt_token_ids=None, params=None,
+                    remote_decode: bool = False) -> Request:
         request = self.make_request(request_id, prompt, prompt_token_ids, params)
+        request.remote_decode = remote_decode
         self.add(request)
         return request
 
@@ -127,7 +139,12 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.remove(request, RequestStatus.FINISHED_ABORTED)
+        if request_id in self.remote_pending:
+            # its KV may still be landing in its blocks: they are freed when the transfer ends
+            request.abort_pending = True
+            request.status = RequestStatus.FINISHED_ABORTED
+        else:
+            self.scheduler.remove(request, RequestStatus.FINISHED_ABORTED)
         self.stats.num_aborted += 1
         self._pending.append(self._output(request, [], "", 0))
         return True
@@ -136,6 +153,8 @@ class Engine:
         """End every unfinished request with an error (after an unexpected fault), freeing its blocks."""
         outputs, self._pending = self._pending, []
         for request in list(self.requests.values()):
+            if request.request_id in self.remote_pending:
+                continue  # its transfer is in flight; commit_remote / fail_remote settle it
             del self.requests[request.request_id]
             request.error = error
             self.scheduler.remove(request, RequestStatus.FINISHED_ERROR)
@@ -143,7 +162,8 @@ class Engine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        """Whether ``step()`` has work (requests waiting for remote KV do not count until committed)."""
+        return bool(self.scheduler.num_unfinished) or bool(self._pending)
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -168,13 +188,113 @@ class Engine:
             self.stats.num_generated_tokens += 1
             self.scheduler.on_tokens_appended(request)
             status = apply_stop_conditions(request, self.max_model_len)
+            handoff = None
             if status is not None:
                 self.scheduler.remove(request, status)
                 del self.requests[request.request_id]
                 self.stats.num_finished += 1
+            elif request.remote_decode:
+                handoff = self._hand_off(request)
             new_text = request.text[n_before: len(request.text) - request.num_stop_held_chars]
-            outputs.append(self._output(request, [result.token_ids[i]], new_text, 1))
+            out = self._output(request, [result.token_ids[i]], new_text, 1)
+            out.handoff = handoff
+            outputs.append(out)
         return outputs
+
+    # ---- disaggregation: prefill role ------------------------------------------------------------
+    def _hand_off(self, request: Request) -> KVHandoff:
+        """First token sampled: leave the batch, keep the prompt's blocks pinned for the decode worker."""
+        self.scheduler.detach(request, RequestStatus.FINISHED_REMOTE)
+        del self.requests[request.request_id]
+        self.held[request.request_id] = request
+        self.stats.num_handoffs += 1
+        n = request.num_prompt_tokens
+        return KVHandoff(
+            request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+            first_token_id=request.output_token_ids[0],
+            first_logprob=request.output_logprobs[0] if request.output_logprobs else None,
+            first_top_logprobs=request.output_top_logprobs[0] if request.output_top_logprobs else None,
+            params=request.params, seed=request.seed, block_ids=tuple(request.block_ids),
+            block_hashes=tuple(request.block_hashes[: n // self.config.block_size]), num_tokens=n,
+            block_size=self.config.block_size)
+
+    def release_held(self, request_id: str) -> bool:
+        """The decode side has the KV (or the lease expired): unpin the blocks. Idempotent."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.free(request)
+        return True
+
+    # ---- disaggregation: decode role --------------------------------------------------------------
+    def reserve_remote(self, handoff: KVHandoff) -> RemoteKVPlan | None:
+        """Admit a handed-off request: reuse our own prefix hits, allocate the rest. None if the pool is
+        too full right now (the caller retries later); ``InvalidRequestError`` if it can never fit."""
+        if handoff.block_size != self.config.block_size:
+            raise InvalidRequestError(f"handoff block size {handoff.block_size} != ours {self.config.block_size}")
+        request = self.make_request(handoff.request_id, prompt_token_ids=list(handoff.prompt_token_ids),
+                                    params=handoff.params)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        request.seed = handoff.seed
+        request.output_token_ids.append(handoff.first_token_id)
+        if handoff.first_logprob is not None:
+            request.output_logprobs.append(handoff.first_logprob)
+            request.output_top_logprobs.append(handoff.first_top_logprobs or {})
+        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        B = self.config.block_size
+        n_prompt = request.num_prompt_tokens
+        hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, B)[: n_prompt // B]
+        need = len(handoff.block_ids) - len(hits)
+        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0)):
+            return None
+        self.pool.touch(hits)
+        request.blocks = hits + self.pool.allocate(need)
+        request.num_registered_blocks = len(hits)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        request.text = request.detokenizer.add(handoff.first_token_id)
+        if request.params.stop:
+            from engine.stopping import _held_chars
+
+            request.num_stop_held_chars = _held_chars(request.text, request.params.stop)
+        self.requests[request.request_id] = request
+        self.remote_pending[request.request_id] = request
+        self.stats.num_prompt_tokens += n_prompt
+        self.stats.num_remote_prefix_hit_blocks += len(hits)
+        return RemoteKVPlan(request.request_id, tuple(handoff.block_ids[len(hits):]),
+                            tuple(b.block_id for b in request.blocks[len(hits):]), len(hits))
+
+    def commit_remote(self, request_id: str) -> bool:
+        """The planned blocks have landed: the prompt counts as computed; the request joins the batch."""
+        request = self.remote_pending.pop(request_id)
+        if request.abort_pending:
+            self.scheduler.free(request)
+            return False
+        self.stats.num_remote_kv_received += 1
+        self.stats.num_remote_blocks_received += len(request.blocks) - request.num_registered_blocks
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.scheduler.register_full_blocks(request)
+        self.scheduler.waiting.append(request)
+        request.status = RequestStatus.WAITING
+        return True
+
+    def fail_remote(self, request_id: str, error: str, recompute: bool) -> None:
+        """The transfer failed: recompute the prompt here (counted) or end the request with ``error``."""
+        request = self.remote_pending.pop(request_id)
+        self.scheduler.free(request)
+        if request.abort_pending:
+            return
+        if recompute:
+            self.stats.num_remote_recomputes += 1
+            request.status = RequestStatus.WAITING
+            self.scheduler.waiting.append(request)
+            return
+        self.stats.num_remote_failures += 1
+        del self.requests[request_id]
+        request.error = error
+        request.status = RequestStatus.FINISHED_ERROR
+        self._pending.append(self._output(request, [], "", 0))
 
     def _output(self, request: Request, new_ids: list[int], new_text: str, n_new: int) -> RequestOutput:
         finished = request.is_finished

@@ -24,6 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_REMOTE = "remote"  # prefill role: first token sampled, KV handed off to a decode worker
 
     @property
     def is_finished(self) -> bool:
@@ -31,7 +32,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_REMOTE}
 
 MAX_LOGPROBS = 20
 
@@ -112,6 +113,8 @@ class Request:
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer when text is produced
     text: str = ""
     num_stop_held_chars: int = 0  # trailing text withheld because it may begin a stop string
+    remote_decode: bool = False  # prefill role: hand the KV off after the first token
+    abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -89,6 +89,11 @@ class Scheduler:
 
     def remove(self, request: Request, status: RequestStatus) -> None:
         """Finish a request in any state: free its blocks and forget it."""
+        self.detach(request, status)
+        self._free(request)
+
+    def detach(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues but leave its blocks held (a prefill handoff)."""
         if request in self.running:
             self.running.remove(request)
         else:
@@ -96,8 +101,10 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self._free(request)
         request.status = status
+
+    def free(self, request: Request) -> None:
+        self._free(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -117,6 +124,19 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.blocks:  # KV already in place (received from a prefill worker)
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                need = self.blocks_needed(request.num_computed_tokens + num_new) - len(request.blocks)
+                if need > 0 and not self.pool.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                if need > 0:
+                    request.blocks.extend(self.pool.allocate(need))
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                continue
             hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
             hits = hits[: (request.num_tokens - 1) // self.block_size]
             num_cached = len(hits) * self.block_size

@@ -1,0 +1,136 @@
+"""Engine-level disaggregation: prefill engine → (block copy) → decode engine equals one engine.
+
+The KV blocks move here by a direct tensor copy between two in-process engines — a fast check of the
+engine hooks alone. The real path (separate processes, NIXL) is tested in tests/kvtransfer and the
+worker tests.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama")
+
+
+def engine(model_dir, **kw):
+    kw.setdefault("num_blocks", 128)
+    return Engine(EngineConfig(model=str(model_dir), **kw))
+
+
+def copy_blocks(src: Engine, dst: Engine, plan):
+    for r, l in zip(plan.remote_block_ids, plan.local_block_ids):
+        dst.runner.kv_cache[l].copy_(src.runner.kv_cache[r])
+
+
+def run_disagg(P: Engine, D: Engine, prompts, params_list):
+    """Prefill each prompt on P, hand off, decode on D. Returns token lists (first token included)."""
+    results = {}
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        P.add_request(f"r{i}", prompt_token_ids=p, params=sp, remote_decode=True)
+    while P.has_unfinished_requests():
+        for out in P.step():
+            results[out.request_id] = list(out.new_token_ids)
+            if out.handoff is not None:
+                plan = D.reserve_remote(out.handoff)
+                assert plan is not None
+                copy_blocks(P, D, plan)
+                assert P.release_held(out.request_id)
+                assert D.commit_remote(out.request_id)
+    while D.has_unfinished_requests():
+        for out in D.step():
+            results[out.request_id] += out.new_token_ids
+    for e in (P, D):
+        e.pool.check()
+        assert e.pool.num_used_blocks == 0 and not e.held and not e.remote_pending
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+def workload(seed=0):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 16, 33, 90)]
+    prompts += [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (5, 17)]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    params[4] = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # ends on the prefill side
+    return prompts, params
+
+
+def test_disaggregated_equals_colocated_cold_and_warm(model_dir):
+    prompts, params = workload()
+    colocated = [r["token_ids"] for r in engine(model_dir).generate(prompts, params)]
+    P, D = engine(model_dir), engine(model_dir)
+    assert run_disagg(P, D, prompts, params) == colocated  # cold caches
+    received = D.stats.num_remote_blocks_received
+    assert run_disagg(P, D, prompts, params) == colocated  # both caches warm
+    assert D.stats.num_remote_prefix_hit_blocks > 0
+    # warm D fetched only the partial last blocks (partial blocks are never cached)
+    handed_off = [p for p, sp in zip(prompts, params) if sp.max_tokens > 1]
+    assert D.stats.num_remote_blocks_received - received == sum(1 for p in handed_off if len(p) % 16) < received
+    assert P.stats.num_handoffs == 2 * (len(prompts) - 1)
+
+
+def test_failed_transfer_recompute_or_error(model_dir):
+    P, D = engine(model_dir), engine(model_dir)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 40))
+    want = engine(model_dir).generate([prompt], sp)[0]["token_ids"]
+    P.add_request("a", prompt_token_ids=prompt, params=sp, remote_decode=True)
+    P.add_request("b", prompt_token_ids=prompt[:20], params=sp, remote_decode=True)
+    handoffs = {}
+    while P.has_unfinished_requests():
+        handoffs.update({o.request_id: o.handoff for o in P.step() if o.handoff})
+    for rid in handoffs:
+        P.release_held(rid)
+    assert P.pool.num_used_blocks == 0
+    assert D.reserve_remote(handoffs["a"]) is not None
+    D.fail_remote("a", "peer died", recompute=True)  # KV never arrived: recompute locally
+    assert D.reserve_remote(handoffs["b"]) is not None
+    D.fail_remote("b", "peer died", recompute=False)
+    outs = {}
+    while D.has_unfinished_requests():
+        for o in D.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert [handoffs["a"].first_token_id] + sum((o.new_token_ids for o in outs["a"]), []) == want
+    assert outs["b"][-1].finish_reason == "error" and outs["b"][-1].error == "peer died"
+    assert D.stats.num_remote_recomputes == 1 and D.stats.num_remote_failures == 1
+    D.pool.check()
+    assert D.pool.num_used_blocks == 0
+
+
+def test_abort_while_kv_in_flight_frees_only_after_transfer(model_dir):
+    P, D = engine(model_dir), engine(model_dir)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    P.add_request("a", prompt_token_ids=list(range(3, 60)), params=sp, remote_decode=True)
+    handoff = next(o.handoff for o in P.step() if o.handoff)
+    plan = D.reserve_remote(handoff)
+    assert D.abort_request("a")
+    assert D.pool.num_used_blocks == len(plan.local_block_ids)  # still the transfer's target
+    assert not D.commit_remote("a")
+    assert D.pool.num_used_blocks == 0
+    P.release_held("a")
+    for e in (P, D):
+        e.pool.check()
+
+
+def test_reserve_remote_refuses_mismatch_and_full_pool(model_dir):
+    P = engine(model_dir)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    P.add_request("a", prompt_token_ids=list(range(3, 80)), params=sp, remote_decode=True)
+    handoff = next(o.handoff for o in P.step() if o.handoff)
+    with pytest.raises(InvalidRequestError, match="block size"):
+        engine(model_dir, block_size=32).reserve_remote(handoff)
+    small = engine(model_dir, num_blocks=8)
+    small.add_request("hog", prompt_token_ids=list(range(100, 157)), params=sp)  # 4 of 8 blocks
+    small.step()
+    assert small.reserve_remote(handoff) is None  # no room now; the caller retries later
+    assert "a" not in small.requests
