@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import Scheduler
-from engine.stopping import apply_stop_conditions
+from engine.stopping import apply_stop_conditions, held_chars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -255,9 +255,7 @@ class Engine:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         request.text = request.detokenizer.add(handoff.first_token_id)
         if request.params.stop:
-            from engine.stopping import _held_chars
-
-            request.num_stop_held_chars = _held_chars(request.text, request.params.stop)
+            request.num_stop_held_chars = held_chars(request.text, request.params.stop)
         self.requests[request.request_id] = request
         self.remote_pending[request.request_id] = request
         self.stats.num_prompt_tokens += n_prompt

@@ -27,7 +27,7 @@ def apply_stop_conditions(request: Request, max_model_len: int) -> RequestStatus
     if num_out >= params.max_tokens or request.num_tokens >= max_model_len:
         return _finish(request, RequestStatus.FINISHED_LENGTH, None)
     if params.stop:
-        request.num_stop_held_chars = _held_chars(request.text, params.stop)
+        request.num_stop_held_chars = held_chars(request.text, params.stop)
     return None
 
 
@@ -55,7 +55,7 @@ def _find_stop(request: Request, stops: tuple[str, ...]) -> str | None:
     return best[1]
 
 
-def _held_chars(text: str, stops: tuple[str, ...]) -> int:
+def held_chars(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
     held = 0
     for s in stops:

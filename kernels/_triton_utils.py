@@ -144,5 +144,13 @@ def num_sms(device: torch.device) -> int:
     return 132  # an H100 SXM: reached only by the sm_90 compile check (tests), which launches nothing
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: fp32 inputs get 3xTF32 on the GPU (near-fp32 accuracy on tensor cores;
+    plain ``ieee`` FMA dots spill registers at our tile sizes), exact fp32 in the interpreter."""
+    if INTERPRET:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"  # ignored for fp16/bf16 inputs
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

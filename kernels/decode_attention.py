@@ -272,7 +272,7 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
         USE_WINDOW=sliding_window is not None,
         SINGLE_PARTITION=single,
         UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=tu.dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )

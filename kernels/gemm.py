@@ -160,7 +160,7 @@ def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> _G
     if dtype == torch.float32:
         return _GemmConfig(64, 64, 32, 4, 3)
     if m <= 16:
-        cfg = _GemmConfig(16, 64, 128, 4, 4)
+        cfg = _GemmConfig(16, 64, 64, 4, 4)  # BLOCK_K 128 spills a register at M=16 (sm_90 check)
     elif m <= 64:
         cfg = _GemmConfig(64, 64, 64, 4, 4)
     elif m <= 256:
@@ -211,7 +211,7 @@ def _launch_gemm(x, w, scales, bias, group_size: int | None, cfg: _GemmConfig | 
         QUANT=scales is not None,
         PER_GROUP=per_group,
         UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=tu.dot_precision(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -236,9 +236,9 @@ def prefill_attention(
         TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None,
         UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast or fp32 else "tf32",
+        DOT_PRECISION=tu.dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4,
-        num_stages=3 if head_dim <= 128 else 2,
+        num_stages=2 if fp32 or head_dim > 128 else 3,
     )
     return out
 
