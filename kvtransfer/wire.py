@@ -1,0 +1,90 @@
+"""Typed values that cross process boundaries.
+
+They are frozen dataclasses of plain Python values (str, int, bytes, tuples, nested dataclasses), so
+they pickle as they are and Ray carries them between actors without a schema. No torch, no nixl.
+
+- `PeerInfo`: what one worker publishes so another can pull from it (NIXL agent metadata + where its
+  cache tensor lives + its layout and protocol version). Produced by `NixlTransport.peer_info()`,
+  consumed by `NixlTransport.add_peer()` on the other side.
+- `TransferRequest`: one pull, decode side: which of the peer's blocks go into which of ours, under
+  which lease of the peer.
+- `ReleaseNotice`: the message the puller leaves with the owner when it is done with a lease (success
+  rides on the READ itself as the NIXL completion notification; failure is a standalone notification).
+  Encoded as `b"duetkv/<VERSION>:<ok|fail>:<lease_id>"`; other NIXL notifications decode to None.
+- `PeerMessage`: one raw notification as received (sender agent name + payload).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtransfer.layout import VERSION, KVLayout
+
+_NOTICE_PREFIX = f"duetkv/{VERSION}:".encode()
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """Everything a peer needs to READ from (or WRITE into) this worker's cache tensor."""
+
+    version: int
+    agent_name: str
+    agent_metadata: bytes  # nixl_agent.get_agent_metadata(): connection info + registered memory
+    layout: KVLayout
+    base_addr: int  # address of block 0 in the owner's address space
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int  # CUDA ordinal for VRAM, 0 for DRAM
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Pull `remote_block_ids[i]` of `peer_name` into our `local_block_ids[i]`, then release the lease."""
+
+    peer_name: str
+    lease_id: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples, so the value stays hashable and immutable.
+        object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What a completed transfer moved, for metrics and benchmarks."""
+
+    num_blocks: int
+    num_descriptors: int  # after run merging
+    num_bytes: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class ReleaseNotice:
+    """The puller is done with `lease_id`: `ok` says whether its transfer succeeded."""
+
+    lease_id: str
+    ok: bool = True
+
+    def encode(self) -> bytes:
+        return _NOTICE_PREFIX + (b"ok:" if self.ok else b"fail:") + self.lease_id.encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> ReleaseNotice | None:
+        """The notice in `payload`, or None when it is not one of ours (or another VERSION)."""
+        if not payload.startswith(_NOTICE_PREFIX):
+            return None
+        status, sep, lease_id = payload[len(_NOTICE_PREFIX) :].partition(b":")
+        if not sep or status not in (b"ok", b"fail") or not lease_id:
+            return None
+        return cls(lease_id=lease_id.decode(), ok=status == b"ok")
+
+
+@dataclass(frozen=True)
+class PeerMessage:
+    """One NIXL notification: who sent it and its raw bytes."""
+
+    peer_name: str
+    payload: bytes

@@ -1,0 +1,86 @@
+"""A KV owner (prefill-side) worker run in a separate process for the transfer tests and the bench.
+
+The test process is the puller; this process owns a cache filled with a known pattern, publishes its
+PeerInfo over a multiprocessing Pipe (so PeerInfo really crosses a process boundary by pickle), holds
+leases, and keeps applying release notices from NIXL notifications while it waits for commands.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer import BLOCK_MAJOR, KVCompat, LeaseTable
+
+TEST_COMPAT = KVCompat(
+    model_id="duet-test/tiny",
+    dtype="bfloat16",
+    layout_name=BLOCK_MAJOR,
+    block_size=4,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+)  # 2 KiB per block
+
+
+def cache_shape(compat: KVCompat, num_blocks: int) -> tuple[int, ...]:
+    return (num_blocks, compat.num_layers, 2, compat.block_size, compat.num_kv_heads, compat.head_dim)
+
+
+def make_pattern_cache(compat: KVCompat, num_blocks: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Deterministic random cache, identical in every process for the same arguments."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, compat.dtype)
+    return torch.randn(cache_shape(compat, num_blocks), generator=generator).to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class OwnerSpec:
+    compat: KVCompat
+    num_blocks: int
+    seed: int
+    agent_name: str
+    ucx_tls: str | None = None  # set before the NIXL agent exists, only in this process
+    device: str = "cpu"
+
+
+def run_owner(conn, spec: OwnerSpec) -> None:
+    """Process entry point: serve commands from `conn` until ("exit", None)."""
+    if spec.ucx_tls is not None:
+        os.environ["UCX_TLS"] = spec.ucx_tls
+    from kvtransfer import NixlTransport
+
+    kv = make_pattern_cache(spec.compat, spec.num_blocks, spec.seed, spec.device)
+    released: dict[str, list[int]] = {}
+    leases = LeaseTable(on_release=lambda ids: None)
+    with NixlTransport(kv, spec.compat, agent_name=spec.agent_name) as transport:
+        conn.send(transport.peer_info())
+        while True:
+            while not conn.poll(0.002):
+                for notice in transport.poll_release_notices():
+                    lease = leases.get_lease(notice.lease_id)
+                    if leases.release(notice.lease_id, ok=notice.ok):
+                        released[notice.lease_id] = list(lease.block_ids)
+                leases.expire_overdue()
+            command, arg = conn.recv()
+            if command == "exit":
+                conn.send("bye")
+                return
+            conn.send(_handle(command, arg, kv, leases, released))
+
+
+def _handle(command: str, arg, kv: torch.Tensor, leases: LeaseTable, released: dict):
+    if command == "lease":
+        lease_id, block_ids, timeout_s = arg
+        leases.acquire(lease_id, block_ids, timeout_s=timeout_s)
+        return "ok"
+    if command == "lease_state":  # (still held?, block ids released by notice, counters)
+        return arg in leases, released.get(arg), leases.counters
+    if command == "blocks":  # raw bytes of the given blocks, for push checks
+        return kv[list(arg)].view(torch.int16).cpu()
+    if command == "ping":
+        return time.monotonic()
+    raise ValueError(f"unknown command {command!r}")
