@@ -8,7 +8,7 @@ MODEL ?= .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install run test test-fast bench-engine bench-kernels bench-kvtransfer clean
+.PHONY: install run test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing-trace bench-router-decision clean
 
 install: $(STAMP)
 
@@ -31,7 +31,21 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench-engine: install
-	$(PY) -m bench.bench_engine $(if $(SMALL),--small,)
+	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,)
+
+# GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
+bench-kernels: install
+	$(if $(SMALL),TRITON_INTERPRET=1,) $(PY) -m bench.bench_kernels $(if $(SMALL),--small,)
+
+bench-kvtransfer: install
+	$(PY) -m bench.bench_kvtransfer
+
+# Mooncake conversation trace against the real prefix index and block pools (no model)
+bench-routing-trace: install
+	$(PY) -m bench.bench_routing_trace
+
+bench-router-decision: install
+	$(PY) -m bench.bench_router_decision
 
 clean:
 	rm -rf $(VENV) .cache

@@ -9,4 +9,10 @@ KV cache layout (DESIGN.md contract): one tensor per engine,
 strided view ``kv_cache[:, layer, 0]`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 kernels take such views and read them through their strides (only the last dim must be contiguous).
 A slot is ``block_id * block_size + offset``.
+
+Where Triton runs: ``_triton_utils.triton_available(device)`` is True on CUDA, and on CPU when the kernels
+were built in interpreter mode: TRITON_INTERPRET=1 must be in the environment *before* the first import of a
+kernel module (Triton 3.9 picks interpreted or compiled functions when ``@triton.jit`` runs). Launchers raise
+a ValueError naming the argument otherwise. ``_paged_kv.attend_kv_tile`` is the online-softmax step shared
+by decode and prefill attention.
 """

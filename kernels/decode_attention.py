@@ -26,6 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels import _triton_utils as tu
+from kernels._paged_kv import attend_kv_tile
+
+_REF_BUCKET = 8  # sequences per padded gather in the reference (sorted by length: little padding)
+
 
 def paged_decode_attention_ref(
     q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
@@ -36,26 +40,41 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], dtype of q
-    """Padded, batched gather: all sequences at once, masked to their lengths."""
+    """The engine's CPU path too, so it is built for speed with plain torch ops.
+
+    Sequences are sorted by length and gathered in small buckets (padding only to the bucket's longest);
+    each bucket is one SDPA call in which a KV head's query heads form the query-length dimension
+    (exact for decode: they all sit at the same position), so GQA needs no K/V repeat.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    if num_seqs <= _REF_BUCKET:
+        return _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+    out = torch.empty_like(q)
+    order = torch.argsort(seq_lens)
+    for i in range(0, num_seqs, _REF_BUCKET):
+        idx = order[i: i + _REF_BUCKET]
+        out[idx] = _decode_bucket(q[idx], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale,
+                                  sliding_window)
+    return out
+
+
+def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    # [num_seqs, num_blocks * block_size, num_kv_heads, head_dim]
-    k = key_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
-    v = value_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
-    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", qf, k) * scale
-    pos = torch.arange(k.shape[1]).unsqueeze(0)
+    num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    # [num_seqs, num_kv_heads, num_blocks * block_size, head_dim] (strided views of the gathered rows);
+    # index_select copies whole blocks and is several times faster than advanced indexing on CPU
+    k = key_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = value_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    pos = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
     lens = seq_lens.long().unsqueeze(1)
     allowed = pos < lens
     if sliding_window is not None:
         allowed &= pos > lens - 1 - sliding_window
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, v)
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
@@ -126,26 +145,10 @@ def _decode_partition_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, part_end, TILE_N):
         pos = start + offs_n
-        in_seq = pos < part_end
-        valid = in_seq & (pos >= win_start)
-        blocks = tl.load(table + pos // block_size, mask=in_seq, other=0).to(tl.int64)
-        rows = blocks * stride_kb + (pos % block_size) * stride_kt
-        k = tl.load(k_base + rows[None, :] + offs_d[:, None], mask=d_mask[:, None] & valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # every tile holds >= 1 valid position, so m_new is finite and no exp2(-inf - -inf) arises
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = blocks * stride_vb + (pos % block_size) * stride_vt
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        valid = (pos < part_end) & (pos >= win_start)  # the same for every query head of the group
+        acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, valid, valid[None, :],
+                                       offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
+                                       qk_scale, UPCAST, DOT_PRECISION)
 
     if SINGLE_PARTITION:
         out = acc / l_i[:, None]
@@ -231,10 +234,12 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     tu.check_shape("seq_lens", seq_lens, (num_seqs,))
-    if tu.value_checks_enabled(device):
+    if num_seqs and block_tables.shape[1] == 0:
+        raise ValueError("block_tables has no columns: every sequence holds at least its decoded token")
+    if tu.value_checks_enabled(device) and num_seqs:
+        if int(seq_lens.min()) < 1:
+            raise ValueError(f"seq_lens must all be >= 1 (the decoded token is cached), got {seq_lens.tolist()}")
         tu.check_block_tables(block_tables, seq_lens, num_blocks, block_size)
-        if num_seqs and int(seq_lens.min()) < 1:
-            raise ValueError(f"seq_lens must all be >= 1 (the decoded token is in the cache), got {seq_lens.tolist()}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out

@@ -8,11 +8,13 @@ consecutive programs share x rows in L2. The int8 weight tile is dequantized in 
 loading and fed to the same ``tl.dot`` as a float GEMM: with per-group scales each [BLOCK_K, BLOCK_N] tile is
 multiplied by its group's scales (a K tile never straddles two groups: BLOCK_K divides the group size) and
 rounded to the activation dtype; with per-channel scales the int8 values convert exactly and the scales
-multiply the fp32 accumulator once at the end (cheaper, and no rounding of the dequantized weight). Configs are picked by M without autotune:
-skinny decode shapes (small M) are weight-bandwidth bound and get narrow tiles plus split-K when the tile
-grid alone would leave SMs idle; prefill shapes (large M) get large tensor-core tiles.
-"""
+multiply the fp32 accumulator once at the end (cheaper, and no rounding of the dequantized weight).
 
+Configs are picked by M, without autotuning: skinny decode shapes (small M) are weight-bandwidth bound and
+get narrow tiles plus split-K (fp32 partials summed by torch) when the tile grid alone would leave SMs idle;
+prefill shapes (large M) get large tensor-core tiles. They were checked to compile for sm_90 without
+register spills (tests/kernels/sm90_compile.py), not tuned on a GPU.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,6 +68,18 @@ def w8a16_gemm_ref(
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), walking GROUP_M row tiles together so their x rows stay in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K] fp16/bf16/fp32
     w_ptr,  # [N, K] dtype of x, or int8 when QUANT
@@ -88,15 +102,7 @@ def _gemm_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grouped ordering: GROUP_M row tiles are walked together so their x rows stay in L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

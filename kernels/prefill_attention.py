@@ -25,13 +25,14 @@ import triton
 import triton.language as tl
 
 from kernels import _triton_utils as tu
+from kernels._paged_kv import attend_kv_tile
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` rows of one sequence's K or V: ``[num_tokens, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]
+    rows = cache.index_select(0, block_table[:num_blocks].long())
     return rows.reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens]
 
 
@@ -58,9 +59,6 @@ def prefill_attention_ref(
             continue
         k = gather_kv(key_cache, block_tables[s], kv_len).float()
         v = gather_kv(value_cache, block_tables[s], kv_len).float()
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         pos_q = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
         pos_k = torch.arange(kv_len).unsqueeze(0)
         allowed = pos_k <= pos_q
@@ -72,12 +70,33 @@ def prefill_attention_ref(
             v.transpose(0, 1),
             attn_mask=allowed,
             scale=scale,
+            enable_gqa=group > 1,
         )
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    tile,
+    BLOCK_Q: tl.constexpr,
+):
+    """Sequence s owns query tiles [cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1): binary search for
+    the last s whose first tile is <= ``tile``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
 
 
 @triton.jit
@@ -110,16 +129,7 @@ def _prefill_attention_kernel(
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # sequence s owns tiles [cu[s] // BLOCK_Q + s, cu[s + 1] // BLOCK_Q + s + 1): find the last s starting <= tile
-    lo_s = 0
-    hi_s = num_seqs
-    while lo_s < hi_s:
-        mid = (lo_s + hi_s) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
-            lo_s = mid + 1
-        else:
-            hi_s = mid
-    seq = lo_s - 1
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     q_tile = tile - (q_start // BLOCK_Q + seq)
@@ -157,29 +167,12 @@ def _prefill_attention_kernel(
     for start in range(kv_lo, kv_end, TILE_N):
         pos = start + offs_n
         in_seq = pos < kv_end
-        blocks = tl.load(table + pos // block_size, mask=in_seq, other=0).to(tl.int64)
-        offsets = pos % block_size
-        k = tl.load(k_base + (blocks * stride_kb + offsets * stride_kt)[None, :] + offs_d[:, None],
-                    mask=d_mask[:, None] & in_seq[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         allowed = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row with nothing visible yet keeps m = -inf: subtract 0 instead so exp2 gives 0, not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (blocks * stride_vb + offsets * stride_vt)[:, None] + offs_d[None, :],
-                    mask=in_seq[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, in_seq, allowed,
+                                       offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
+                                       qk_scale, UPCAST, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

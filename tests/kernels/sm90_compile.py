@@ -1,0 +1,145 @@
+"""Compile every launcher's kernels for an H100 (sm_90) without a GPU, and report registers and spills.
+
+Run as ``python -m tests.kernels.sm90_compile`` *without* TRITON_INTERPRET (test_sm90_compile.py does so in a
+subprocess). The interpreter accepts things the GPU compiler refuses (a ``tl.dot`` with a dim < 16, a while
+loop whose carried value changes type, too much shared memory), so this is the CPU-side guard for the
+compiled path. A stand-in Triton driver reports an sm_90 target, compiles with the ptxas that ships with
+Triton, reads registers and spill stores from the cubin with the bundled cuobjdump, and launches nothing.
+Tensors live on the CPU: only their dtypes, strides and alignment reach the compiler.
+
+Prints one JSON line per compiled kernel; exits 1 if any kernel fails to compile, or spills registers to local
+memory in fp16/bf16 (fp32 is a correctness path, not a fast one).
+By default a representative subset (every kernel and config branch, ~25 compilations); ``--all`` compiles
+every dtype x head_dim x GQA ratio x M combination (minutes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+H100 = GPUTarget("cuda", 90, 32)
+H100_SHARED_BYTES = 232448
+RESULTS: list[dict] = []
+
+
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": H100_SHARED_BYTES, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 1, "mem_clock_rate": 1, "mem_bus_width": 1}
+
+    def load_binary(self, name, cubin, shared, device):
+        usage = _resource_usage(cubin)
+        RESULTS.append({"kernel": name, "shared_bytes": shared, **usage})
+        return None, None, usage["registers"], usage["spill_stores"], 1024
+
+
+class _CompileOnlyDriver:
+    utils = _Utils()
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return H100
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args, **kwargs: None
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers from the cubin's resource table; spills = local-memory stores (STL) in its SASS."""
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return {"registers": int(re.search(r"\bREG:(\d+)", usage).group(1)),
+            "spill_stores": len(re.findall(r"\bSTL(?:\.\w+)*\s", sass))}
+
+
+def _cases(full: bool):
+    """(label, thunk) for the configs each launcher picks at serving shapes; ``full`` = every combination."""
+    from kernels import decode_attention as da, gemm, prefill_attention as pa, store_kv as sk
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    if full:
+        attention = [(dt, d, h) for dt in (bf16, fp16, fp32) for d in (64, 80, 96, 128)
+                     for h in ((32, 8), (8, 8), (28, 4), (16, 1))]
+        gemms = [(dt, m, g) for dt in (bf16, fp16, fp32) for m in (1, 16, 64, 256, 2048)
+                 for g in ((None, 1, 32) if dt != fp32 else (None,))]
+    else:  # every kernel, every config branch, the main head dims and GQA shapes
+        attention = [(bf16, 128, (32, 8)), (fp16, 80, (16, 1)), (fp32, 64, (28, 4))]
+        gemms = [(bf16, 1, None), (bf16, 16, None), (bf16, 64, None), (bf16, 256, None), (bf16, 2048, None),
+                 (bf16, 16, 32), (fp16, 2048, 1), (bf16, 2048, 32)]
+
+    def paged(dtype, head_dim, q_heads, kv_heads, q_tokens, seq_lens, block_size=16):
+        kv = torch.zeros(64, 2, 2, block_size, kv_heads, head_dim, dtype=dtype)
+        tables = torch.arange(len(seq_lens) * 64, dtype=torch.int32).view(len(seq_lens), 64) % 64
+        q = torch.zeros(q_tokens, q_heads, head_dim, dtype=dtype)
+        return q, kv[:, 1, 0], kv[:, 1, 1], tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+    for dtype, head_dim, (q_heads, kv_heads) in attention:
+        label = f"{dtype} d={head_dim} h={q_heads}/{kv_heads}"
+        q, kc, vc, bt, sl = paged(dtype, head_dim, q_heads, kv_heads, 2, [700, 1000])
+        yield f"decode split {label}", lambda: da._paged_decode_attention(
+            q, kc, vc, bt, sl, 0.1, None, partition_size=512)
+        yield f"decode single {label}", lambda: da._paged_decode_attention(
+            q, kc, vc, bt, sl, 0.1, 64, partition_size=1024)
+        q, kc, vc, bt, sl = paged(dtype, head_dim, q_heads, kv_heads, 300, [100, 200])
+        cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+        yield f"prefill {label}", lambda: pa.prefill_attention(q, kc, vc, bt, cu, sl, 0.1, 128)
+        k = torch.zeros(5, kv_heads, head_dim, dtype=dtype)
+        yield f"store_kv {label}", lambda: sk.store_kv(k, k, kc, vc, torch.arange(5))
+    for dtype, m, groups in gemms:
+        x = torch.zeros(m, 4096, dtype=dtype)
+        if groups is None:
+            w = torch.zeros(4096, 4096, dtype=dtype)
+            yield f"gemm {dtype} M={m}", lambda: gemm.gemm(x, w, torch.zeros(4096, dtype=dtype))
+        else:
+            qw, s = torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096, groups)
+            yield f"w8a16 {dtype} M={m} groups={groups}", lambda: gemm.w8a16_gemm(x, qw, s)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run without TRITON_INTERPRET: this compiles the GPU path", file=sys.stderr)
+        return 2
+    from kernels import _triton_utils as tu
+
+    tu.triton_available = lambda device: True  # CPU tensors stand in for CUDA ones; nothing is launched
+    triton.runtime.driver.set_active(_CompileOnlyDriver())
+    failed = 0
+    for label, thunk in _cases(full="--all" in sys.argv):
+        start, t0 = len(RESULTS), time.perf_counter()
+        try:
+            thunk()
+        except Exception as exc:  # report every failing config, not just the first
+            failed += 1
+            print(json.dumps({"case": label, "error": f"{type(exc).__name__}: {exc}"[:2000]}))
+            continue
+        for row in RESULTS[start:]:
+            # fp32 is the correctness path (3xTF32 dots spill a little in prefill); fp16/bf16 must not spill
+            bad = row["spill_stores"] > 0 and "float32" not in label
+            failed += bad
+            print(json.dumps({"case": label, **row, **({"spills": True} if bad else {}),
+                              "compile_s": round(time.perf_counter() - t0, 2)}))
+    print(json.dumps({"compiled": len(RESULTS), "failed": failed}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
