@@ -181,7 +181,7 @@ class Engine:
         result = sample(logits, requests)
         for i, request in enumerate(requests):
             n_before = len(request.text) - request.num_stop_held_chars
-            request.output_token_ids.append(result.token_ids[i])
+            request.append_output_token(result.token_ids[i])
             if result.logprobs[i] is not None:
                 request.output_logprobs.append(result.logprobs[i])
                 request.output_top_logprobs.append(result.top_logprobs[i])
@@ -237,7 +237,7 @@ class Engine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         request.seed = handoff.seed
-        request.output_token_ids.append(handoff.first_token_id)
+        request.append_output_token(handoff.first_token_id)
         if handoff.first_logprob is not None:
             request.output_logprobs.append(handoff.first_logprob)
             request.output_top_logprobs.append(handoff.first_top_logprobs or {})

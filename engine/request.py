@@ -115,14 +115,19 @@ class Request:
     num_stop_held_chars: int = 0  # trailing text withheld because it may begin a stop string
     remote_decode: bool = False  # prefill role: hand the KV off after the first token
     abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
+    # prompt + outputs as one list, kept in step by append_output_token (read on every step: no copies)
+    all_token_ids: list[int] = field(init=False, repr=False)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -96,11 +96,8 @@ class Scheduler:
         """Take a request out of the queues but leave its blocks held (a prefill handoff)."""
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request in self.waiting:
+            self.waiting.remove(request)
         request.status = status
 
     def free(self, request: Request) -> None:

@@ -31,7 +31,7 @@ def run_to_completion(pool, sched, max_steps=1000):
         sched.on_step_computed(out)
         for s in completing:
             r = s.request
-            r.output_token_ids.append(7)
+            r.append_output_token(7)
             sched.on_tokens_appended(r)
             if len(r.output_token_ids) >= r.params.max_tokens:
                 sched.remove(r, RequestStatus.FINISHED_LENGTH)
