@@ -12,10 +12,13 @@ SMALL ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+PROTOS := $(shell find proto -name '*.proto')
+
+$(STAMP): pyproject.toml constraints-cpu.txt $(PROTOS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
+	$(PY) -m proto.build
 	@touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

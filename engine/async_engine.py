@@ -13,7 +13,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine
+from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -21,28 +21,12 @@ from engine.errors import InvalidRequestError
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
 from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.stopping import apply_stop_conditions, held_chars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    new_logprobs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None
-    handoff: KVHandoff | None = None  # prefill role: set on the output that ends with reason "remote"
 
 
 @dataclass

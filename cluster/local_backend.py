@@ -1,0 +1,44 @@
+"""LocalBackend: the front-door `Backend` over one in-process engine (no Ray, no disaggregation).
+
+Used by the front-door tests and by `duet serve --colocated`. The engine runs on its own thread
+(`AsyncEngine`); closing a stream aborts the request there, which frees its blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from router.backend import Backend, Health, ModelCard
+
+
+class LocalBackend(Backend):
+    def __init__(self, engine: Engine, model_id: str | None = None) -> None:
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.card = ModelCard(model_id=model_id or str(engine.config.model), max_model_len=engine.max_model_len,
+                              vocab_size=engine.model_config.vocab_size, created=int(time.time()))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model_id: str | None = None) -> LocalBackend:
+        return cls(Engine(config), model_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self.check_request(prompt_token_ids, params)
+        async for out in self.async_engine.generate(prompt_token_ids=list(prompt_token_ids), params=params,
+                                                    request_id=request_id):
+            yield out
+
+    def health(self) -> Health:
+        alive = self.async_engine._thread.is_alive()
+        return Health(ok=alive, detail={"engine": "alive" if alive else "dead",
+                                        "running": len(self.engine.scheduler.running)})
+
+    async def aclose(self) -> None:
+        self.async_engine.shutdown()

@@ -1,0 +1,80 @@
+"""engine.kv_events dataclasses <-> the wire (proto/duet/v1/kv_events.proto).
+
+    data = encode_batch(worker, seq, events, load, timestamp_s)
+    batch = decode_batch(data)          # DecodedBatch(worker, seq, events, load, timestamp_s)
+
+Hashes are unsigned 64-bit on the wire and Python ints in memory, so they round-trip exactly.
+A malformed payload raises ValueError (a router skips it and counts it; it never crashes the feed).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, WorkerLoad
+from proto.build import ensure_generated
+
+ensure_generated()
+from proto.duet.v1 import kv_events_pb2 as pb  # noqa: E402  (generated above when missing)
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    worker: str
+    seq: int
+    events: tuple[KVEvent, ...]
+    load: WorkerLoad | None
+    timestamp_s: float
+
+
+def _event_to_pb(event: KVEvent) -> pb.KVEvent:
+    if isinstance(event, BlockStored):
+        msg = pb.BlockStored(block_hashes=list(event.block_hashes))
+        if event.parent_hash is not None:
+            msg.parent_hash = event.parent_hash
+        return pb.KVEvent(stored=msg)
+    if isinstance(event, BlockRemoved):
+        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes)))
+    if isinstance(event, AllCleared):
+        return pb.KVEvent(cleared=pb.AllCleared())
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def _event_from_pb(worker: str, msg: pb.KVEvent) -> KVEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "stored":
+        parent = msg.stored.parent_hash if msg.stored.HasField("parent_hash") else None
+        return BlockStored(worker, tuple(msg.stored.block_hashes), parent)
+    if kind == "removed":
+        return BlockRemoved(worker, tuple(msg.removed.block_hashes))
+    if kind == "cleared":
+        return AllCleared(worker)
+    raise ValueError("KV event with no kind")
+
+
+def encode_batch(worker: str, seq: int, events: Sequence[KVEvent], load: WorkerLoad | None,
+                 timestamp_s: float = 0.0) -> bytes:
+    batch = pb.EventBatch(worker=worker, seq=seq, events=[_event_to_pb(e) for e in events],
+                          timestamp_s=timestamp_s)
+    if load is not None:
+        batch.load.CopyFrom(pb.WorkerLoad(
+            role=load.role, running=load.running, waiting=load.waiting, kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total, queued_prefill_tokens=load.queued_prefill_tokens))
+    return batch.SerializeToString()
+
+
+def decode_batch(data: bytes) -> DecodedBatch:
+    batch = pb.EventBatch()
+    try:
+        batch.ParseFromString(data)
+    except Exception as e:  # google.protobuf.message.DecodeError
+        raise ValueError(f"malformed KV event batch: {e}") from e
+    if not batch.worker:
+        raise ValueError("KV event batch without a worker")
+    load = None
+    if batch.HasField("load"):
+        m = batch.load
+        load = WorkerLoad(batch.worker, m.role, m.running, m.waiting, m.kv_blocks_used, m.kv_blocks_total,
+                          m.queued_prefill_tokens)
+    events = tuple(_event_from_pb(batch.worker, e) for e in batch.events)
+    return DecodedBatch(batch.worker, batch.seq, events, load, batch.timestamp_s)

@@ -1,0 +1,75 @@
+"""The seam between the front doors (HTTP, gRPC) and whatever runs the model.
+
+A front door parses and validates a client's call, tokenizes it (the router owns tokenization, so
+it can hash blocks and route), and then only needs a token stream per request:
+
+    backend.check_request(prompt_token_ids, params)       # InvalidRequestError -> HTTP 400 / INVALID_ARGUMENT
+    async for out in backend.generate(request_id, prompt_token_ids, params):
+        ...                                                # engine.outputs.RequestOutput, one per step
+Closing the iterator early (client gone, task cancelled) aborts the request everywhere it runs and
+frees its KV blocks; implementations guarantee that.
+
+Two implementations: `cluster.local_backend.LocalBackend` (one in-process engine: tests, `duet serve
+--colocated`) and `router.dispatch.ClusterBackend` (prefill/decode pools, routing). This module imports no
+torch: the router process never loads the model.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What `/v1/models` lists and what requests are checked against."""
+
+    model_id: str  # the name clients put in "model"
+    max_model_len: int  # prompt + max_tokens must fit
+    vocab_size: int
+    created: int = 0  # unix seconds
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    card: ModelCard
+    tokenizer: Tokenizer
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request that can never run (checked before anything is queued)."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.card.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(ids) + params.max_tokens
+        if total > self.card.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.card.max_model_len} tokens; the request needs "
+                f"{total} ({len(ids)} in the prompt + {params.max_tokens} max_tokens)")
+
+    @abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has ``finished=True`` (finish_reason stop / length /
+        abort / error, with ``error`` set for error). Raises InvalidRequestError before the first output
+        for a request the workers refuse."""
+
+    @abstractmethod
+    def health(self) -> Health: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (engine threads, connections)."""
