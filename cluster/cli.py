@@ -2,6 +2,7 @@
 
     duet make-tiny-model DIR [--arch llama|qwen2|mistral]   write a small random HF checkpoint
     duet generate --model DIR --prompt TEXT [...]           run prompts through one engine, streaming
+    duet serve --model DIR [--prefill N] [--decode M] ...    the cluster + OpenAI HTTP + gRPC front doors
 """
 from __future__ import annotations
 
@@ -81,6 +82,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from cluster.config import ClusterConfig
+    from cluster.serve import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {
+        "model": args.model, "served_model_name": args.served_model_name, "ray_address": args.address,
+        "prefill.num_workers": args.prefill, "decode.num_workers": args.decode,
+        "router.host": args.host, "router.port": args.port, "router.grpc_port": args.grpc_port,
+        "router.index": args.index, "router.prefill_policy": args.prefill_policy,
+        "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "router.api_keys": args.api_key or None,
+        "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
+        "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
+    }
+    config = ClusterConfig.load(args.config, overrides)
+    try:
+        asyncio.run(serve(config, colocated=args.colocated))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="cluster YAML (flags override it)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory")
+    p.add_argument("--served-model-name", help="the name clients use (default: the directory name)")
+    p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, help="decode workers (default 1)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
+    p.add_argument("--address", help="attach to this Ray cluster (auto | host:port) instead of starting one")
+    p.add_argument("--index", help="memory (default) or redis://host:port: KV events shared by routers")
+    p.add_argument("--prefill-policy", choices=["cache_aware", "least_loaded", "round_robin"])
+    p.add_argument("--decode-policy", choices=["cache_aware", "least_loaded", "round_robin"])
+    p.add_argument("--local-prefill-max-tokens", type=int,
+                   help="decode worker prefills a prompt itself when at most this many tokens are uncached there")
+    p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
+    p.add_argument("--device", help="cpu | cuda")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--kv-cache-bytes", type=int)
+    p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -98,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", action="append", help="prompt (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("serve", help="start the cluster and serve the OpenAI HTTP and gRPC APIs")
+    _add_serve_args(p)
+    p.set_defaults(fn=cmd_serve)
 
     args = parser.parse_args(argv)
     from engine.errors import DuetError

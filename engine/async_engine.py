@@ -1,34 +1,60 @@
 """AsyncEngine: the engine loop on its own thread, streaming outputs to asyncio callers.
 
-Only the engine thread touches the ``Engine``; callers talk to it through an inbox (add / abort) and get
-outputs on a per-request ``asyncio.Queue``. Validation happens in the caller (``make_request`` is a pure
-query), so a bad request raises ``InvalidRequestError`` straight at its caller. A caller that stops
-iterating (client gone, task cancelled) aborts its request, which frees its blocks.
+Only the engine thread touches the ``Engine``; callers talk to it through an inbox and get outputs on a
+per-request ``asyncio.Queue``. Validation happens in the caller (``make_request`` is a pure query), so a
+bad request raises ``InvalidRequestError`` straight at its caller. A caller that stops iterating (client
+gone, task cancelled) aborts its request, which frees its blocks.
+
+Hooks for the workers that wrap an engine (all run on the engine thread, so they may touch the engine):
+- ``on_output(out) -> out``: sees every output before it is delivered (the prefill worker puts a lease
+  on a handoff here, before anyone can learn the handoff exists);
+- ``on_tick()``: once per loop iteration, and at least every ``tick_s`` when idle (publishing KV
+  events and load, polling transfer notices, expiring leases);
+- ``call(fn)``: run ``fn(engine)`` on the engine thread, result as a ``concurrent.futures.Future``;
+- ``stream(request_id, start)``: open a stream for a request that enters the engine some other way
+  than ``add`` (``start(engine)`` runs on the engine thread; the decode worker's remote-KV path).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_output: Callable[[RequestOutput], RequestOutput] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.5,
+        name: str = "duet-engine",
+    ) -> None:
         self.engine = engine
+        self._on_output = on_output
+        self._on_tick = on_tick
+        self._tick_s = tick_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="duet-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     async def generate(
         self,
@@ -36,33 +62,56 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        remote_decode: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         request = self.engine.make_request(request_id, prompt, prompt_token_ids, params)
-        rid = request.request_id
-        if rid in self._streams:
-            from engine.errors import InvalidRequestError
+        request.remote_decode = remote_decode
+        async for out in self.stream(request.request_id, _Add(request)):
+            yield out
 
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
+    async def stream(self, request_id: str, start: Callable[[Engine], None]) -> AsyncIterator[RequestOutput]:
+        """Deliver ``request_id``'s outputs after running ``start(engine)`` on the engine thread. An
+        exception raised by ``start`` is raised here; leaving early aborts the request."""
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), stream)
-        self._send("add", request)
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send("start", (request_id, start))
         finished = False
         try:
             while True:
                 out = await stream.get()
                 if isinstance(out, BaseException):
+                    finished = True  # it never entered the engine (or already left it)
                     raise out
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
-            self._streams.pop(rid, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self._send("abort", rid)
+                self._send("abort", request_id)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
+
+    def has_stream(self, request_id: str) -> bool:
+        """Whether a caller is still reading ``request_id``'s outputs."""
+        return request_id in self._streams
+
+    def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send("call", (fn, future))
+        return future
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or an exception that ends the stream) to the request's caller, from any thread."""
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -77,8 +126,10 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
+            if self._on_tick is not None:
+                self._guarded(self._on_tick)
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(0.5)
+                self._wake.wait(self._tick_s)
                 self._wake.clear()
                 continue
             try:
@@ -87,7 +138,15 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(f"engine step failed: {e}")
             for out in outputs:
-                self._deliver(out.request_id, out)
+                if self._on_output is not None:
+                    out = self._on_output(out)
+                self.deliver(out.request_id, out)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("engine-thread hook failed")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -95,16 +154,28 @@ class AsyncEngine:
                 verb, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if verb == "add":
+            if verb == "start":
+                request_id, start = arg
                 try:
-                    self.engine.add(arg)
+                    start(self.engine)
                 except Exception as e:
-                    self._deliver(arg.request_id, e)
+                    self.deliver(request_id, e)
             elif verb == "abort":
                 self.engine.abort_request(arg)
+            elif verb == "call":
+                fn, future = arg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except Exception as e:
+                        future.set_exception(e)
 
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+class _Add:
+    """``start`` for a plain request: add it to the engine."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def __call__(self, engine: Engine) -> None:
+        engine.add(self.request)

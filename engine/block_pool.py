@@ -175,6 +175,16 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    def snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild this pool's cached set from nothing (a router resyncing after a gap):
+        ``AllCleared`` then one ``BlockStored`` per chain-less batch of every hashed block. A query:
+        the pending event queue is untouched."""
+        hashes = tuple(b.block_hash for b in self.blocks if b.block_hash is not None)
+        events: list[KVEvent] = [AllCleared(self.worker_id)]
+        if hashes:
+            events.append(BlockStored(self.worker_id, hashes, None))
+        return events
+
     def check(self) -> None:
         """Assert the accounting invariant; cheap enough for tests to call after every step."""
         used = [b for b in self.blocks if b.ref_count > 0]

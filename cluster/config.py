@@ -1,0 +1,141 @@
+"""The cluster's configuration: one YAML file + CLI overrides, parsed once into frozen dataclasses.
+
+    model: /models/Qwen2-7B-Instruct
+    served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name)
+    engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
+    prefill: {num_workers: 2}            # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
+    decode:  {num_workers: 2}
+    router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
+              decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory}
+    transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
+    ray_address: null                    # null: start a local Ray; "auto" / "host:port": attach
+
+Every section is validated when it is built (ConfigError naming the key). Unknown keys are refused,
+so a typo does not silently leave a default in place. `EngineConfig` is engine/config.py's, built
+from `model` + the `engine` section; each worker gets a copy with its own `worker_id`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_workers: int = 1
+    num_gpus: float | None = None  # None: 1 when the engine device is cuda, else 0
+    num_cpus: float = 1.0
+    torch_threads: int | None = None  # None: num_cpus rounded up
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ConfigError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051  # None: no gRPC server
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "cache_aware"
+    local_prefill_max_tokens: int = 64  # conditional disaggregation: decode worker prefills short uncached prompts
+    api_keys: tuple[str, ...] = ()
+    index: str = "memory"  # "memory" or "redis://host:port[/db]"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ConfigError(f"router.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        if self.index != "memory" and not self.index.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"router.index must be 'memory' or a redis:// URL, got {self.index!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError("router.local_prefill_max_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    lease_timeout_s: float = 60.0
+    transfer_timeout_s: float = 30.0
+    recompute_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.transfer_timeout_s < self.lease_timeout_s:
+            raise ConfigError("transfer.transfer_timeout_s must be > 0 and < transfer.lease_timeout_s")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig
+    served_model_name: str | None = None
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    ray_address: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).resolve().name
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
+        raw = dict(raw)
+        model = raw.pop("model", None)
+        if not model:
+            raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory)")
+        engine = _build(EngineConfig, {"model": str(model), **(raw.pop("engine", None) or {})}, "engine")
+        sections = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "transfer": TransferConfig}
+        kwargs: dict[str, Any] = {name: _build(t, raw.pop(name, None) or {}, name) for name, t in sections.items()}
+        for key in ("served_model_name", "ray_address"):
+            if key in raw:
+                kwargs[key] = raw.pop(key)
+        if raw:
+            raise ConfigError(f"unknown config keys: {sorted(raw)}")
+        if kwargs["decode"].num_workers < 1:
+            raise ConfigError("decode.num_workers must be >= 1")
+        return cls(engine=engine, **kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+        """YAML file (optional) with ``overrides`` merged on top (dotted keys: ``{"router.port": 9000}``)."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            try:
+                raw = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ConfigError(f"cannot read config {path}: {e}") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{path}: the top level must be a mapping")
+        for dotted, value in (overrides or {}).items():
+            if value is None:
+                continue
+            node = raw
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        return cls.from_dict(raw)
+
+
+def _build(cls, values: dict[str, Any], section: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown keys in {section!r}: {unknown} (known: {sorted(known)})")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"config section {section!r}: {e}") from None

@@ -1,0 +1,78 @@
+"""RayWorkerClient: the router's `WorkerClient` for a worker that is a Ray actor (the "act" half).
+
+Streams use Ray's streaming generators (an async-generator actor method returns an
+`ObjectRefGenerator`; each yielded `RequestOutput` is one small object). Leaving a stream early sends
+`abort` to the actor (fire and forget), which ends the request there and frees its blocks. An error
+the worker raised on purpose (InvalidRequestError) is re-raised as itself, so the front doors answer
+4xx; anything else (actor died, ...) propagates and the dispatcher turns it into an error output.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import ray
+from ray.exceptions import RayTaskError
+
+from engine.disagg import KVHandoff
+from engine.errors import DuetError
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from prefill_worker.base import WorkerInfo
+from router.dispatch import WorkerClient, WorkerDescriptor
+from router.policy import Role
+
+
+def _unwrap(e: RayTaskError) -> BaseException:
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, DuetError) else e
+
+
+class RayWorkerClient(WorkerClient):
+    def __init__(self, handle: ray.actor.ActorHandle, info: WorkerInfo) -> None:
+        self.handle = handle
+        self.info = info
+        self.descriptor = WorkerDescriptor(info.worker_id, Role(info.role), tuple(info.hash_fingerprint),
+                                           info.max_model_len)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+        try:
+            return await self.handle.prefill.remote(request_id, prompt_token_ids, params)
+        except RayTaskError as e:
+            raise _unwrap(e) from None
+
+    def decode(self, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        return self._stream(self.handle.decode.remote(handoff), handoff.request_id)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return self._stream(self.handle.generate.remote(request_id, prompt_token_ids, params), request_id)
+
+    async def _stream(self, refs, request_id: str) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            async for ref in refs:
+                try:
+                    out = await ref
+                except RayTaskError as e:
+                    finished = True
+                    raise _unwrap(e) from None
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.handle.abort.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.handle.abort.remote(request_id)
+
+    async def release(self, request_id: str) -> None:
+        if self.descriptor.role == Role.PREFILL:
+            await self.handle.release.remote(request_id)
+
+    async def alive(self) -> bool:
+        try:
+            return bool((await self.handle.health.remote())["ok"])
+        except Exception:
+            return False
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()

@@ -1,0 +1,66 @@
+"""`duet serve`: the cluster and its front doors in one process.
+
+    duet serve --model DIR [--prefill N] [--decode M] [--host H] [--port 8000] [--grpc-port 50051]
+               [--address RAY] [--config cluster.yaml] [--colocated]
+
+Starts (or attaches to) Ray, places the pools (cluster.launcher), and serves the OpenAI HTTP API
+(router.http_api) and the gRPC API (router.grpc_api) on one asyncio loop. `--colocated` skips Ray and
+disaggregation: one in-process engine behind the same front doors (the baseline for comparisons).
+
+Shutdown on SIGINT / SIGTERM is graceful: the HTTP server stops accepting and lets in-flight responses
+finish (uvicorn's own signal handling, bounded by `GRACE_S`; a second signal exits at once), gRPC is
+stopped with the same grace, then the workers are shut down (engine threads joined, NIXL agents
+closed) and a Ray this process started is stopped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from cluster.config import ClusterConfig
+
+log = logging.getLogger("duet.serve")
+
+GRACE_S = 10.0
+
+
+async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asyncio.Event | None = None) -> None:
+    import uvicorn
+
+    from router.grpc_api import start_grpc_server
+    from router.http_api import create_app
+
+    cluster = None
+    if colocated:
+        from cluster.local_backend import LocalBackend
+
+        backend = LocalBackend.from_config(config.engine, model_id=config.model_name)
+    else:
+        from cluster.launcher import Cluster
+
+        cluster = await Cluster.start(config)
+        backend = cluster.backend
+    rc = config.router
+    app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name])
+    server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="info", lifespan="off",
+                                           timeout_graceful_shutdown=int(GRACE_S)))
+    grpc_server = None
+    if rc.grpc_port is not None:
+        grpc_server = await start_grpc_server(backend, rc.host, rc.grpc_port, api_keys=rc.api_keys)
+    try:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"duet: serving {config.model_name} on http://{rc.host}:{rc.port}/v1", file=sys.stderr, flush=True)
+            if ready is not None:
+                ready.set()
+        await serving
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(GRACE_S)
+        if cluster is not None:
+            await cluster.stop()
+        await backend.aclose()
+        log.info("duet: stopped")

@@ -1,0 +1,201 @@
+"""What every worker is, whatever its role: an engine on its own thread, a NIXL-registered KV cache, and
+a publisher of KV events and load.
+
+A worker is a plain Python object with async methods; the cluster wraps it in a Ray actor
+(`ray.remote(...)(PrefillWorker)`), and tests may drive it in-process. Threads inside one worker:
+- the Ray actor's event loop (method calls: `prefill`, `decode`, `read_events`, ...);
+- the engine thread (`AsyncEngine`): the only thread that touches the `Engine`. It also publishes KV
+  events + load after every step (and every `publish_interval_s` when idle), so events leave in the
+  order the block pool recorded them;
+- roles add their own (the decode worker's transfer thread owns its NIXL agent).
+
+Events go to `sinks` chosen by the cluster (a `MemoryEventLog` that routers read through
+`read_events`, and optionally a Redis stream); the worker only calls `sink.publish(worker, seq, data)`,
+so it imports nothing of the router. `seq` grows by one per batch: a reader that sees a gap resyncs
+from `snapshot_events()`.
+
+Lives in prefill_worker/ and is shared by decode_worker/ (a decode worker is a worker that also
+prefills short prompts itself), which keeps the package DAG: workers import engine and kvtransfer only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.hashing import BlockHasher
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from kvtransfer import BLOCK_MAJOR, KVCompat, PeerInfo
+from proto.kv_codec import encode_batch
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    def publish(self, worker: str, seq: int, data: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    lease_timeout_s: float = 60.0  # prefill: blocks held for a decode worker at most this long
+    transfer_timeout_s: float = 30.0  # decode: one pull; keep well below the peers' lease timeout
+    recompute_on_transfer_failure: bool = True  # decode: False ends the request with an error instead
+    publish_interval_s: float = 0.1  # load reports when nothing else happens
+    torch_threads: int | None = None  # intra-op threads for this worker's engine (None: torch default)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.transfer_timeout_s >= self.lease_timeout_s:
+            raise ValueError("transfer_timeout_s must be shorter than lease_timeout_s (a lease could expire "
+                             "under a transfer still landing)")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker states when it joins: identity, hashing contract, capacity, transfer endpoint."""
+
+    worker_id: str
+    role: str
+    model_id: str
+    hash_fingerprint: tuple  # BlockHasher.fingerprint: (version, block_size, seed, namespace)
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    peer: PeerInfo
+    pid: int
+
+
+def kv_compat(engine: Engine) -> KVCompat:
+    mc = engine.model_config
+    return KVCompat(model_id=mc.model_id or str(engine.config.model), dtype=str(engine.runner.dtype).removeprefix("torch."),
+                    layout_name=BLOCK_MAJOR, block_size=engine.config.block_size, num_layers=mc.num_layers,
+                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+
+class WorkerBase:
+    def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = ()) -> None:
+        if options.torch_threads:
+            import torch
+
+            torch.set_num_threads(options.torch_threads)
+        self.options = options
+        self.engine = Engine(replace(engine_config, worker_id=options.worker_id))
+        self.compat = kv_compat(self.engine)
+        self._sinks = list(sinks)
+        self._seq = 0
+        self._last_publish_s = 0.0
+        self._started_s = time.time()
+        self._attach()
+        self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
+                                   name=f"engine-{options.worker_id}")
+
+    def _attach(self) -> None:
+        """Role setup that needs the engine (its KV cache) but must happen before the engine thread runs."""
+
+    # ---- hooks (engine thread) -------------------------------------------------------------------
+    def _on_output(self, out: RequestOutput) -> RequestOutput:
+        return out
+
+    def _on_tick(self) -> None:
+        self._publish()
+
+    def _publish(self) -> None:
+        events = self.engine.take_events()
+        now = time.monotonic()
+        if not events and now - self._last_publish_s < self.options.publish_interval_s:
+            return
+        self._last_publish_s = now
+        self._seq += 1
+        data = encode_batch(self.options.worker_id, self._seq, events, self.engine.load(self.options.role), time.time())
+        for sink in self._sinks:
+            try:
+                sink.publish(self.options.worker_id, self._seq, data)
+            except Exception:  # a sink that is down (Redis restarting) must not stop the engine
+                log.exception("KV event sink %r failed", sink)
+
+    # ---- methods the cluster and routers call -------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        raise NotImplementedError
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(
+            worker_id=self.options.worker_id, role=self.options.role, model_id=self.compat.model_id,
+            hash_fingerprint=BlockHasher(e.config.block_size, e.config.hash_seed, e.config.hash_namespace).fingerprint,
+            block_size=e.config.block_size, max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
+            num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """Prefill and decode here (colocated; a decode worker's conditional local prefill)."""
+        async for out in self.aengine.generate(prompt_token_ids=prompt_token_ids, params=params,
+                                               request_id=request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.aengine.abort(request_id)
+
+    async def read_events(self, after_seq: int, max_batches: int = 256,
+                          wait_s: float = 0.0) -> tuple[list[bytes], int, bool]:
+        """``(batches, last_seq, truncated)`` published after ``after_seq``, from the worker's in-memory log;
+        waits up to ``wait_s`` for the first one (routers long-poll this). ``truncated``: the reader fell
+        behind the log and must resync from ``snapshot()``."""
+        reader = next((s for s in self._sinks if hasattr(s, "read")), None)
+        if reader is None:
+            raise RuntimeError("this worker has no readable event log")
+        deadline = time.monotonic() + wait_s
+        while True:
+            batches, last_seq, truncated = reader.read(after_seq, max_batches)
+            if batches or truncated or time.monotonic() >= deadline:
+                return batches, last_seq, truncated
+            await asyncio.sleep(0.01)
+
+    async def snapshot(self) -> tuple[int, bytes]:
+        """``(seq, batch)`` that rebuilds this worker's cached set from nothing: resync after a gap."""
+        def take(engine: Engine) -> tuple[int, bytes]:
+            self._publish_pending_first()
+            events = engine.pool.snapshot_events()
+            return self._seq, encode_batch(self.options.worker_id, self._seq, events,
+                                           engine.load(self.options.role), time.time())
+
+        return await _wrap(self.aengine.call(take))
+
+    def _publish_pending_first(self) -> None:
+        self._last_publish_s = 0.0
+        self._publish()
+
+    async def stats(self) -> dict[str, Any]:
+        def take(engine: Engine) -> dict[str, Any]:
+            pool = engine.pool
+            pool.check()
+            return {"worker_id": self.options.worker_id, "role": self.options.role, **asdict(engine.stats),
+                    "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
+                    "kv_blocks_cached": pool.num_cached_blocks, "running": len(engine.scheduler.running),
+                    "waiting": len(engine.scheduler.waiting), "num_requests": len(engine.requests),
+                    "uptime_s": time.time() - self._started_s, **self._role_stats()}
+
+        return await _wrap(self.aengine.call(take))
+
+    def _role_stats(self) -> dict[str, Any]:
+        return {}
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self.aengine.is_alive, "worker_id": self.options.worker_id, "role": self.options.role}
+
+    def shutdown(self) -> None:
+        self.aengine.shutdown()
+
+
+async def _wrap(future):
+    return await asyncio.wrap_future(future)
