@@ -8,7 +8,7 @@ MODEL ?= .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install run test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing-trace bench-router-decision clean
+.PHONY: install redis run test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
 
 install: $(STAMP)
 
@@ -24,13 +24,21 @@ $(STAMP): pyproject.toml constraints-cpu.txt $(PROTOS)
 $(MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/duet make-tiny-model $(MODEL)
 
+# 1 prefill + 1 decode worker on a tiny model; OpenAI API on 127.0.0.1:8000, gRPC on :50051
 run: install $(MODEL)/config.json
-	$(VENV)/bin/duet generate --model $(MODEL) --prompt "The river and the mountain" --max-tokens 48
+	$(VENV)/bin/duet serve --model $(MODEL) --prefill 1 --decode 1
 
-test: install
+# System tools the tests use for real: redis-server (shared index), curl (the README's quick start).
+# Installed with apt when missing; sudo only when not root.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+redis:
+	@command -v redis-server >/dev/null && command -v curl >/dev/null || ($(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server curl)
+
+test: install redis
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install redis
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench-engine: install
@@ -42,6 +50,10 @@ bench-kernels: install
 
 bench-kvtransfer: install
 	$(PY) -m bench.bench_kvtransfer
+
+# shared-prefix workload on a real cluster (2 prefill + 1 decode actors): cache_aware vs round_robin
+bench-routing: install
+	$(PY) -m bench.bench_routing
 
 # Mooncake conversation trace against the real prefix index and block pools (no model)
 bench-routing-trace: install

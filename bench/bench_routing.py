@@ -8,7 +8,9 @@ user-specific question (`--user-tokens`), shuffled, sent `--concurrency` at a ti
 fresh cluster (same Ray, cold caches, `--prefill` prefill workers + 1 decode worker, tiny model) serves
 the whole workload through the router's ClusterBackend (real actors, NIXL handoffs). We read back
 from the workers how many prompt tokens each prefill worker actually computed (engine stats), and
-how many requests each received.
+how many requests each received. Each prefill worker's cache holds `--prefill-blocks` blocks, about
+half the system prompts: the regime where placement matters (with room for every prompt everywhere,
+round-robin only pays each prompt once per worker).
 
 Prints per policy: computed prefill tokens, per-worker request counts, imbalance = max/mean requests
 per prefill worker; then `ratio: <cache_aware/round_robin computed prefill tokens>` (target <= 1/3).
@@ -40,7 +42,8 @@ async def run_policy(model: str, policy: str, workload: list[list[int]], args) -
     from engine.request import SamplingParams
 
     config = ClusterConfig.load(None, {
-        "model": model, "engine.num_blocks": args.num_blocks, "prefill.num_workers": args.prefill,
+        "model": model, "engine.num_blocks": 1024, "prefill.num_blocks": args.prefill_blocks,
+        "prefill.num_workers": args.prefill,
         "decode.num_workers": 1, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5, "router.grpc_port": None,
         "router.prefill_policy": policy, "router.local_prefill_max_tokens": 0})
     cluster = await Cluster.start(config)
@@ -69,14 +72,15 @@ async def run_policy(model: str, policy: str, workload: list[list[int]], args) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--systems", type=int, default=8)
     ap.add_argument("--users", type=int, default=12)
     ap.add_argument("--system-tokens", type=int, default=384)
     ap.add_argument("--user-tokens", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--prefill-blocks", type=int, default=128,
+                    help="KV blocks per prefill worker (128 x 16 tokens: ~4 system prompts stay cached)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -3,7 +3,7 @@
     model: /models/Qwen2-7B-Instruct
     served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name)
     engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
-    prefill: {num_workers: 2}            # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
+    prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
     decode:  {num_workers: 2}
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory}
@@ -35,6 +35,7 @@ class PoolConfig:
     num_gpus: float | None = None  # None: 1 when the engine device is cuda, else 0
     num_cpus: float = 1.0
     torch_threads: int | None = None  # None: num_cpus rounded up
+    num_blocks: int | None = None  # KV blocks per worker of this pool (None: the engine section's sizing)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 0:

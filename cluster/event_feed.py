@@ -49,7 +49,8 @@ async def _resync(client, feed) -> int:
 
 
 def start_redis_feed(url: str, backend) -> asyncio.Task:
-    from router.events import IndexFeed, RedisEventSource
+    from router.events import IndexFeed
+    from router.redis_events import RedisEventSource
 
     feed = IndexFeed(backend.index, backend.tracker)
     backend.feed = feed

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 WORKER_RESOURCE = "duet_worker"
 START_TIMEOUT_S = 300.0
+FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole cached set this often
 
 
 @dataclass
@@ -122,12 +123,14 @@ def _spawn(worker_cls, config: ClusterConfig, pool: PoolConfig, role: str, index
         worker_id=f"{role}-{index}", role=role, lease_timeout_s=config.transfer.lease_timeout_s,
         transfer_timeout_s=config.transfer.transfer_timeout_s,
         recompute_on_transfer_failure=config.transfer.recompute_on_failure,
-        torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)))
+        torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
+        full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
     resources = {WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}
     actor = ray.remote(worker_cls).options(
         name=f"duet-{role}-{index}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus,
         resources=resources, max_restarts=0)
-    return actor.remote(config.engine, options, sinks)
+    engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
+    return actor.remote(engine, options, sinks)
 
 
 def _sink_factory(config: ClusterConfig):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
 from cluster.config import ClusterConfig
@@ -31,6 +32,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asynci
     from router.grpc_api import start_grpc_server
     from router.http_api import create_app
 
+    _Server = _server_class()
+
     cluster = None
     if colocated:
         from cluster.local_backend import LocalBackend
@@ -43,7 +46,7 @@ async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asynci
         backend = cluster.backend
     rc = config.router
     app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name])
-    server = uvicorn.Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="info", lifespan="off",
+    server = _Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="info", lifespan="off",
                                            timeout_graceful_shutdown=int(GRACE_S)))
     grpc_server = None
     if rc.grpc_port is not None:
@@ -64,3 +67,35 @@ async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asynci
             await cluster.stop()
         await backend.aclose()
         log.info("duet: stopped")
+
+
+def _server_class():
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, minus its habit of re-raising the stop signal after a graceful shutdown
+        (the process would then die by SIGTERM before our own cleanup ran, and exit non-zero)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, self._on_signal)
+                except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
+                    pass
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    with contextlib.suppress(Exception):
+                        loop.remove_signal_handler(sig)
+
+        def _on_signal(self) -> None:
+            if self.should_exit:  # a second signal: stop now
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server

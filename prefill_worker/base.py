@@ -51,6 +51,8 @@ class WorkerOptions:
     transfer_timeout_s: float = 30.0  # decode: one pull; keep well below the peers' lease timeout
     recompute_on_transfer_failure: bool = True  # decode: False ends the request with an error instead
     publish_interval_s: float = 0.1  # load reports when nothing else happens
+    full_state_interval_s: float | None = None  # publish the whole cached set this often (shared Redis
+    # stream: routers that lost a batch resync in-band, identically); None: only on request (snapshot())
     torch_threads: int | None = None  # intra-op threads for this worker's engine (None: torch default)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,7 @@ class WorkerBase:
         self._sinks = list(sinks)
         self._seq = 0
         self._last_publish_s = 0.0
+        self._last_full_state_s = time.monotonic()
         self._started_s = time.time()
         self._attach()
         self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
@@ -114,7 +117,11 @@ class WorkerBase:
     def _publish(self) -> None:
         events = self.engine.take_events()
         now = time.monotonic()
-        if not events and now - self._last_publish_s < self.options.publish_interval_s:
+        every = self.options.full_state_interval_s
+        if every is not None and now - self._last_full_state_s >= every:
+            events = self.engine.pool.snapshot_events()  # subsumes the pending events
+            self._last_full_state_s = now
+        elif not events and now - self._last_publish_s < self.options.publish_interval_s:
             return
         self._last_publish_s = now
         self._seq += 1

@@ -198,8 +198,18 @@ def _dead_prefill_handoff(faulty, loop_thread, tiny_model, rid, ids, params, dec
     client = RayWorkerClient(handle, info)
     first = loop_thread.run(client.prefill(rid, ids, params))
     ray.kill(handle)
-    wait_for(lambda: not loop_thread.run(client.alive()), timeout_s=10)
+    assert wait_for(lambda: not _process_exists(info.pid), timeout_s=20), "the killed prefill worker lingers"
     return first
+
+
+def _process_exists(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_failed_transfer_is_recomputed_and_counted(faulty, loop_thread, tiny_model):

@@ -1,0 +1,325 @@
+"""The event plane: KV events + load from workers into every router's PrefixIndex and LoadTracker.
+
+Worker side, a sink per destination (the cluster builds them; they are pickled into the worker process and
+connect on first use). The worker encodes one batch per engine step that had events, and a load-only batch
+at least every ~100 ms, with ``seq`` = 1, 2, 3, … per worker (proto/kv_codec.py), and hands it to each sink:
+
+  * ``MemoryEventLog`` (embedded default): a bounded ring in the worker process. A router long-polls
+    ``worker.read_events(after_seq)``; ``truncated`` says it fell behind the ring (or the log restarted)
+    and must resync from ``worker.snapshot()`` — a full-state batch, see below.
+  * ``RedisEventSink`` (``--index redis://…``): XADD to one stream, field ``b``, approximate MAXLEN.
+    After a failed XADD it drops batches for ``retry_interval_s`` instead of stalling the engine thread;
+    a dropped batch is a seq gap that every router sees and resyncs from.
+
+Router side, ``IndexFeed.apply_batch(data)`` is the one place a batch enters the router. Per worker, with
+``last`` the seq of the last batch applied from it:
+  * undecodable: counted ``malformed`` and skipped, never raised;
+  * full state (starts with AllCleared), seq >= last: applied (AllCleared resets the worker), clears
+    ``needs_resync`` and becomes its resync point; with seq < last it is ``stale`` (older than ours): skipped;
+  * seq == last + 1: applied;
+  * seq == 1 from a known worker: ``restarts``, a new incarnation whose history from 1 is complete: reset;
+  * seq <= the resync point and not newer by timestamp: ``stale`` (an out-of-band resync covered it);
+  * anything else (a gap, a seq going backwards, a worker first seen at seq != 1): ``gaps``; the worker is
+    dropped from the index and marked ``needs_resync``, then the batch is applied.
+
+Applying after a gap is safe: with the worker dropped, later stores add blocks it really holds and later
+removals remove them, so its index entry is a subset of the truth (missed hits, never false ones) until a
+full-state batch (``BlockPool.snapshot_events``: AllCleared + every cached hash) makes it exact. A full
+batch may arrive out-of-band (``worker.snapshot()`` carries the worker's current seq) or in-band in the
+stream as the next seq.
+
+Shared index (Redis). One stream gives one total order; every router applies the same entries in the same
+order, so two routers that have applied the stream up to the same entry id hold identical indexes and load
+reports. A decision is therefore reproducible across routers only when both take it at the same stream
+position (``RedisEventSource.has_reached(id)``); live routers are merely eventually consistent.
+
+Snapshots and trimming. ``save_snapshot()`` SETs one JSON key ``{"stream_id", "format", "feed"}`` (index,
+per-worker seqs, resync marks, last load reports) with a Lua check that keeps the newest: every router may
+save every ``snapshot_interval_s`` and a slow one never overwrites a newer snapshot with an older one.
+``restore()`` loads the snapshot (if any) and reads the stream after its ``stream_id`` (else from 0), so a
+restarting router rebuilds the index the others hold. Sinks trim the stream to ``maxlen`` entries
+(approximately); the rule is maxlen >= 2 x the entries published per snapshot interval (16 workers x ~50
+batches/s publish 8k entries per 10 s: 100k leaves a 6x margin). If the snapshot's own entry has been
+trimmed (first entry id > stream_id), events after it may be lost: every worker is dropped and marked
+``needs_resync``. Without a snapshot a trimmed head shows up per worker as "first seen at seq != 1", and
+a live router that falls behind the trim sees per-worker seq gaps.
+
+Concurrency. ``MemoryEventLog`` is thread-safe (engine thread publishes, actor thread reads).
+``IndexFeed`` is not: ``RedisEventSource.run()`` is an asyncio task on the router's own event loop
+(``redis.asyncio``), the loop that also routes, so index reads and writes never interleave. The sync
+``restore()`` / ``poll_once()`` / ``save_snapshot()`` serve start-up, tests and tools.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import asdict, dataclass
+from itertools import islice
+from typing import Any
+
+import redis
+
+from engine.kv_events import AllCleared, BlockStored, WorkerLoad
+from proto.kv_codec import DecodedBatch, decode_batch
+from router.index import SNAPSHOT_VERSION, PrefixIndex
+from router.load import LoadTracker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAM = "duet:kv-events"
+DEFAULT_SNAPSHOT_KEY = "duet:index:snapshot"
+DEFAULT_STREAM_MAXLEN = 100_000  # entries; see "Snapshots and trimming"
+DEFAULT_SNAPSHOT_INTERVAL_S = 10.0
+FIRST_SEQ = 1  # a worker's first batch
+SNAPSHOT_FORMAT = 1
+_FIELD = b"b"
+
+
+def parse_stream_id(stream_id: str | bytes) -> tuple[int, int]:
+    """``"<ms>-<n>"`` -> ``(ms, n)``, ordered as Redis orders entries."""
+    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    ms, _, n = text.partition("-")
+    return int(ms), int(n or 0)
+
+
+# ---- worker side ---------------------------------------------------------------------------------------
+class EventSink(ABC):
+    """Where a worker's encoded batches go. Picklable; connects lazily on the first publish."""
+
+    @abstractmethod
+    def publish(self, worker: str, seq: int, data: bytes) -> None: ...
+
+    def close(self) -> None:
+        """Release connections; a sink without any has nothing to do."""
+
+
+class MemoryEventLog(EventSink):
+    """The last ``capacity_batches`` batches of one worker, as a contiguous run of seqs."""
+
+    def __init__(self, capacity_batches: int = 4096) -> None:
+        if capacity_batches <= 0:
+            raise ValueError("capacity_batches must be positive")
+        self.capacity_batches = capacity_batches
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity_batches)
+        self._head_seq = 0  # last seq published (0: none)
+        self._worker: str | None = None
+        self._lock = threading.Lock()
+
+    def publish(self, worker: str, seq: int, data: bytes) -> None:
+        with self._lock:
+            if self._worker is None:
+                self._worker = worker
+            elif worker != self._worker:
+                raise ValueError(f"log of worker {self._worker!r} got a batch of {worker!r}")
+            if self._ring and seq != self._head_seq + 1:
+                self._ring.clear()  # a restart (or a skipped seq): readers behind it are truncated
+            self._ring.append((seq, data))
+            self._head_seq = seq
+
+    def read(self, after_seq: int, max_batches: int = 256) -> tuple[list[bytes], int, bool]:
+        """``(batches with seq > after_seq, seq to pass next time, truncated)``.
+
+        ``truncated``: batches after ``after_seq`` are gone (the reader fell behind the ring) or the log
+        restarted below it; the oldest batches still held are returned and the reader must resync.
+        """
+        with self._lock:
+            first_seq = self._ring[0][0] if self._ring else self._head_seq + 1
+            truncated = after_seq < first_seq - 1 or after_seq > self._head_seq
+            start = 0 if truncated else after_seq + 1 - first_seq
+            taken = list(islice(self._ring, start, start + max_batches))
+            head_seq = self._head_seq
+        if not taken:
+            return [], head_seq if truncated else after_seq, truncated
+        return [data for _, data in taken], taken[-1][0], truncated
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            state = dict(self.__dict__, _ring=list(self._ring))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _ring=deque(state["_ring"], maxlen=state["capacity_batches"]))
+        self._lock = threading.Lock()
+
+
+class RedisEventSink(EventSink):
+    """XADD each batch to ``stream`` (field ``b``), trimmed to about ``maxlen`` entries."""
+
+    def __init__(self, url: str, stream: str = DEFAULT_STREAM, maxlen: int = DEFAULT_STREAM_MAXLEN,
+                 retry_interval_s: float = 1.0) -> None:
+        self.url, self.stream, self.maxlen = url, stream, maxlen
+        self.retry_interval_s = retry_interval_s
+        self.num_dropped = 0
+        self._client: redis.Redis | None = None
+        self._retry_at = 0.0
+
+    def publish(self, worker: str, seq: int, data: bytes) -> None:
+        if time.monotonic() < self._retry_at:
+            self.num_dropped += 1  # Redis was down a moment ago: routers will see the seq gap and resync
+            return
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            self._client.xadd(self.stream, {_FIELD: data}, maxlen=self.maxlen, approximate=True)
+        except redis.RedisError:
+            self.num_dropped += 1
+            self._retry_at = time.monotonic() + self.retry_interval_s
+            raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _client=None)
+
+
+# ---- router side ---------------------------------------------------------------------------------------
+@dataclass
+class FeedCounters:
+    batches: int = 0  # applied
+    events: int = 0  # applied, inside those batches
+    loads: int = 0  # load reports passed to the tracker
+    malformed: int = 0  # undecodable payloads, skipped
+    gaps: int = 0  # seq gaps / going backwards / first seen mid-stream: worker marked needs_resync
+    restarts: int = 0  # a known worker started over at FIRST_SEQ
+    resyncs: int = 0  # full-state batches applied
+    stale: int = 0  # skipped: older than a full state already applied
+
+
+class IndexFeed:
+    """Applies encoded batches to a PrefixIndex and a LoadTracker (seq rules: module docstring)."""
+
+    def __init__(self, index: PrefixIndex, tracker: LoadTracker) -> None:
+        self.index = index
+        self.tracker = tracker
+        self.counters = FeedCounters()
+        self._last_seq: dict[str, int] = {}
+        self._resync_at: dict[str, tuple[int, float]] = {}  # worker -> (seq, timestamp_s) of its last full state
+        self._needs_resync: set[str] = set()
+        self._last_load: dict[str, WorkerLoad] = {}
+
+    # ---- queries ---------------------------------------------------------------------------------
+    @property
+    def needs_resync(self) -> frozenset[str]:
+        """Workers whose index entry may be incomplete until a full-state batch arrives."""
+        return frozenset(self._needs_resync)
+
+    @property
+    def last_seqs(self) -> dict[str, int]:
+        return dict(self._last_seq)
+
+    def last_seq(self, worker: str) -> int | None:
+        return self._last_seq.get(worker)
+
+    # ---- batches ---------------------------------------------------------------------------------
+    def apply_batch(self, data: bytes) -> bool:
+        """Decode and apply one batch; False if it was malformed or stale (counted, never raised)."""
+        try:
+            batch = decode_batch(data)
+        except ValueError as e:
+            self.counters.malformed += 1
+            log.debug("skipping malformed KV event batch: %s", e)
+            return False
+        if not self._admit(batch):
+            self.counters.stale += 1
+            return False
+        self.index.apply_all(batch.events)
+        if batch.load is not None:
+            self.tracker.report(batch.load)
+            self._last_load[batch.worker] = batch.load
+            self.counters.loads += 1
+        self._last_seq[batch.worker] = batch.seq
+        self.counters.batches += 1
+        self.counters.events += len(batch.events)
+        return True
+
+    def _admit(self, batch: DecodedBatch) -> bool:
+        worker, seq = batch.worker, batch.seq
+        last = self._last_seq.get(worker)
+        if batch.events and isinstance(batch.events[0], AllCleared):
+            if last is not None and seq < last:
+                return False
+            self._needs_resync.discard(worker)
+            self._resync_at[worker] = (seq, batch.timestamp_s)
+            self.counters.resyncs += 1
+            return True
+        if last is None:
+            if seq != FIRST_SEQ:
+                self._lose(worker, f"first seen at seq {seq}")
+            return True
+        if seq == last + 1:
+            return True
+        if seq == FIRST_SEQ:
+            self.index.remove_worker(worker)
+            self._needs_resync.discard(worker)
+            self._resync_at.pop(worker, None)
+            self.counters.restarts += 1
+            return True
+        point = self._resync_at.get(worker)
+        if point is not None and seq <= point[0] and batch.timestamp_s <= point[1]:
+            return False
+        self._lose(worker, f"seq {seq} after {last}")
+        return True
+
+    def _lose(self, worker: str, why: str) -> None:
+        log.warning("KV events of %s lost (%s): dropped from the index until it resyncs", worker, why)
+        self.counters.gaps += 1
+        self.index.remove_worker(worker)
+        self._needs_resync.add(worker)
+
+    # ---- membership ------------------------------------------------------------------------------
+    def remove_worker(self, worker: str) -> None:
+        """Forget a worker that left the pool (its index entry and seq state; the tracker is the caller's)."""
+        self.index.remove_worker(worker)
+        for state in (self._last_seq, self._resync_at, self._last_load):
+            state.pop(worker, None)
+        self._needs_resync.discard(worker)
+
+    def invalidate_all(self) -> None:
+        """Events of unknown workers may be lost: drop everyone from the index and mark them for resync."""
+        for worker in set(self.index.workers) | set(self._last_seq):
+            self.index.remove_worker(worker)
+            self._needs_resync.add(worker)
+        self._last_seq.clear()
+        self._resync_at.clear()
+
+    # ---- snapshot --------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state: index, per-worker seqs, resync marks and the last load report of each worker."""
+        return {
+            "index": self.index.snapshot(),
+            "seqs": dict(self._last_seq),
+            "needs_resync": sorted(self._needs_resync),
+            "resync_at": {w: list(p) for w, p in self._resync_at.items()},
+            "loads": {w: asdict(load) for w, load in self._last_load.items()},
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Replace this feed's state (and its index's, in place) by a ``snapshot()``; ValueError if invalid."""
+        try:
+            index_snap = snapshot["index"]
+            if index_snap.get("version") != SNAPSHOT_VERSION:
+                raise ValueError(f"prefix-index snapshot version {index_snap.get('version')!r}")
+            workers = {str(w): tuple(int(h) for h in hs) for w, hs in index_snap["workers"].items()}
+            seqs = {str(w): int(s) for w, s in snapshot["seqs"].items()}
+            resync_at = {str(w): (int(p[0]), float(p[1])) for w, p in snapshot["resync_at"].items()}
+            loads = {str(w): WorkerLoad(**d) for w, d in snapshot["loads"].items()}
+            needs_resync = {str(w) for w in snapshot["needs_resync"]}
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            raise ValueError(f"bad event-feed snapshot: {e!r}") from e
+        for worker in self.index.workers:
+            self.index.remove_worker(worker)
+        for worker, hashes in workers.items():
+            self.index.add_worker(worker)
+            if hashes:
+                self.index.apply(BlockStored(worker, hashes, None))
+        for load in loads.values():
+            self.tracker.report(load)
+        self._last_seq, self._resync_at, self._last_load = seqs, resync_at, loads
+        self._needs_resync = needs_resync

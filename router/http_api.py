@@ -1,0 +1,378 @@
+"""The OpenAI-compatible HTTP front door: FastAPI over a `router.backend.Backend`.
+
+    app = create_app(backend, api_keys=("k1",), served_model_names=("my-model",))
+    uvicorn.run(app, host="0.0.0.0", port=8000)
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
+GET /v1/models/{id}, GET /health (open even when API keys are set).
+
+One path serves both generation endpoints: parse the body → tokenize (the router owns tokenization)
+→ one SamplingParams per choice → `_ChoiceRun` → either stream SSE chunks or collect one JSON body;
+the endpoints differ only in the request model, the prompt ids and the `ResponseBuilder`.
+
+`_ChoiceRun` consumes each choice's backend stream in its own task and merges them, with a watcher of
+the client's connection, into one queue. Tearing down is therefore synchronous (cancel the tasks):
+it cannot itself be cancelled halfway, which matters because Starlette cancels a streaming body when
+the client goes. A cancelled task closes its backend iterator, which aborts the request and frees its
+KV blocks. The watcher makes a client that hangs up abort its request within one event-loop turn,
+streaming or not, even while the request is still queued and produces nothing.
+
+The response status is decided after the first engine output arrives, so a request the workers refuse
+is a 400 rather than an error inside a 200 stream. After that, a failure is an SSE ``data: {"error":
+...}`` event followed by ``[DONE]`` (streaming) or a 503 (not streaming).
+
+Errors are always OpenAI bodies ``{"error": {message, type, param, code}}``: bad JSON, bad UTF-8, bad
+types and values are 400 (FastAPI's 422 included), an unknown model 404, a missing or wrong key 401;
+only a genuine fault is a 500, and it is logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from router.backend import Backend
+from router.openai_protocol import (
+    BadRequest, ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
+    ResponseBuilder, GenerationRequest, error_body,
+)
+
+log = logging.getLogger(__name__)
+
+_Body = TypeVar("_Body", bound=GenerationRequest)
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = "data: [DONE]\n\n"
+_CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = error_body(message, type, param, code)
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
+               served_model_names: Sequence[str] | None = None) -> FastAPI:
+    app = FastAPI(title="duet", summary="OpenAI-compatible API over duet")
+    server = _OpenAIServer(backend, served_model_names)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_keys))])
+    v1.add_api_route("/completions", server.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
+    v1.add_api_route("/models", server.list_models, methods=["GET"])
+    v1.add_api_route("/models/{model_id:path}", server.get_model, methods=["GET"])
+    app.include_router(v1)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    _install_error_handlers(app)
+    return app
+
+
+class _OpenAIServer:
+    def __init__(self, backend: Backend, served_model_names: Sequence[str] | None) -> None:
+        self.backend = backend
+        self.model_names = list(served_model_names or [backend.card.model_id])
+        self._accepted_names = {backend.card.model_id, *self.model_names}
+
+    async def completions(self, request: Request) -> Response:
+        body = await _parse_body(request, CompletionRequest)
+        self._check_model(body.model)
+        prompt = body.single_prompt()
+        prompt_ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await self._generate(request, body, prompt_ids, CompletionResponses, echo=prompt if body.echo else None)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await _parse_body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        # the rendered template holds its own BOS: encode without adding special tokens
+        prompt_ids = self.backend.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True)
+        return await self._generate(request, body, prompt_ids, ChatResponses)
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_entry(name) for name in self.model_names]}
+
+    async def get_model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._model_entry(model_id)
+
+    async def health(self) -> JSONResponse:
+        try:
+            health = self.backend.health()
+        except Exception as e:  # a health probe must answer, whatever the backend does
+            log.exception("backend health check failed")
+            return JSONResponse(_health_error(f"health check failed: {e}", {}), status_code=503)
+        if health.ok:
+            return JSONResponse({**health.detail, "status": "ok"})
+        return JSONResponse(_health_error("the backend is not healthy", health.detail), status_code=503)
+
+    # ---- the one generation path -----------------------------------------------------------------
+    async def _generate(self, request: Request, body: GenerationRequest, prompt_ids: list[int],
+                        builder_class: type[ResponseBuilder], echo: str | list[int] | None = None) -> Response:
+        params = body.sampling_params(len(prompt_ids), self.backend.card.max_model_len)
+        self.backend.check_request(prompt_ids, params[0])  # choices differ only in their seeds
+        builder = builder_class(self.backend.tokenizer, body.model, len(prompt_ids),
+                                with_logprobs=params[0].logprobs is not None, include_usage=body.include_usage)
+        echo_text = echo if isinstance(echo, str) else self.backend.tokenizer.decode(echo) if echo else ""
+        choices = [ChoiceState(i, echo_text) for i in range(len(params))]
+        run = _ChoiceRun(self.backend, builder.id, prompt_ids, params, request)
+        try:
+            await run.wait_first()
+        except BaseException:
+            run.cancel()
+            raise
+        if body.stream:
+            return StreamingResponse(_stream_events(run, builder, choices), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        return await _collect_response(run, builder, choices)
+
+    def _check_model(self, name: str) -> None:
+        if name not in self._accepted_names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.model_names)}", param="model", code="model_not_found")
+
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        card = self.backend.card
+        return {"id": name, "object": "model", "created": card.created, "owned_by": "duet",
+                "root": card.model_id, "max_model_len": card.max_model_len}
+
+
+class _ChoiceRun:
+    """The backend streams of a response's choices, each pumped by its own task into one queue."""
+
+    _DISCONNECTED = object()
+
+    def __init__(self, backend: Backend, response_id: str, prompt_ids: list[int], params: list[SamplingParams],
+                 request: Request) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffered: list = []
+        self._num_open = len(params)
+        self._tasks = [asyncio.create_task(self._pump(i, backend, f"{response_id}-{i}", prompt_ids, p))
+                       for i, p in enumerate(params)]
+        self._tasks.append(asyncio.create_task(self._watch(request)))
+
+    async def wait_first(self) -> None:
+        """Wait for the first output of any choice; raises what the backend raised before it started."""
+        item = await self._queue.get()
+        self._buffered.append(item)
+        if item is self._DISCONNECTED:
+            raise ClientGone()
+        if isinstance(item[1], BaseException):
+            raise item[1]
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next (choice index, output), or None when every choice has finished."""
+        while self._num_open:
+            item = self._buffered.pop() if self._buffered else await self._queue.get()
+            if item is self._DISCONNECTED:
+                raise ClientGone()
+            index, out = item
+            if isinstance(out, BaseException):
+                raise out
+            if out is None:
+                self._num_open -= 1
+                continue
+            return index, out
+        return None
+
+    def cancel(self) -> None:
+        """Abort whatever still runs (each pump closes its backend stream) and stop watching the client."""
+        for task in self._tasks:
+            task.cancel()
+
+    def _cancel_pumps(self) -> None:
+        for task in self._tasks[:-1]:
+            task.cancel()
+
+    async def _pump(self, index: int, backend: Backend, request_id: str, prompt_ids: list[int],
+                    params: SamplingParams) -> None:
+        try:
+            outputs = backend.generate(request_id, prompt_ids, params)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    self._queue.put_nowait((index, out))
+                    if out.finished:
+                        return
+            raise RuntimeError("the backend stream ended without a final output")
+        except Exception as e:
+            self._queue.put_nowait((index, e))
+        finally:
+            self._queue.put_nowait((index, None))
+
+    async def _watch(self, request: Request) -> None:
+        # The body has been read, so the next ASGI message is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # an unexpected message: do not spin
+        # Abort here rather than rely on the consumer: a streaming body cancelled before it started
+        # never runs its own clean-up.
+        self._cancel_pumps()
+        self._queue.put_nowait(self._DISCONNECTED)
+
+
+async def _collect_response(run: _ChoiceRun, builder: ResponseBuilder, choices: list[ChoiceState]) -> Response:
+    try:
+        while (item := await run.next()) is not None:
+            choices[item[0]].add(item[1])
+    finally:
+        run.cancel()
+    failed = next((c for c in choices if c.error is not None), None)
+    if failed is not None:
+        raise ApiError(503, f"generation failed: {failed.error}", "server_error", code="generation_failed")
+    return JSONResponse(builder.response(choices))
+
+
+async def _stream_events(run: _ChoiceRun, builder: ResponseBuilder,
+                         choices: list[ChoiceState]) -> AsyncIterator[str]:
+    try:
+        for chunk in builder.opening_chunks(len(choices)):
+            yield _sse(chunk)
+        while (item := await run.next()) is not None:
+            choice = choices[item[0]]
+            delta = choice.add(item[1])
+            if choice.error is not None:
+                yield _sse(error_body(f"generation failed: {choice.error}", "server_error",
+                                      code="generation_failed"))
+                break
+            # a token whose text is held back (half a character, a possible stop string) is sent
+            # only when it carries logprobs
+            if delta.text or delta.finish_reason or (builder.with_logprobs and delta.token_ids):
+                yield _sse(builder.chunk(delta))
+        else:
+            if builder.include_usage:
+                yield _sse(builder.usage_chunk(choices))
+        yield _DONE
+    except ClientGone:
+        return
+    except Exception as e:  # the status line is gone: report in band
+        yield _sse(_error_response(e)[1])
+        yield _DONE
+    finally:
+        run.cancel()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ---- request parsing, auth, errors -----------------------------------------------------------------
+
+
+async def _parse_body(request: Request, model: type[_Body]) -> _Body:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    try:  # parsed here too, only to tell malformed JSON from a wrong field in the message
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return model.model_validate_json(text, strict=True)  # strict JSON mode: "5" is not an integer
+
+
+def _api_key_check(api_keys: Sequence[str]):
+    keys = [k.encode() for k in api_keys]
+
+    async def check(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    return check
+
+
+def _error_response(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, OpenAI error body) for any exception; logs the ones that are our fault."""
+    if isinstance(exc, ApiError):
+        return exc.status_code, exc.body
+    if isinstance(exc, ClientGone):
+        return _CLIENT_GONE_STATUS, error_body("the client closed the connection", code="client_closed")
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(str(exc), param=getattr(exc, "param", None))
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        return 400, _validation_error_body(exc.errors())
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code, error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code))
+    log.error("internal error while serving a request", exc_info=exc)
+    return 500, error_body(f"internal server error: {type(exc).__name__}", "server_error", code="internal_error")
+
+
+def _validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
+    def where(error: Any) -> str:
+        return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+
+    described = "; ".join(f"{where(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:3])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    # param names the top-level field: deeper locations hold pydantic's union tags ("stop.str")
+    param = where(errors[0]).split(".")[0] if errors else None
+    return error_body(f"invalid request: {described}{more}", param=param or None)
+
+
+def _health_error(message: str, detail: dict[str, Any]) -> dict[str, Any]:
+    return {**detail, "status": "unavailable", **error_body(message, "server_error", code="unhealthy")}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        status, body = _error_response(exc)
+        return JSONResponse(body, status_code=status)
+
+    for exc_class in (ApiError, ClientGone, InvalidRequestError, ValidationError, RequestValidationError,
+                      StarletteHTTPException):
+        app.add_exception_handler(exc_class, handle)
+    app.add_middleware(_InternalErrorMiddleware)
+
+
+class _InternalErrorMiddleware:
+    """Answers an unexpected exception with a 500 OpenAI body and keeps the connection.
+
+    Starlette's own catch-all re-raises after answering, which makes the server drop the keep-alive
+    connection; a client that pools connections then sees its next request reset.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:  # too late for a status: let the server close the connection
+                raise
+            status, body = _error_response(exc)
+            await JSONResponse(body, status_code=status)(scope, receive, send)
