@@ -31,3 +31,6 @@ def tiny_model(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+from tests.redis_server import redis_server, redis_url  # noqa: E402,F401  (session redis-server fixtures)

@@ -255,3 +255,27 @@ def test_failed_transfer_without_recompute_ends_with_a_clear_error(faulty, loop_
     assert s["num_remote_failures"] == 1 and s["num_remote_recomputes"] == 0
     assert s["kv_blocks_used"] == 0 and s["num_requests"] == 0
     ray.kill(handle)
+
+
+def test_shared_redis_index_feeds_the_router(cluster_factory, loop_thread, redis_url, tiny_model):
+    """`router.index: redis://`: workers publish to a real redis-server; the router's index follows the stream,
+    and a second router (a fresh feed restored from the same stream) holds the same index."""
+    from router.events import IndexFeed
+    from router.index import PrefixIndex
+    from router.load import LoadTracker
+    from router.redis_events import RedisEventSource
+
+    cluster = cluster_factory(**{"router.index": redis_url, "router.local_prefill_max_tokens": 0})
+    prompts = prompts_for(11, lengths=(48, 80))
+    params = [SamplingParams(max_tokens=4, temperature=0)] * 2
+    got = run_all(loop_thread, cluster.backend, "redis", prompts, params)
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in reference(tiny_model(), prompts, params)]
+    backend = cluster.backend
+    assert wait_for(lambda: all(backend.index.match(backend.hasher(ids)).get("prefill-0", 0) == len(ids) // 16
+                                for ids in prompts))
+    second = IndexFeed(PrefixIndex(), LoadTracker())
+    source = RedisEventSource(redis_url, second)
+    source.restore()
+    assert wait_for(lambda: source.catch_up() >= 0 and second.index.snapshot() == backend.index.snapshot())
+    assert second.index.snapshot()["workers"].get("decode-0")  # both pools' events went through Redis
+    source.close()

@@ -1,0 +1,121 @@
+"""ClusterBackend's decisions and bookkeeping with scripted workers (fast; the real path is
+tests/cluster/). Refusal of workers that hash differently is checked here: the router must fail loudly
+at registration, not route silently with prefix hits that can never match."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.disagg import KVHandoff
+from engine.errors import ConfigError
+from engine.hashing import BlockHasher
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from router.backend import ModelCard
+from router.dispatch import ClusterBackend, WorkerClient, WorkerDescriptor, check_fingerprints
+from router.policy import Role
+
+B = 4
+
+
+class Script(WorkerClient):
+    """A worker that answers from a script: prefill returns a handoff, decode yields 3 tokens."""
+
+    def __init__(self, worker_id: str, role: Role, fingerprint=None) -> None:
+        self.descriptor = WorkerDescriptor(worker_id, role, fingerprint or BlockHasher(B).fingerprint, 1024)
+        self.calls: list[tuple] = []
+
+    async def prefill(self, request_id, prompt_token_ids, params):
+        self.calls.append(("prefill", request_id))
+        n = len(prompt_token_ids)
+        handoff = KVHandoff(request_id, tuple(prompt_token_ids), 7, None, None, params, 1, tuple(range(-(-n // B))),
+                            (), n, B, source=self.worker_id, lease_id="l")
+        return RequestOutput(request_id, [7], "a", True, "remote", handoff=handoff, num_prompt_tokens=n,
+                             num_cached_tokens=4)
+
+    async def decode(self, handoff):
+        self.calls.append(("decode", handoff.request_id))
+        for i in range(3):
+            await asyncio.sleep(0)
+            yield RequestOutput(handoff.request_id, [8 + i], "b", i == 2, "length" if i == 2 else None)
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.calls.append(("generate", request_id))
+        yield RequestOutput(request_id, [9], "c", True, "length")
+
+    async def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+
+    async def release(self, request_id):
+        self.calls.append(("release", request_id))
+
+    async def alive(self):
+        return True
+
+
+def make(prefill=("p0", "p1"), decode=("d0",), threshold=0, **fingerprints):
+    ps = [Script(w, Role.PREFILL, fingerprints.get(w)) for w in prefill]
+    ds = [Script(w, Role.DECODE, fingerprints.get(w)) for w in decode]
+    backend = ClusterBackend(ModelCard("m", 1024, 100), tokenizer=None, hasher=BlockHasher(B), prefill=ps, decode=ds,
+                             local_prefill_max_tokens=threshold)
+    return backend, ps, ds
+
+
+async def collect(stream):
+    return [out async for out in stream]
+
+
+@pytest.mark.parametrize("field,fingerprint,needle", [
+    ("block size", BlockHasher(8).fingerprint, "block size 4 (router) != 8 (worker)"),
+    ("seed", BlockHasher(B, hash_seed=3).fingerprint, "hash seed 0 (router) != 3 (worker)"),
+    ("namespace", BlockHasher(B, namespace="lora-a").fingerprint, "hash namespace"),
+])
+def test_workers_that_hash_differently_are_refused(field, fingerprint, needle):
+    with pytest.raises(ConfigError, match="p1") as e:
+        make(p1=fingerprint)
+    assert needle in str(e.value)
+    check_fingerprints(BlockHasher(B), [WorkerDescriptor("ok", Role.DECODE, BlockHasher(B).fingerprint, 1)])
+
+
+async def test_disaggregated_request_streams_first_token_then_decode_and_clears_load():
+    backend, (p0, p1), (d0,) = make()
+    outs = await collect(backend.generate("r", list(range(1, 20)), SamplingParams(max_tokens=3)))
+    assert [o.new_token_ids for o in outs] == [[7], [8], [9], [10]]
+    assert not outs[0].finished and outs[0].handoff is None  # the handoff never leaks to a front door
+    assert [o.num_cached_tokens for o in outs[1:]] == [4, 4, 4]  # the prefill worker's cache hits
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert backend.tracker.num_inflight() == 0
+    assert ("release", "r") not in p0.calls + p1.calls  # finished normally: the lease ended by the pull
+
+
+async def test_short_uncached_prompt_is_prefilled_on_the_decode_worker():
+    backend, ps, (d0,) = make(threshold=8)
+    outs = await collect(backend.generate("s", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1)))
+    assert [o.new_token_ids for o in outs] == [[9]] and d0.calls == [("generate", "s")]
+    assert all(not p.calls for p in ps) and backend.counters["local_prefill"] == 1
+
+
+async def test_leaving_early_aborts_on_decode_and_releases_the_lease():
+    backend, ps, (d0,) = make()
+    stream = backend.generate("x", list(range(1, 20)), SamplingParams(max_tokens=3))
+    assert (await anext(stream)).new_token_ids == [7]
+    assert (await anext(stream)).new_token_ids == [8]
+    await stream.aclose()
+    await asyncio.sleep(0.01)
+    assert ("abort", "x") in d0.calls
+    assert any(("release", "x") in p.calls for p in ps)
+    assert backend.tracker.num_inflight() == 0
+
+
+async def test_a_worker_fault_becomes_an_error_output():
+    backend, ps, (d0,) = make()
+
+    async def broken(handoff):
+        raise RuntimeError("actor died")
+        yield  # pragma: no cover
+
+    d0.decode = broken
+    outs = await collect(backend.generate("f", list(range(1, 20)), SamplingParams(max_tokens=3)))
+    assert outs[-1].finish_reason == "error" and "actor died" in outs[-1].error
+    assert backend.counters["errors"] == 1 and backend.tracker.num_inflight() == 0
