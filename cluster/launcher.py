@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -83,7 +84,8 @@ class Cluster:
 
     @property
     def workers(self) -> list[RayWorkerClient]:
-        return [*self.prefill, *self.decode]
+        """The live workers (the router removes one it found dead)."""
+        return [w for w in (*self.prefill, *self.decode) if w.worker_id not in self.backend.lost]
 
     async def stats(self) -> list[dict]:
         return list(await asyncio.gather(*(w.stats() for w in self.workers)))
@@ -92,7 +94,7 @@ class Cluster:
         for task in self.feed_tasks:
             task.cancel()
         await asyncio.gather(*self.feed_tasks, return_exceptions=True)
-        for w in self.workers:
+        for w in (*self.prefill, *self.decode):
             try:
                 await asyncio.wait_for(w.handle.shutdown.remote(), 10)
             except Exception:
@@ -148,7 +150,7 @@ def _sink_factory(config: ClusterConfig):
 def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo]) -> ClusterBackend:
     model_config = ModelConfig.from_dir(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
-                     vocab_size=model_config.vocab_size)
+                     vocab_size=model_config.vocab_size, created=int(time.time()))
     hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
     B = config.engine.block_size
     return ClusterBackend(

@@ -16,12 +16,16 @@ The router's `LoadTracker` counts every dispatch at once (prefill tokens the rou
 uncached, sequences, KV blocks) and forgets it when the request leaves the worker, so back-to-back
 decisions do not wait for workers' load reports. Leaving early (client gone) aborts on every worker
 involved and releases a lease the decode worker never claimed, so no block stays pinned.
-A worker that fails mid-request (actor died, transfer error reported as an error output) ends the
-request with ``finish_reason="error"``; bad input raises InvalidRequestError before anything runs.
+Faults: a worker call that raises is followed by a liveness probe. A dead worker leaves the pools (and
+the index and load tracker); a request it held is placed again on the remaining workers if the client
+has seen nothing yet (prefill failed, or a local prefill failed before its first token), otherwise it
+ends with ``finish_reason="error"``. A live worker's failure is an error output, never retried blindly.
+Bad input raises InvalidRequestError before anything runs.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
@@ -37,9 +41,13 @@ from engine.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
 from router.index import PrefixIndex
 from router.load import LoadTracker
-from router.policy import CacheAwarePolicy, Role, RoutingPolicy, route
+from router.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
 
 log = logging.getLogger(__name__)
+
+MAX_PLACEMENTS = 3  # a request whose worker died before the client saw anything is placed again
+ALIVE_TIMEOUT_S = 5.0
+_WORKER_LOST = RequestOutput(request_id="", new_token_ids=[], new_text="", finished=False)  # sentinel
 
 
 @dataclass(frozen=True)
@@ -122,38 +130,55 @@ class ClusterBackend(Backend):
         self.prefill_policy = prefill_policy or CacheAwarePolicy(hasher.block_size)
         self.decode_policy = decode_policy or CacheAwarePolicy(hasher.block_size)
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0}
+        self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0}
+        self.lost: dict[str, str] = {}  # workers removed after a fault -> why
 
     def health(self) -> Health:
-        return Health(ok=True, detail={"prefill_workers": sorted(self.prefill), "decode_workers": sorted(self.decode),
-                                       **self.counters})
+        return Health(ok=bool(self.decode), detail={
+            "prefill_workers": sorted(self.prefill), "decode_workers": sorted(self.decode),
+            "lost_workers": sorted(self.lost), **self.counters})
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_token_ids, params)
         ids = list(prompt_token_ids)
         hashes = self.hasher(ids)
+        for _ in range(MAX_PLACEMENTS):
+            try:
+                stream = self._place(request_id, ids, hashes, params)
+            except NoWorkersError as e:
+                yield self._error_output(request_id, None, e)
+                return
+            lost = False
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    if out is _WORKER_LOST:  # lost before anything was sent: place the request again
+                        lost = True
+                        break
+                    yield out
+            if not lost:
+                return
+        yield self._error_output(request_id, None, RuntimeError(f"workers kept failing ({MAX_PLACEMENTS} placements)"))
+
+    def _place(self, rid: str, ids: list[int], hashes: list[int], params: SamplingParams):
         B = self.hasher.block_size
         d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(self.decode), hashes, len(ids))
         uncached_on_d = len(ids) - d.overlap_blocks * B
         total_blocks = -(-(len(ids) + params.max_tokens) // B)
         if not self.prefill or uncached_on_d <= self.local_prefill_max_tokens:
             self.counters["local_prefill"] += 1
-            stream = self._local(request_id, ids, params, self.decode[d.worker], uncached_on_d, total_blocks)
-        else:
-            self.counters["disaggregated"] += 1
-            p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(self.prefill), hashes, len(ids))
-            stream = self._disaggregated(request_id, ids, params, self.prefill[p.worker], self.decode[d.worker],
-                                         len(ids) - p.overlap_blocks * B, total_blocks)
-        async for out in stream:
-            yield out
+            return self._local(rid, ids, params, self.decode[d.worker], uncached_on_d, total_blocks)
+        self.counters["disaggregated"] += 1
+        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(self.prefill), hashes, len(ids))
+        return self._disaggregated(rid, ids, params, self.prefill[p.worker], self.decode[d.worker],
+                                   len(ids) - p.overlap_blocks * B, total_blocks)
 
     async def _local(self, rid, ids, params, d: WorkerClient, uncached: int, total_blocks: int):
         self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=uncached, num_kv_blocks=total_blocks)
         try:
             first = True
             async for out in self._guard(d.generate(rid, ids, params), rid, d):
-                if first:
+                if first and out is not _WORKER_LOST:
                     self.tracker.prefill_done(rid, d.worker_id)
                     first = False
                 yield out
@@ -167,6 +192,9 @@ class ClusterBackend(Backend):
             first = await self._call(p.prefill(rid, ids, params), rid, p)
         finally:
             self.tracker.finish(rid, p.worker_id)
+        if first is _WORKER_LOST:
+            yield first
+            return
         handoff = first.handoff
         if handoff is None:  # ended at its first token (or failed)
             yield first
@@ -175,7 +203,7 @@ class ClusterBackend(Backend):
         self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
         done = False
         try:
-            async for out in self._guard(d.decode(handoff), rid, d):
+            async for out in self._guard(d.decode(handoff), rid, d, sent_output=True):
                 done = out.finished
                 yield dataclasses.replace(out, num_cached_tokens=first.num_cached_tokens)
         finally:
@@ -183,7 +211,7 @@ class ClusterBackend(Backend):
             if not done:  # D refused it or the client left: make sure P's blocks do not wait for the lease
                 await _quietly(p.release(rid))
 
-    async def _call(self, coro, rid: str, worker: WorkerClient) -> RequestOutput:
+    async def _call(self, coro, rid: str, worker: WorkerClient):
         try:
             return await coro
         except asyncio.CancelledError:
@@ -193,32 +221,63 @@ class ClusterBackend(Backend):
         except InvalidRequestError:
             raise
         except Exception as e:
-            return self._error_output(rid, worker, e)
+            return await self._on_fault(rid, worker, e, sent_output=False)
 
-    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient):
-        """Yield a worker's stream; on early exit abort there; a worker fault becomes an error output."""
+    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient,
+                     sent_output: bool = False):
+        """Yield a worker's stream; on early exit abort there; a worker fault becomes an error output
+        (or `_WORKER_LOST` when the worker is gone and nothing reached the client yet)."""
         finished = False
         try:
             async for out in stream:
                 finished = out.finished
+                sent_output = True
                 yield out
         except InvalidRequestError:
             finished = True
             raise
         except Exception as e:
             finished = True
-            yield self._error_output(rid, worker, e)
+            yield await self._on_fault(rid, worker, e, sent_output)
         finally:
             if not finished:
                 self.counters["aborted"] += 1
                 await _quietly(worker.abort(rid))
             await _quietly(stream.aclose())
 
-    def _error_output(self, rid: str, worker: WorkerClient, e: BaseException) -> RequestOutput:
+    async def _on_fault(self, rid: str, worker: WorkerClient, e: BaseException, sent_output: bool):
+        """A worker call failed. A dead worker leaves the pools (its index entry and predicted load with
+        it); if the client has seen nothing yet the request is placed again, else it ends with an error."""
+        alive = await _alive(worker)
+        if not alive:
+            self._remove_worker(worker, e)
+            if not sent_output:
+                self.counters["replaced"] += 1
+                return _WORKER_LOST
+        return self._error_output(rid, worker, e)
+
+    def _remove_worker(self, worker: WorkerClient, e: BaseException) -> None:
+        pool = self.prefill if worker.descriptor.role == Role.PREFILL else self.decode
+        if pool.pop(worker.worker_id, None) is None:
+            return
+        log.error("worker %s is gone (%s): removed from the %s pool", worker.worker_id, e, worker.descriptor.role)
+        self.lost[worker.worker_id] = f"{type(e).__name__}: {e}"
+        self.index.remove_worker(worker.worker_id)
+        self.tracker.remove_worker(worker.worker_id)
+
+    def _error_output(self, rid: str, worker: WorkerClient | None, e: BaseException) -> RequestOutput:
         self.counters["errors"] += 1
-        log.error("request %s failed on worker %s: %s", rid, worker.worker_id, e)
+        where = f"worker {worker.worker_id}" if worker is not None else "the cluster"
+        log.error("request %s failed on %s: %s", rid, where, e)
         return RequestOutput(request_id=rid, new_token_ids=[], new_text="", finished=True, finish_reason="error",
-                             error=f"worker {worker.worker_id} failed: {type(e).__name__}: {e}")
+                             error=f"{where} failed: {type(e).__name__}: {e}")
+
+
+async def _alive(worker: WorkerClient) -> bool:
+    try:
+        return bool(await asyncio.wait_for(worker.alive(), ALIVE_TIMEOUT_S))
+    except Exception:
+        return False
 
 
 async def _quietly(awaitable) -> None:

@@ -279,3 +279,19 @@ def test_shared_redis_index_feeds_the_router(cluster_factory, loop_thread, redis
     assert wait_for(lambda: source.catch_up() >= 0 and second.index.snapshot() == backend.index.snapshot())
     assert second.index.snapshot()["workers"].get("decode-0")  # both pools' events went through Redis
     source.close()
+
+
+def test_killed_prefill_worker_leaves_the_pool_and_no_request_is_lost(cluster_factory, loop_thread, tiny_model):
+    cluster = cluster_factory(**{"prefill.num_workers": 2, "router.prefill_policy": "round_robin",
+                                 "router.local_prefill_max_tokens": 0})
+    victim = cluster.prefill[0]
+    ray.kill(victim.handle)
+    assert wait_for(lambda: not _process_exists(victim.info.pid), timeout_s=20)
+    prompts = prompts_for(12, lengths=(30, 50, 70, 90))
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * len(prompts)
+    got = run_all(loop_thread, cluster.backend, "kill", prompts, params)
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in reference(tiny_model(), prompts, params)]
+    assert list(cluster.backend.prefill) == [cluster.prefill[1].worker_id]
+    assert victim.worker_id in cluster.backend.lost and cluster.backend.counters["replaced"] >= 1
+    assert [w.worker_id for w in cluster.workers] == [cluster.prefill[1].worker_id, "decode-0"]
+    assert all(s["kv_blocks_used"] == 0 for s in stats(loop_thread, cluster).values())

@@ -119,3 +119,42 @@ async def test_a_worker_fault_becomes_an_error_output():
     outs = await collect(backend.generate("f", list(range(1, 20)), SamplingParams(max_tokens=3)))
     assert outs[-1].finish_reason == "error" and "actor died" in outs[-1].error
     assert backend.counters["errors"] == 1 and backend.tracker.num_inflight() == 0
+
+
+def dead(worker: Script) -> Script:
+    async def fail(*a, **k):
+        raise ConnectionError("actor died")
+
+    async def no():
+        return False
+
+    worker.prefill = fail
+    worker.alive = no
+    return worker
+
+
+async def test_a_dead_prefill_worker_is_removed_and_the_request_placed_again():
+    backend, (p0, p1), (d0,) = make()
+    dead(p0)
+    outs = []
+    for i in range(4):  # whichever worker the policy picks first, every request completes
+        outs.append(await collect(backend.generate(f"r{i}", list(range(1, 20)), SamplingParams(max_tokens=3))))
+    assert all([o.new_token_ids for o in out] == [[7], [8], [9], [10]] for out in outs)
+    assert list(backend.prefill) == ["p1"] and "p0" in backend.lost
+    assert backend.tracker.num_inflight() == 0 and backend.health().ok
+
+
+async def test_when_every_decode_worker_is_gone_requests_end_with_a_clear_error():
+    backend, (p0, p1), (d0,) = make(threshold=100)  # everything prefills on D
+
+    async def fail(*a, **k):
+        raise ConnectionError("actor died")
+        yield  # pragma: no cover
+
+    async def no():
+        return False
+
+    d0.generate, d0.alive = fail, no
+    outs = await collect(backend.generate("z", [1, 2, 3], SamplingParams(max_tokens=2)))
+    assert len(outs) == 1 and outs[0].finish_reason == "error" and "decode" in outs[0].error
+    assert not backend.health().ok and "d0" in backend.health().detail["lost_workers"]
