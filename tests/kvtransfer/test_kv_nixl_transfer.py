@@ -251,6 +251,7 @@ def test_pull_from_stopped_peer_times_out(monkeypatch):
             transport.add_peer(frozen.info)
             transport.read_blocks(frozen.info.agent_name, [0], [0], timeout_s=5.0)
             os.kill(frozen.process.pid, signal.SIGSTOP)
+            _wait_until_stopped(frozen.process.pid)  # kill() returns before every thread has stopped
             start_s = time.monotonic()
             with pytest.raises(KVTimeoutError, match="still in progress at its deadline"):
                 transport.read_blocks(frozen.info.agent_name, list(range(20)), list(range(20)), timeout_s=1.0)
@@ -258,6 +259,24 @@ def test_pull_from_stopped_peer_times_out(monkeypatch):
     finally:
         os.kill(frozen.process.pid, signal.SIGCONT)
         frozen.stop()
+
+
+def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of ``pid`` is in state T (stopped), so no progress thread can still serve a READ."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
 # ----------------------------------------------------------------- resources and devices
