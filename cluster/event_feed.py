@@ -53,7 +53,6 @@ def start_redis_feed(url: str, backend) -> asyncio.Task:
     from router.redis_events import RedisEventSource
 
     feed = IndexFeed(backend.index, backend.tracker)
-    backend.feed = feed
     source = RedisEventSource(url, feed)
     source.restore()  # snapshot + stream: a restarting router rebuilds the same view
     return source.start(snapshot_interval_s=SNAPSHOT_INTERVAL_S)

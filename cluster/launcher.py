@@ -97,8 +97,8 @@ class Cluster:
         for w in (*self.prefill, *self.decode):
             try:
                 await asyncio.wait_for(w.handle.shutdown.remote(), 10)
-            except Exception:
-                pass
+            except Exception as e:  # a dead or stuck worker: killed below all the same
+                log.debug("worker %s did not shut down cleanly: %r", w.worker_id, e)
             ray.kill(w.handle)
         if self.started_ray:
             ray.shutdown()
@@ -167,6 +167,5 @@ def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[R
         from router.events import IndexFeed
 
         feed = IndexFeed(backend.index, backend.tracker)
-        backend.feed = feed
         return [asyncio.create_task(poll_worker_events(c, feed), name=f"events-{c.worker_id}") for c in clients]
     return [start_redis_feed(config.router.index, backend)]

@@ -15,9 +15,12 @@ closed) and a Ray this process started is stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+
+import uvicorn
 
 from cluster.config import ClusterConfig
 
@@ -26,13 +29,34 @@ log = logging.getLogger("duet.serve")
 GRACE_S = 10.0
 
 
-async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asyncio.Event | None = None) -> None:
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus its habit of re-raising the stop signal after a graceful shutdown
+    (the process would then die by SIGTERM before our own cleanup ran, and exit non-zero)."""
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
+                continue
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(sig)
+
+    def _on_signal(self) -> None:
+        if self.should_exit:  # a second signal: stop now
+            self.force_exit = True
+        self.should_exit = True
+
+
+async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     from router.grpc_api import start_grpc_server
     from router.http_api import create_app
-
-    _Server = _server_class()
 
     cluster = None
     if colocated:
@@ -57,8 +81,6 @@ async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asynci
             await asyncio.sleep(0.05)
         if server.started:
             print(f"duet: serving {config.model_name} on http://{rc.host}:{rc.port}/v1", file=sys.stderr, flush=True)
-            if ready is not None:
-                ready.set()
         await serving
     finally:
         if grpc_server is not None:
@@ -68,34 +90,3 @@ async def serve(config: ClusterConfig, *, colocated: bool = False, ready: asynci
         await backend.aclose()
         log.info("duet: stopped")
 
-
-def _server_class():
-    import contextlib
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, minus its habit of re-raising the stop signal after a graceful shutdown
-        (the process would then die by SIGTERM before our own cleanup ran, and exit non-zero)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    loop.add_signal_handler(sig, self._on_signal)
-                except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
-                    pass
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    with contextlib.suppress(Exception):
-                        loop.remove_signal_handler(sig)
-
-        def _on_signal(self) -> None:
-            if self.should_exit:  # a second signal: stop now
-                self.force_exit = True
-            self.should_exit = True
-
-    return Server

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.request import Request, SamplingParams
+from engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         request = self.engine.make_request(request_id, prompt, prompt_token_ids, params)
         request.remote_decode = remote_decode
-        async for out in self.stream(request.request_id, _Add(request)):
+        async for out in self.stream(request.request_id, lambda engine: engine.add(request)):
             yield out
 
     async def stream(self, request_id: str, start: Callable[[Engine], None]) -> AsyncIterator[RequestOutput]:
@@ -170,12 +170,3 @@ class AsyncEngine:
                     except Exception as e:
                         future.set_exception(e)
 
-
-class _Add:
-    """``start`` for a plain request: add it to the engine."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-
-    def __call__(self, engine: Engine) -> None:
-        engine.add(self.request)

@@ -22,7 +22,7 @@ from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams, check_prompt
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.stopping import apply_stop_conditions, held_chars
@@ -83,18 +83,9 @@ class Engine:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        ids = check_prompt(prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
+                           max_model_len=self.max_model_len)
         total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request needs "
-                f"{total} ({len(ids)} in the prompt + {params.max_tokens} max_tokens)")
         if self.scheduler.blocks_needed(total) > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"the request needs {self.scheduler.blocks_needed(total)} KV blocks; this engine has "

@@ -85,6 +85,23 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list, or InvalidRequestError when it is empty, holds ids outside the vocabulary, or
+    does not fit the context with ``params.max_tokens``. Pure: the engine and the router both call it."""
+    ids = list(prompt_token_ids)
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    total = len(ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the request needs "
+            f"{total} ({len(ids)} in the prompt + {params.max_tokens} max_tokens)")
+    return ids
+
+
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

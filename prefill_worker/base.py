@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from abc import ABC, abstractmethod
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -30,7 +31,6 @@ from typing import Any, Protocol
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.hashing import BlockHasher
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import BLOCK_MAJOR, KVCompat, PeerInfo
@@ -86,7 +86,7 @@ def kv_compat(engine: Engine) -> KVCompat:
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
 
-class WorkerBase:
+class WorkerBase(ABC):
     def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = ()) -> None:
         if options.torch_threads:
             import torch
@@ -133,14 +133,15 @@ class WorkerBase:
                 log.exception("KV event sink %r failed", sink)
 
     # ---- methods the cluster and routers call -------------------------------------------------------
+    @abstractmethod
     def peer_info(self) -> PeerInfo:
-        raise NotImplementedError
+        """This worker's NIXL endpoint (the role decides which thread owns the agent)."""
 
     def info(self) -> WorkerInfo:
         e = self.engine
         return WorkerInfo(
             worker_id=self.options.worker_id, role=self.options.role, model_id=self.compat.model_id,
-            hash_fingerprint=BlockHasher(e.config.block_size, e.config.hash_seed, e.config.hash_namespace).fingerprint,
+            hash_fingerprint=e.hasher.fingerprint,
             block_size=e.config.block_size, max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
             num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid())
 
@@ -171,16 +172,13 @@ class WorkerBase:
     async def snapshot(self) -> tuple[int, bytes]:
         """``(seq, batch)`` that rebuilds this worker's cached set from nothing: resync after a gap."""
         def take(engine: Engine) -> tuple[int, bytes]:
-            self._publish_pending_first()
+            self._last_publish_s = 0.0
+            self._publish()  # pending events first, so the snapshot's seq covers them
             events = engine.pool.snapshot_events()
             return self._seq, encode_batch(self.options.worker_id, self._seq, events,
                                            engine.load(self.options.role), time.time())
 
         return await _wrap(self.aengine.call(take))
-
-    def _publish_pending_first(self) -> None:
-        self._last_publish_s = 0.0
-        self._publish()
 
     async def stats(self) -> dict[str, Any]:
         def take(engine: Engine) -> dict[str, Any]:

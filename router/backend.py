@@ -20,9 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, check_prompt
 from engine.tokenizer import Tokenizer
 
 
@@ -48,18 +47,7 @@ class Backend(ABC):
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request that can never run (checked before anything is queued)."""
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.card.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        total = len(ids) + params.max_tokens
-        if total > self.card.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.card.max_model_len} tokens; the request needs "
-                f"{total} ({len(ids)} in the prompt + {params.max_tokens} max_tokens)")
+        check_prompt(prompt_token_ids, params, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
 
     @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int],

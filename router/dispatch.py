@@ -205,7 +205,8 @@ class ClusterBackend(Backend):
         try:
             async for out in self._guard(d.decode(handoff), rid, d, sent_output=True):
                 done = out.finished
-                yield dataclasses.replace(out, num_cached_tokens=first.num_cached_tokens)
+                out.num_cached_tokens = first.num_cached_tokens  # each output is this stream's own object
+                yield out
         finally:
             self.tracker.finish(rid, d.worker_id)
             if not done:  # D refused it or the client left: make sure P's blocks do not wait for the lease

@@ -86,8 +86,7 @@ def prompt_token_ids_from_pb(request: pb.GenerateRequest, tokenizer: Tokenizer) 
         return list(request.token_ids.ids)
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
     raise InvalidRequestError("the request has no prompt: set one of text, token_ids or chat")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from abc import ABC, abstractmethod
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -146,11 +147,13 @@ class GenerationRequest(_Model):
             raise BadRequest(f"response_format {self.response_format.type!r} is not supported (only 'text')",
                              "response_format")
 
+    @abstractmethod
     def requested_max_tokens(self, rest_of_context: int) -> int:
-        raise NotImplementedError
+        """max_tokens as the endpoint defines it (its own field names and default)."""
 
+    @abstractmethod
     def requested_logprobs(self) -> int | None:
-        raise NotImplementedError
+        """The engine's logprobs setting from the endpoint's own fields."""
 
 
 class CompletionRequest(GenerationRequest):
@@ -268,7 +271,7 @@ class ChoiceState:
 # ---------------------------------------------------------------------------------------------- responses
 
 
-class ResponseBuilder:
+class ResponseBuilder(ABC):
     """Formats one response (streamed or not) of one endpoint; subclasses give the endpoint's shapes."""
 
     id_prefix = ""
@@ -313,11 +316,13 @@ class ResponseBuilder:
         body = {**self._envelope(self.chunk_object_name), "choices": [choice]}
         return body | ({"usage": None} if self.include_usage else {})
 
+    @abstractmethod
     def _choice(self, delta: Delta, *, streaming: bool) -> dict[str, Any]:
-        raise NotImplementedError
+        """One choice in the endpoint's shape (text or message/delta)."""
 
+    @abstractmethod
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """The endpoint's logprobs object for ``delta`` (None when not asked for)."""
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
