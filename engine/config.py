@@ -1,22 +1,91 @@
 """Configuration: small frozen dataclasses, validated on construction, passed down explicitly.
 
-``ModelConfig`` is what the checkpoint says (parsed once from its config.json); ``EngineConfig`` is how
-we run it. Derived runtime values (number of KV blocks actually allocated, the resolved dtype) live on
-the objects that own them (the model runner), never written back here.
+``ModelConfig`` is what the checkpoint says (parsed once, from config.json or a GGUF file's metadata);
+``EngineConfig`` is how we run it. Derived runtime values (number of KV blocks actually allocated, the
+resolved dtype) live on the objects that own them (the model runner), never written back here.
+
+Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is tested both ways):
+
+1. A field that changes the model's arithmetic is either implemented or refused with a ``ModelLoadError``
+   that names the field and its value. Refused today: an activation other than SiLU, partial rotary
+   embeddings, RoPE types other than default / linear / llama3, per-layer-type RoPE that differs between
+   layers, layer types other than full and sliding attention, ``quantization_config`` (packed weights),
+   and the fields of other families that a Llama-shaped config must not carry with a non-neutral value
+   (logit soft-capping, QK norm, µP multipliers, experts, bidirectional attention, ...).
+2. Fields that moved between transformers generations are read in every spelling: ``rope_parameters``
+   (transformers >= 5; flat, or nested per layer type) and ``rope_theta`` + ``rope_scaling`` (< 5);
+   ``dtype`` and ``torch_dtype``. One ``ModelConfig`` comes out, whichever form the file used. When a file
+   carries both spellings they must agree: a conflict is a ``ModelLoadError`` (we cannot know which one
+   the authors meant, and guessing is how a server returns wrong tokens with HTTP 200).
+3. Fields that do not change the math (special-token ids, ``use_cache``, ``initializer_range``,
+   ``attention_dropout``, ``pretraining_tp``, ``transformers_version``, ...) and fields we do not know
+   are ignored.
+4. What the file leaves out takes transformers' default for that architecture.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# RoPE: the parameters each supported type reads (required, optional with transformers' default).
+ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
+}
+# Parameters other RoPE types read: carrying one under a type that ignores it means the file is not what it
+# says (transformers would silently drop it), so it is refused.
+_ROPE_VOCABULARY = {"factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                    "short_factor", "long_factor", "mscale", "mscale_all_dim", "truncate", "mrope_section",
+                    "mrope_interleaved", "original_max_position_embeddings"}
+
+# transformers' defaults per architecture, for fields a config.json may leave out.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
+                         "max_window_layers": 28},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+}
+
+# Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
+# with the neutral value. (transformers' Llama would ignore them: the checkpoint is then not what it claims.)
+_FOREIGN_MATH_FIELDS: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,), "query_pre_attn_scalar": (None,),
+    "use_qk_norm": (None, False), "qk_layernorm": (None, False), "qk_norm": (None, False),
+    "embedding_multiplier": (None, 1), "residual_multiplier": (None, 1), "attention_multiplier": (None,),
+    "logits_scaling": (None, 1), "logit_scale": (None, 1), "scale_emb": (None, 1),
+    "num_experts": (None, 0), "num_local_experts": (None, 0), "use_bidirectional_attention": (None, False),
+    "clip_qkv": (None,), "attention_chunk_size": (None,), "no_rope_layers": (None,),
+}
+_SILU = ("silu", "swish")
+_GGUF_MAGIC = b"GGUF"
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|[Bb][Ff]16|TQ\d\w*|MXFP4)$")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file (not a directory) that starts with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == _GGUF_MAGIC
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """The name a checkpoint is served under by default: a directory's name, or a GGUF file's stem without
+    its quantization suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``)."""
+    p = Path(path).resolve()
+    return (_QUANT_SUFFIX.sub("", p.stem) or p.stem) if is_gguf(p) else p.name
 
 
 @dataclass(frozen=True)
@@ -32,10 +101,14 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # the HF dict, frozen as sorted items
+    rope_type: str = "default"
+    rope_params: tuple[tuple[str, Any], ...] = ()  # the type's parameters (factor, ...), frozen as sorted items
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
     model_id: str = ""
 
@@ -44,65 +117,87 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ModelLoadError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}")
-        rope_type = self.rope_type
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelLoadError(f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        missing = [k for k in ROPE_TYPES[self.rope_type][0] if k not in self.rope_params_dict]
+        if missing:
+            raise ModelLoadError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ModelLoadError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ModelLoadError(f"layer_types must hold {self.num_layers} entries of {LAYER_TYPES}")
 
     @property
-    def rope_scaling_dict(self) -> dict[str, Any]:
-        return dict(self.rope_scaling or ())
+    def rope_params_dict(self) -> dict[str, Any]:
+        return dict(self.rope_params)
 
-    @property
-    def rope_type(self) -> str:
-        d = self.rope_scaling_dict
-        return d.get("rope_type", d.get("type", "default")) if d else "default"
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None: it attends to the whole sequence)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], model_id: str = "") -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], model_id: str = "") -> ModelConfig:
+        """Parse a config.json by the rule in the module docstring."""
         archs = cfg.get("architectures") or []
         if not archs:
             raise ModelLoadError("config.json has no 'architectures' entry")
         arch = archs[0]
-        try:
-            hidden = int(cfg["hidden_size"])
-            num_heads = int(cfg["num_attention_heads"])
-            num_layers = int(cfg["num_hidden_layers"])
-            vocab = int(cfg["vocab_size"])
-            inter = int(cfg["intermediate_size"])
-        except KeyError as e:
-            raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from None
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None  # Qwen2 ships a sliding_window value but only applies it when asked
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise ModelLoadError(f"rope_scaling must be an object, got {rope_scaling!r}")
-        default_tie = arch == "Qwen2ForCausalLM" and cfg.get("tie_word_embeddings") is None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        cfg = {**_ARCH_DEFAULTS[arch], **cfg}
+        _refuse_unimplemented(cfg)
+        hidden, num_heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+        num_layers, max_pos = _int(cfg, "num_hidden_layers"), _int(cfg, "max_position_embeddings")
+        vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
+        layer_types, window = _attention_layout(cfg, arch, num_layers)
+        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos)
+        llama_bias = arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") else num_heads,
+            head_dim=_int(cfg, "head_dim") if cfg.get("head_dim") else hidden // num_heads,
             intermediate_size=inter,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or default_tie,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
-            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_params=rope_params,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+            o_proj_bias=llama_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+            sliding_window=window,
+            layer_types=layer_types,
+            checkpoint_dtype=_read_dtype(cfg),
             model_id=model_id,
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
+        """From a Hugging Face checkpoint directory or a GGUF file."""
+        if is_gguf(path):
+            from engine.gguf import open_gguf
+
+            return open_gguf(str(Path(path).resolve())).model_config()
+        if not Path(path).exists():
+            raise ModelLoadError(f"model {path}: no such file or directory")
+        return cls.from_dir(path)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
@@ -110,14 +205,142 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{path}: the top level must be an object")
         return cls.from_hf_dict(cfg, model_id=Path(model_dir).resolve().name)
+
+
+def _int(cfg: dict[str, Any], key: str) -> int:
+    if key not in cfg:
+        raise ModelLoadError(f"config.json is missing required field {key!r}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ModelLoadError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in _SILU:
+        raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelLoadError(f"quantization_config (quant_method {method!r}) is not supported: the weights are "
+                             "packed in a format duet does not unpack; use an unquantized checkpoint or a GGUF file")
+    for name, neutral in _FOREIGN_MATH_FIELDS.items():
+        if name in cfg and cfg[name] not in neutral:
+            raise ModelLoadError(f"{name}={cfg[name]!r} changes the model's math and duet does not implement it")
+
+
+def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer types, sliding window) the way transformers' modeling code for ``arch`` applies them."""
+    given = cfg.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or len(given) != num_layers:
+            raise ModelLoadError(f"layer_types must be a list of {num_layers} entries, got {given!r}")
+        unknown = sorted({t for t in given if t not in LAYER_TYPES})
+        if unknown:
+            raise ModelLoadError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+    if arch == "Qwen2ForCausalLM":
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        if given is None:  # Qwen2Config: layers from max_window_layers on slide
+            first = _int(cfg, "max_window_layers")
+            given = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(num_layers)]
+    elif arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window")
+        uniform = "sliding_attention" if window else "full_attention"  # Mistral applies its window to every layer
+        if given is not None and any(t != uniform for t in given):
+            raise ModelLoadError("layer_types mixes attention kinds, which MistralForCausalLM does not do "
+                                 f"(sliding_window={window!r}); this is a different model family")
+        given = [uniform] * num_layers
+    else:  # Llama has no sliding window (transformers' Llama ignores a sliding_window field)
+        window = None
+        if given is not None and any(t != "full_attention" for t in given):
+            raise ModelLoadError("layer_types asks for sliding attention, which LlamaForCausalLM does not do")
+        given = ["full_attention"] * num_layers
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
+    if window is None:
+        given = ["full_attention"] * num_layers
+    return tuple(given), window
+
+
+def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int) -> tuple[str, float, tuple]:
+    """(rope_type, rope_theta, type parameters) from rope_parameters and/or rope_theta + rope_scaling."""
+    sources: list[tuple[str, dict[str, Any]]] = []
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ModelLoadError(f"rope_parameters must be an object, got {params!r}")
+        if params and all(isinstance(v, dict) or v is None for v in params.values()):
+            params = _one_rope_for_all_layers(params, layer_types)
+        sources.append(("rope_parameters", params))
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ModelLoadError(f"rope_scaling must be an object, got {scaling!r}")
+        sources.append(("rope_scaling", scaling))
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if cfg.get(key) is not None:
+            sources.append((key, {key: cfg[key]}))
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for source, values in sources:
+        for key, value in values.items():
+            key = "rope_type" if key == "type" else key
+            if key in merged and merged[key] != value:
+                raise ModelLoadError(f"config.json gives RoPE's {key} twice with different values: "
+                                     f"{merged[key]!r} in {origin[key]} and {value!r} in {source}")
+            merged[key], origin[key] = value, source
+    rope_type = merged.pop("rope_type", "default")
+    theta = float(merged.pop("rope_theta", 10000.0))
+    partial = merged.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r} (rotary on part of each head) is not supported")
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r} (in {origin.get('rope_type')}); "
+                             f"supported: {', '.join(ROPE_TYPES)}")
+    required, optional = ROPE_TYPES[rope_type]
+    if "original_max_position_embeddings" in optional:
+        merged.setdefault("original_max_position_embeddings", max_pos)  # transformers' fallback
+    stray = sorted(k for k in merged if k in _ROPE_VOCABULARY and k not in required + optional)
+    if stray:
+        raise ModelLoadError(f"RoPE parameter(s) {stray} mean nothing for rope_type {rope_type!r}; "
+                             "the file is inconsistent (which RoPE did its authors train with?)")
+    return rope_type, theta, tuple(sorted((k, merged[k]) for k in required + optional if k in merged))
+
+
+def _one_rope_for_all_layers(nested: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """rope_parameters nested per layer type: duet runs one RoPE, so every type in use must agree."""
+    used = sorted(set(layer_types))
+    missing = [t for t in used if nested.get(t) is None]
+    if missing:
+        raise ModelLoadError(f"rope_parameters is nested by layer type but has no entry for {missing}")
+    first = nested[used[0]]
+    for t in used[1:]:
+        if nested[t] != first:
+            raise ModelLoadError(f"rope_parameters differ between layer types ({used[0]}: {first}, {t}: "
+                                 f"{nested[t]}); duet applies one RoPE to every layer")
+    return first
+
+
+def _read_dtype(cfg: dict[str, Any]) -> str:
+    new, old = cfg.get("dtype"), cfg.get("torch_dtype")
+    if new is not None and old is not None and new != old:
+        raise ModelLoadError(f"config.json gives dtype={new!r} and torch_dtype={old!r}")
+    value = new if new is not None else old
+    if value is not None and not isinstance(value, str):
+        raise ModelLoadError(f"dtype must be a string, got {value!r}")
+    return str(value or "float32")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs. ``num_blocks=None`` sizes the KV cache from ``kv_cache_bytes``."""
 
-    model: str  # checkpoint directory
+    model: str  # Hugging Face checkpoint directory or .gguf file
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20

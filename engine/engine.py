@@ -48,10 +48,10 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = ModelConfig.from_checkpoint(config.model)
         mpe = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or mpe, mpe)
-        self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
+        self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
         self.runner = ModelRunner(self.model_config, config, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)

@@ -52,7 +52,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], incl. ``linear`` and ``llama3`` scaling as HF computes them."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = cfg.rope_scaling_dict
+    rs = cfg.rope_params_dict
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / rs["factor"]
     elif cfg.rope_type == "llama3":

@@ -1,8 +1,9 @@
-"""Loading a Hugging Face checkpoint directory into ``CausalLM``.
+"""Loading a checkpoint into ``CausalLM``: a Hugging Face directory or a GGUF file.
 
-Reads ``config.json``, then the weights from ``model.safetensors.index.json`` (sharded) or every
-``*.safetensors`` file, tensor by tensor (safetensors memory-maps, so peak memory is the model plus one
-tensor). q/k/v and gate/up land in their fused parameters. Every failure a user can cause is a
+A directory's weights come from ``model.safetensors.index.json`` (sharded) or every ``*.safetensors`` file,
+a GGUF file's from engine/gguf.py (dequantized, Q/K rows restored to HF order, HF tensor names); either
+way tensor by tensor (both memory-map, so peak memory is the model plus one tensor), with a progress bar
+from 64 MiB of checkpoint up. q/k/v and gate/up land in their fused parameters. Every failure a user can cause is a
 ``ModelLoadError`` that names the file or tensor: missing files, an unsupported architecture, a tensor
 whose shape does not match the config, or parameters the checkpoint does not provide.
 """
@@ -16,13 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, is_gguf
 from engine.errors import ModelLoadError
+from engine.gguf import open_gguf
 from engine.model import CausalLM
 from engine.ops import KernelOps
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for checkpoints from 1 GiB up
+_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints from 64 MiB up
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
@@ -52,40 +54,52 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    total = sum(f.stat().st_size for f in files)
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, tensor) for every tensor of a checkpoint directory or GGUF file."""
+    if is_gguf(path):
+        ckpt = open_gguf(str(Path(path).resolve()))
+        total = ckpt.num_bytes
+        items = ((name, torch.from_numpy(array), nbytes) for name, array, nbytes in ckpt.tensors())
+    else:
+        files = weight_files(Path(path))
+        total = sum(f.stat().st_size for f in files)
+        items = _safetensors_items(files)
     bar = None
     if total >= _PROGRESS_MIN_BYTES:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", file=sys.stderr)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {Path(path).name}", file=sys.stderr)
     try:
-        for f in files:
-            try:
-                with safe_open(f, framework="pt") as st:
-                    for name in st.keys():
-                        tensor = st.get_tensor(name)
-                        yield name, tensor
-                        if bar is not None:
-                            bar.update(tensor.numel() * tensor.element_size())
-            except ModelLoadError:
-                raise
-            except Exception as e:  # a truncated or corrupt file
-                raise ModelLoadError(f"{f}: cannot read safetensors file: {e}") from e
+        for name, tensor, nbytes in items:
+            yield name, tensor
+            if bar is not None:
+                bar.update(nbytes)
     finally:
         if bar is not None:
             bar.close()
 
 
+def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int]]:
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    tensor = st.get_tensor(name)
+                    yield name, tensor, tensor.numel() * tensor.element_size()
+        except ModelLoadError:
+            raise
+        except Exception as e:  # a truncated or corrupt file
+            raise ModelLoadError(f"{f}: cannot read safetensors file: {e}") from e
+
+
 def load_model(
-    model_dir: str | Path,
+    model_path: str | Path,
     cfg: ModelConfig,
     ops: KernelOps,
     dtype: torch.dtype,
     device: str,
     max_positions: int,
 ) -> CausalLM:
-    model_dir = Path(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_positions)
     model.to_empty(device=device)
@@ -96,7 +110,7 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[int]] = {}
     with torch.no_grad():
-        for hf_name, tensor in iter_checkpoint(weight_files(model_dir)):
+        for hf_name, tensor in checkpoint_tensors(model_path):
             target = model.checkpoint_to_param(hf_name)
             if target is None:
                 continue
@@ -113,7 +127,7 @@ def load_model(
                 expected = tuple(dest.shape)
             if tuple(tensor.shape) != expected:
                 raise ModelLoadError(
-                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {expected}")
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {expected}")
             dest.copy_(tensor.to(dtype))
             loaded.setdefault(name, set()).add(-1 if shard is None else shard)
     missing = []
@@ -125,5 +139,5 @@ def load_model(
         if not want <= loaded.get(name, set()):
             missing.append(name)
     if missing:
-        raise ModelLoadError(f"{model_dir}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")
+        raise ModelLoadError(f"{model_path}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")
     return model.eval()

@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, Qwen2, Mistral) as one readable torch model over a paged KV cache.
 
 Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
-tied embeddings, Mistral may use a sliding window, Llama 3 scales RoPE. q/k/v and gate/up projections are
+tied embeddings, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
+Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 scales RoPE. q/k/v and gate/up projections are
 fused into one GEMM each at load time (``stacked_params``).
 """
 from __future__ import annotations
@@ -18,15 +19,15 @@ from engine.ops import KernelOps
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
         self.scale = self.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window
         self.ops = ops
 
     def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
@@ -44,8 +45,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, ops)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -53,10 +54,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, cfg.layer_sliding_window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ops)
 
@@ -78,7 +79,7 @@ class CausalLM(nn.Module):
         self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         if cfg.tie_word_embeddings:

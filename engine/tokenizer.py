@@ -89,6 +89,17 @@ class Tokenizer:
         self._clean_up_spaces = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
     @classmethod
+    def from_checkpoint(cls, path: str | Path) -> Tokenizer:
+        """From a Hugging Face checkpoint directory or a GGUF file (engine/gguf_tokenizer.py)."""
+        from engine.config import is_gguf
+
+        if is_gguf(path):
+            from engine.gguf import open_gguf
+
+            return open_gguf(str(Path(path).resolve())).tokenizer()
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ generation_config, chat template files)."""
         model_dir = Path(model_dir)

@@ -16,6 +16,8 @@ from engine.request import SamplingParams
 
 import transformers  # the reference (a test dependency: pip install .[test])
 
+from tests.engine.hf_saved import save_with_transformers
+
 PROMPT_LENS = (1, 3, 16, 17, 45, 100, 160, 300)
 NUM_TOKENS = 64
 
@@ -65,6 +67,31 @@ def test_greedy_equals_transformers(tiny_model, variant):
     ref = hf_greedy(model_dir, prompts)
     for n, a, b in zip(PROMPT_LENS, ours, ref):
         assert a == b, f"prompt of {n} tokens diverges at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
+
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+SAVED_BY_TRANSFORMERS = {  # config.json written by transformers 5 itself (rope_parameters, dtype, layer_types)
+    "llama3-rope": lambda: transformers.LlamaConfig(**SHAPE, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-biases": lambda: transformers.LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True,
+                                                     rope_parameters={"rope_type": "linear", "factor": 2.0}),
+    "qwen2-window-on-later-layers": lambda: transformers.Qwen2Config(
+        **SHAPE, use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True),
+    "mistral-window": lambda: transformers.MistralConfig(**{**SHAPE, "head_dim": 32}, sliding_window=40),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(SAVED_BY_TRANSFORMERS))
+def test_greedy_equals_transformers_on_checkpoints_saved_by_transformers(tiny_model, tmp_path, variant):
+    model_dir = save_with_transformers(tmp_path / variant, SAVED_BY_TRANSFORMERS[variant](), tiny_model("llama"))
+    prompts = random_prompts(512, lens=(1, 17, 45, 100, 160))
+    ours, _ = run_engine(model_dir, prompts, max_num_batched_tokens=128)
+    ref = hf_greedy(model_dir, prompts)
+    for p, a, b in zip(prompts, ours, ref):
+        assert a == b, f"prompt of {len(p)} tokens diverges at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
 
 
 def test_chat_template_prompt_equals_transformers(tiny_model):

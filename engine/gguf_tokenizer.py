@@ -1,0 +1,114 @@
+"""A ``Tokenizer`` from a GGUF file's metadata (a GGUF has no tokenizer.json: vocabulary, merges, token types
+and special-token ids are metadata under llama.cpp's key names).
+
+Supported: ``tokenizer.ggml.model == "gpt2"`` — byte-level BPE, what Llama 3, Qwen2 and SmolLM use. The text is
+split before BPE the way llama.cpp splits it for the file's ``tokenizer.ggml.pre`` (the regex the vocabulary's
+merges were learned with; :data:`_PRE_TOKENIZERS`). A pre-tokenizer we do not know, a missing one, or
+another tokenizer model (sentencepiece "llama", "t5", ...) is a ``ModelLoadError``: guessing the split gives
+other token ids than the model was trained on, without an error.
+
+Token types follow llama.cpp: CONTROL tokens (``<|im_start|>``, ...) are special added tokens (matched whole,
+dropped by ``skip_special_tokens``), USER_DEFINED ones are plain added tokens (matched whole, kept). EOS for
+generation is the EOS id plus the end-of-turn / end-of-message ids when the file names them. BOS/EOS are
+added to encoded text only when ``add_bos_token`` / ``add_eos_token`` say so. Chat templates:
+``tokenizer.chat_template`` (default) and ``tokenizer.chat_template.<name>`` (e.g. tool_use).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+from tokenizers.models import BPE
+
+from engine.errors import ModelLoadError
+from engine.tokenizer import Tokenizer
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's pre-tokenizer types (src/llama-vocab.cpp) -> the regexes applied in order, and whether BPE
+# looks a whole pre-token up in the vocabulary before merging (llama.cpp's ignore_merges, Llama 3's tokenizer.json).
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gpt-2": ((_GPT2_SPLIT,), False),
+    "smollm": ((r"\p{N}", _GPT2_SPLIT), False),
+    "starcoder": ((r"\p{N}", _GPT2_SPLIT), False),
+    "refact": ((r"\p{N}", _GPT2_SPLIT), False),
+    "llama3": ((_LLAMA3_SPLIT,), True),
+    "llama-v3": ((_LLAMA3_SPLIT,), True),
+    "llama-bpe": ((_LLAMA3_SPLIT,), True),
+    "qwen2": ((_QWEN2_SPLIT,), False),
+    "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte → printable character map (the spelling of every byte-level BPE vocabulary)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(f"{source}: tokenizer.ggml.model={model!r} is not supported (supported: 'gpt2', "
+                             "byte-level BPE); serve the model's Hugging Face directory instead")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelLoadError(f"{source}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer duet knows "
+                             f"({', '.join(sorted(_PRE_TOKENIZERS))}); splitting text another way would change "
+                             "the token ids")
+    splits, ignore_merges = _PRE_TOKENIZERS[pre]
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges") or []:
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise ModelLoadError(f"{source}: malformed merge {m!r}")
+        merges.append((pair[0], pair[1]))
+    backend = _Backend(BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, token_types) if kind == _CONTROL and set(t) <= alphabet])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is None:
+            return None
+        if not 0 <= int(i) < len(tokens):
+            raise ModelLoadError(f"{source}: tokenizer.ggml.{key}={i} is outside the vocabulary")
+        return tokens[int(i)]
+
+    special = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+               "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    template = [special["bos_token"]] * bool(meta.get("tokenizer.ggml.add_bos_token", False)) + ["$A"]
+    template += [special["eos_token"]] * bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if None in template:
+        raise ModelLoadError(f"{source}: add_bos_token/add_eos_token set but the token id is missing")
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join(template), special_tokens=[(t, backend.token_to_id(t)) for t in template if t != "$A"])
+    eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                      "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    templates = {"default": meta["tokenizer.chat_template"]} if "tokenizer.chat_template" in meta else {}
+    for key, value in meta.items():
+        if key.startswith("tokenizer.chat_template."):
+            templates[key.removeprefix("tokenizer.chat_template.")] = value
+    return Tokenizer(backend, special, generation_eos_token_ids=eos_ids, chat_templates=templates)
