@@ -27,9 +27,12 @@ $(TINY_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/duet make-tiny-model $(TINY_MODEL)
 
 # 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct (or MODEL=path: a HF directory or .gguf file);
-# OpenAI API on 127.0.0.1:8000, gRPC on :50051
+# OpenAI API on 127.0.0.1:8000, gRPC on :50051. Every prompt goes prefill worker -> NIXL -> decode worker
+# (--local-prefill-max-tokens 0); SERVE_ARGS adds or overrides `duet serve` flags.
+SERVE_ARGS ?=
 run: install
-	$(VENV)/bin/duet serve --model "$(if $(MODEL),$(MODEL),$$($(PY) -m engine.default_model))" --prefill 1 --decode 1
+	@model="$(MODEL)"; [ -n "$$model" ] || model=$$($(PY) -m engine.default_model) || exit 2; \
+	exec $(VENV)/bin/duet serve --model "$$model" --prefill 1 --decode 1 --local-prefill-max-tokens 0 $(SERVE_ARGS)
 
 # the same on a random-weight tiny Llama (answers are noise; starts in seconds)
 run-tiny: install $(TINY_MODEL)/config.json
@@ -48,8 +51,9 @@ test: install redis
 test-fast: install redis
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
 bench-engine: install
-	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,)
+	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,)
 
 # GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
 bench-kernels: install

@@ -1,7 +1,10 @@
 """make bench-engine: duet's engine vs transformers ``generate`` (static batches), same model, same requests.
 
-64 requests with mixed prompt lengths (16–512 tokens) and output lengths (16–128 tokens), greedy, EOS
-ignored so both produce exactly the requested tokens. duet gets all 64 at once (continuous batching,
+The model is the default one, SmolLM2-135M-Instruct (its GGUF file, dequantized to float32 by both sides:
+transformers loads the same file), or ``--model PATH`` (HF directory or GGUF), or ``--tiny`` (a generated
+4-layer random Llama, the workload of the first measurements). 64 requests with mixed prompt lengths
+(16–512 tokens) and output lengths (16–128 tokens), greedy, EOS ignored so both produce exactly the
+requested tokens. duet gets all 64 at once (continuous batching,
 chunked prefill, paged KV); transformers runs them in static, left-padded batches of ``--hf-batch`` and
 each batch generates until its longest request is done (the usual way to serve with ``generate``).
 Reported: useful output tokens per second of each, and ``ratio: <duet/transformers>`` as the last line.
@@ -39,7 +42,7 @@ def bench_duet(model_dir: str, reqs, block_size: int) -> tuple[float, int]:
     from engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model=model_dir, block_size=block_size, max_num_seqs=64,
-                                 max_num_batched_tokens=2048, kv_cache_bytes=512 << 20,
+                                 max_num_batched_tokens=2048, kv_cache_bytes=1 << 30,
                                  enable_prefix_caching=False))  # random prompts share nothing anyway
     engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     t0 = time.perf_counter()
@@ -51,10 +54,15 @@ def bench_duet(model_dir: str, reqs, block_size: int) -> tuple[float, int]:
     return elapsed, n_out
 
 
-def load_hf(model_dir: str):
+def load_hf(model_path: str):
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    path = Path(model_path)
+    if path.is_file():  # GGUF: transformers' own loader dequantizes the same file
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
 def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
@@ -76,7 +84,8 @@ def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", help="checkpoint dir (default: a generated tiny Llama)")
+    ap.add_argument("--model", help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--tiny", action="store_true", help="a generated tiny random Llama instead")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
@@ -84,7 +93,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating timed runs of each; best is kept")
     args = ap.parse_args()
     model_dir = args.model
-    if model_dir is None:
+    if model_dir is None and not args.tiny:
+        from engine.default_model import default_model_path
+
+        model_dir = str(default_model_path())
+    if args.tiny:
         from engine.tiny import make_tiny_model
 
         model_dir = str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-"), arch="llama", hidden_size=256,
@@ -96,6 +109,7 @@ def main() -> None:
     reqs = workload(args.num_requests, vocab, small=args.small)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, torch threads "
           f"{torch.get_num_threads()}, {os.cpu_count()} cpus")
+    print(f"model: {model_dir}")
     print(f"workload: {len(reqs)} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, "
           f"output tokens {sum(o for _, o in reqs)}")
     hf_model = load_hf(model_dir)

@@ -21,7 +21,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or GGUF file")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
@@ -110,8 +110,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="cluster YAML (flags override it)")
-    p.add_argument("--model", help="Hugging Face checkpoint directory")
-    p.add_argument("--served-model-name", help="the name clients use (default: the directory name)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory or GGUF file")
+    p.add_argument("--served-model-name", help="the name clients use (default: the directory name, or the GGUF "
+                                               "file name without its quantization suffix)")
     p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")

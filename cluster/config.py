@@ -95,7 +95,7 @@ class ClusterConfig:
         raw = dict(raw)
         model = raw.pop("model", None)
         if not model:
-            raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory)")
+            raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory or a GGUF file)")
         engine = _build(EngineConfig, {"model": str(model), **(raw.pop("engine", None) or {})}, "engine")
         sections = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "transfer": TransferConfig}
         kwargs: dict[str, Any] = {name: _build(t, raw.pop(name, None) or {}, name) for name, t in sections.items()}

@@ -191,7 +191,7 @@ class ModelConfig:
         if is_gguf(path):
             from engine.gguf import open_gguf
 
-            return open_gguf(str(Path(path).resolve())).model_config()
+            return open_gguf(path).model_config()
         if not Path(path).exists():
             raise ModelLoadError(f"model {path}: no such file or directory")
         return cls.from_dir(path)

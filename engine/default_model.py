@@ -27,4 +27,9 @@ def default_model_path() -> Path:
 
 
 if __name__ == "__main__":
-    print(default_model_path())
+    import sys
+
+    try:
+        print(default_model_path())
+    except ModelLoadError as e:
+        sys.exit(f"duet: error: {e}")

@@ -204,7 +204,14 @@ class GGUFCheckpoint:
         return tokenizer_from_gguf_metadata(self.metadata, source=str(self.path))
 
 
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """One parse per file and process (config, tokenizer and weights all read the same metadata); a file
+    replaced on disk is parsed again."""
+    p = Path(path).resolve()
+    stat = p.stat()
+    return _open_gguf(str(p), stat.st_mtime_ns, stat.st_size)
+
+
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str) -> GGUFCheckpoint:
-    """One parse per file and process (config, tokenizer and weights all read the same metadata)."""
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
     return GGUFCheckpoint(path)

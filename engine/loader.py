@@ -57,7 +57,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF tensor name, tensor) for every tensor of a checkpoint directory or GGUF file."""
     if is_gguf(path):
-        ckpt = open_gguf(str(Path(path).resolve()))
+        ckpt = open_gguf(path)
         total = ckpt.num_bytes
         items = ((name, torch.from_numpy(array), nbytes) for name, array, nbytes in ckpt.tensors())
     else:

@@ -96,7 +96,7 @@ class Tokenizer:
         if is_gguf(path):
             from engine.gguf import open_gguf
 
-            return open_gguf(str(Path(path).resolve())).tokenizer()
+            return open_gguf(path).tokenizer()
         return cls.from_dir(path)
 
     @classmethod

@@ -34,3 +34,27 @@ def tiny_model(tmp_path_factory):
 
 
 from tests.redis_server import redis_server, redis_url  # noqa: E402,F401  (session redis-server fixtures)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The default model's GGUF file (installed by `make install`; its absence is a failure, not a skip)."""
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory, smollm2_gguf):
+    """SmolLM2 saved by transformers 5 as a safetensors directory (written once per session, ~25 s)."""
+    from tests.real_model import save_smollm2_with_transformers
+
+    return save_smollm2_with_transformers(smollm2_gguf, tmp_path_factory.mktemp("smollm2-hf5"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """transformers' own GGUF loading of the default model: the reference duet's GGUF path must equal."""
+    from tests.real_model import Reference
+
+    return Reference.load(smollm2_gguf)

@@ -3,40 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.cluster.serve_process import free_port, serving
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"duet serve exited with {proc.returncode}:\n{proc.stderr.read()}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("duet serve did not become healthy")
 
 
 def test_serve_then_curl_streaming_completion_then_sigterm(ray_session, tiny_model, tmp_path):
@@ -47,14 +22,10 @@ def test_serve_then_curl_streaming_completion_then_sigterm(ray_session, tiny_mod
     model = tiny_model()
     port, grpc_port = free_port(), free_port()
     address = ray_session.get_runtime_context().gcs_address
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
-         "--port", str(port), "--grpc-port", str(grpc_port), "--address", address, "--num-blocks", "128",
-         "--local-prefill-max-tokens", "0"],
-        cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc)
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
+            "--port", str(port), "--grpc-port", str(grpc_port), "--address", address, "--num-blocks", "128",
+            "--local-prefill-max-tokens", "0"]
+    with serving(argv, tmp_path / "serve.log", port) as proc:
         body = {"model": Path(model).name, "prompt": "the river and the mountain", "max_tokens": 12,
                 "temperature": 0, "stream": True}
         curl = subprocess.run(["curl", "-sN", f"http://127.0.0.1:{port}/v1/completions", "-H",
@@ -68,11 +39,4 @@ def test_serve_then_curl_streaming_completion_then_sigterm(ray_session, tiny_mod
         engine = Engine(EngineConfig(model=str(model), num_blocks=128))
         want = engine.generate(["the river and the mountain"], SamplingParams(max_tokens=12, temperature=0))[0]
         assert text == want["text"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError("duet serve did not stop within 60 s of SIGTERM")
-    assert rc == 0, proc.stderr.read()[-3000:]
+    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]

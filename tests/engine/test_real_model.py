@@ -1,0 +1,56 @@
+"""The real default model in one engine: SmolLM2-135M-Instruct from its GGUF file and from the directory
+transformers 5 saves, token for token against transformers (greedy; raw prompts and chats, batched)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+from tests.real_model import CHATS, RAW_PROMPTS
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 48
+
+
+def test_gguf_and_transformers_5_directory_parse_to_the_same_model(smollm2_gguf, smollm2_dir):
+    saved = json.loads((smollm2_dir / "config.json").read_text())
+    assert "rope_parameters" in saved and "rope_theta" not in saved  # the form that used to be misread
+    from_gguf, from_dir = ModelConfig.from_checkpoint(smollm2_gguf), ModelConfig.from_checkpoint(smollm2_dir)
+    assert from_gguf.rope_theta == from_dir.rope_theta == 100000.0
+    fields = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_type",
+              "tie_word_embeddings")
+    assert {f: getattr(from_gguf, f) for f in fields} == {f: getattr(from_dir, f) for f in fields}
+    assert (from_gguf.num_layers, from_gguf.hidden_size, from_gguf.num_heads, from_gguf.num_kv_heads) == (30, 576, 9, 3)
+
+
+def test_gguf_tokenizer_equals_transformers(smollm2_gguf, smollm2_reference):
+    ours, ref = Tokenizer.from_checkpoint(smollm2_gguf), smollm2_reference.tokenizer
+    texts = RAW_PROMPTS + ["In 2024 there were 12345 cats, x1y22z333 and $3.50.", "héllo wörld ñ 中文 🙂",
+                           "a\n\n  b\t\tc   ", "<|im_start|>user\nhi<|im_end|>", "don't I'LL  you've", ""]
+    for text in texts:
+        assert ours.encode(text) == smollm2_reference.prompt_ids(text), text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"], skip_special_tokens=True)
+    for messages in CHATS.values():
+        assert ours.encode_chat(messages) == smollm2_reference.chat_ids(messages)
+    assert ours.eos_token_ids == {ref.eos_token_id} and ours.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("checkpoint", ["gguf", "transformers-5-dir"])
+def test_greedy_equals_transformers(checkpoint, smollm2_gguf, smollm2_dir, smollm2_reference):
+    path = smollm2_gguf if checkpoint == "gguf" else smollm2_dir
+    engine = Engine(EngineConfig(model=str(path), num_blocks=96))
+    ref = smollm2_reference
+    prompts = [ref.chat_ids(m) for m in CHATS.values()] + [ref.prompt_ids(p) for p in RAW_PROMPTS]
+    results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    for ids, res in zip(prompts, results):
+        want = ref.greedy(ids, MAX_TOKENS)
+        ours = res["token_ids"]
+        assert ours[:len(ours) - (ours[-1] in engine.tokenizer.eos_token_ids)] == want  # EOS itself not compared
+        assert res["text"] == ref.text(want)
+    assert "Paris" in results[0]["text"]
+    engine.pool.check()
