@@ -80,12 +80,16 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, bytes of the file it accounts for: its own, plus the header for a file's last one)."""
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
-                for name in st.keys():
+                names, left = list(st.keys()), f.stat().st_size
+                for i, name in enumerate(names):
                     tensor = st.get_tensor(name)
-                    yield name, tensor, tensor.numel() * tensor.element_size()
+                    nbytes = left if i == len(names) - 1 else tensor.numel() * tensor.element_size()
+                    left -= nbytes
+                    yield name, tensor, nbytes
         except ModelLoadError:
             raise
         except Exception as e:  # a truncated or corrupt file
