@@ -103,6 +103,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_params: tuple[tuple[str, Any], ...] = ()  # the type's parameters (factor, ...), frozen as sorted items
+    rope_freq_factors: tuple[float, ...] = ()  # GGUF ``rope_freqs``: per-frequency divisors (Llama 3.1 scaling)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
@@ -128,6 +129,9 @@ class ModelConfig:
         missing = [k for k in ROPE_TYPES[self.rope_type][0] if k not in self.rope_params_dict]
         if missing:
             raise ModelLoadError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ModelLoadError(f"rope_freqs has {len(self.rope_freq_factors)} factors, head_dim {self.head_dim} needs "
+                                 f"{self.head_dim // 2}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ModelLoadError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if not self.layer_types:

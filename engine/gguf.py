@@ -17,8 +17,8 @@ Being exact about what the file says:
   hyperparameter of a variant we do not implement (sliding window, soft-capping, experts, ALiBi, ...) and
   the file is refused with a ``ModelLoadError`` naming it. ``general.*`` keys are descriptive and ignored.
 - RoPE: ``rope.freq_base``; ``rope.dimension_count`` must be the whole head (no partial rotary);
-  ``rope.scaling.type`` none or linear. Llama-3.1-style files carry their scaled frequencies as a
-  ``rope_freqs`` tensor, which we refuse rather than ignore.
+  ``rope.scaling.type`` none or linear. Llama-3.1-style files carry their scaling as a ``rope_freqs``
+  tensor of per-frequency divisors, applied as llama.cpp applies them (``ModelConfig.rope_freq_factors``).
 - dtype "auto": float16 / bfloat16 for files stored in those types, float32 otherwise (a quantized weight
   dequantizes exactly into float32).
 """
@@ -50,6 +50,7 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_ROPE_FREQS = "rope_freqs.weight"
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -107,9 +108,6 @@ class GGUFCheckpoint:
         for key in ("expert_count", "expert_used_count"):
             if self._arch(key, 0):
                 raise ModelLoadError(f"{self.path}: {prefix}{key}={self._arch(key)} (mixture of experts) is not supported")
-        if "rope_freqs.weight" in self.tensor_names:
-            raise ModelLoadError(f"{self.path}: the file carries rope_freqs (Llama-3.1-style scaled RoPE "
-                                 "frequencies), which duet does not apply from GGUF; use the HF checkpoint")
         hidden, num_heads = int(self._arch("embedding_length")), int(self._arch("attention.head_count"))
         num_kv_heads = self._arch("attention.head_count_kv", num_heads)
         if isinstance(num_kv_heads, list):  # per-layer counts
@@ -144,6 +142,7 @@ class GGUFCheckpoint:
             rope_theta=float(self._arch("rope.freq_base", 10000.0)),
             rope_type=rope_type,
             rope_params=rope_params,
+            rope_freq_factors=self._rope_freq_factors(),
             tie_word_embeddings="output.weight" not in self.tensor_names,
             qkv_bias="blk.0.attn_q.bias" in self.tensor_names,
             o_proj_bias="blk.0.attn_output.bias" in self.tensor_names,
@@ -151,6 +150,15 @@ class GGUFCheckpoint:
             checkpoint_dtype=self._stored_dtype(),
             model_id=checkpoint_name(self.path),
         )
+
+    def _rope_freq_factors(self) -> tuple[float, ...]:
+        """Llama 3.1-style files store their RoPE scaling as a ``rope_freqs`` tensor of per-frequency divisors."""
+        import gguf
+
+        for t in self._reader.tensors:
+            if t.name == _ROPE_FREQS:
+                return tuple(float(x) for x in gguf.dequantize(t.data, t.tensor_type).reshape(-1))
+        return ()
 
     def _stored_dtype(self) -> str:
         import gguf
@@ -174,6 +182,8 @@ class GGUFCheckpoint:
 
         cfg = self.model_config()
         for t in self._reader.tensors:
+            if t.name == _ROPE_FREQS:  # part of the config (rope_freq_factors), not a weight
+                continue
             name = self.hf_name(t.name)
             try:
                 array = gguf.dequantize(t.data, t.tensor_type)

@@ -49,7 +49,8 @@ class Linear(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], incl. ``linear`` and ``llama3`` scaling as HF computes them."""
+    """Inverse frequencies [head_dim // 2], incl. ``linear`` and ``llama3`` scaling as HF computes them, and
+    GGUF's per-frequency ``rope_freqs`` divisors."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = cfg.rope_params_dict
@@ -65,6 +66,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    if cfg.rope_freq_factors:  # llama.cpp's form of the same scaling: theta / factor per frequency
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 

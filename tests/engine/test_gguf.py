@@ -101,6 +101,35 @@ def test_gguf_with_linear_rope_scaling_equals_the_hf_checkpoint(tiny_model, gguf
     assert greedy(engine_for(path)) == greedy(engine_for(hf_dir))
 
 
+def llama_cpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float, old_ctx: int):
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for a llama3-rope checkpoint (its own formula)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_gguf_rope_freqs_equal_llama3_rope_scaling(tiny_model, gguf_dir):
+    """A Llama-3.1-style GGUF carries its RoPE scaling as rope_freqs; it runs like the HF llama3 checkpoint."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf_dir = tiny_model("llama", rope_scaling=scaling)
+    factors = llama_cpp_rope_freqs(16, 10000.0, 8.0, 1.0, 4.0, 64)
+    assert len(set(factors.tolist())) > 2  # low, high and smoothed frequencies all present at this shape
+    path = write_gguf(hf_dir, gguf_dir / "llama31.gguf", "F32", extra_tensors={"rope_freqs.weight": factors})
+    cfg = ModelConfig.from_checkpoint(path)
+    assert cfg.rope_freq_factors == tuple(factors.tolist()) and cfg.rope_type == "default"
+    assert greedy(engine_for(path), n=40) == greedy(engine_for(hf_dir), n=40)
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(metadata={"llama.attention.sliding_window": 64}), "llama.attention.sliding_window=64"),
     (dict(metadata={"llama.attn_logit_softcapping": 30.0}), "llama.attn_logit_softcapping=30.0"),
@@ -108,7 +137,7 @@ def test_gguf_with_linear_rope_scaling_equals_the_hf_checkpoint(tiny_model, gguf
     (dict(metadata={"llama.rope.dimension_count": 8}), r"rope.dimension_count=8 < head dim 16 \(partial rotary\)"),
     (dict(metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
      "rope.scaling.type='yarn' is not supported"),
-    (dict(extra_tensors={"rope_freqs.weight": np.ones(8)}), "rope_freqs"),
+    (dict(extra_tensors={"rope_freqs.weight": np.ones(5)}), "rope_freqs has 5 factors, head_dim 16 needs 8"),
     (dict(tokenizer_model="llama"), "tokenizer.ggml.model='llama' is not supported"),
     (dict(pre="made-up-pre"), "tokenizer.ggml.pre='made-up-pre' is not a pre-tokenizer duet knows"),
     (dict(drop_metadata=("tokenizer.ggml.pre",)), "tokenizer.ggml.pre=None"),
