@@ -96,7 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "router.host": args.host, "router.port": args.port, "router.grpc_port": args.grpc_port,
         "router.index": args.index, "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
-        "router.api_keys": args.api_key or None,
+        "router.api_keys": args.api_key or None, "router.admin_key": args.admin_key,
+        "autoscaler.enabled": True if args.autoscale else None, "autoscaler.interval_s": args.autoscale_interval_s,
+        "autoscaler.min_prefill": args.min_prefill, "autoscaler.max_prefill": args.max_prefill,
+        "autoscaler.min_decode": args.min_decode, "autoscaler.max_decode": args.max_decode,
+        "autoscaler.ttft_slo_s": args.ttft_slo_s, "autoscaler.itl_slo_s": args.itl_slo_s,
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
     }
@@ -125,6 +129,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-max-tokens", type=int,
                    help="decode worker prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
+    p.add_argument("--admin-key", help="bearer key for /admin writes (without it: only on a loopback bind)")
+    p.add_argument("--autoscale", action="store_true", help="size the prefill and decode pools to the traffic")
+    p.add_argument("--min-prefill", type=int, help="autoscaler bound (default 1)")
+    p.add_argument("--max-prefill", type=int, help="autoscaler bound (default 3)")
+    p.add_argument("--min-decode", type=int, help="autoscaler bound (default 1)")
+    p.add_argument("--max-decode", type=int, help="autoscaler bound (default 3)")
+    p.add_argument("--autoscale-interval-s", type=float, help="seconds between autoscaler decisions (default 10)")
+    p.add_argument("--ttft-slo-s", type=float, help="time-to-first-token SLO the prefill pool is sized for (default 2)")
+    p.add_argument("--itl-slo-s", type=float, help="inter-token latency SLO the decode pool is sized for (default 0.25)")
     p.add_argument("--device", help="cpu | cuda")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)

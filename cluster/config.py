@@ -9,6 +9,9 @@
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory}
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
+    autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
+                 ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key
+    lifecycle: {health_interval_s: 1, stats_interval_s: 1, drain_timeout_s: 300, start_timeout_s: 300}
     ray_address: null                    # null: start a local Ray; "auto" / "host:port": attach
 
 Every section is validated when it is built (ConfigError naming the key). Unknown keys are refused,
@@ -24,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscaler import AutoscalerConfig
 from engine.config import EngineConfig, checkpoint_name
 from engine.errors import ConfigError
 
@@ -52,6 +56,7 @@ class RouterConfig:
     decode_policy: str = "cache_aware"
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode worker prefills short uncached prompts
     api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None  # required for /admin writes; None: writes only on a loopback bind
     index: str = "memory"  # "memory" or "redis://host:port[/db]"
 
     def __post_init__(self) -> None:
@@ -77,6 +82,20 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class LifecycleConfig:
+    """How the router watches and changes its workers (cluster/pools.py)."""
+
+    health_interval_s: float = 1.0  # liveness probe of every worker
+    stats_interval_s: float = 1.0  # stats() of every worker (metrics, admin API, autoscaler)
+    drain_timeout_s: float = 300.0  # a draining worker is stopped after this even if requests remain (logged)
+    start_timeout_s: float = 300.0  # a worker that is not ready by then is killed and counts as failed
+
+    def __post_init__(self) -> None:
+        if min(self.health_interval_s, self.stats_interval_s, self.drain_timeout_s, self.start_timeout_s) <= 0:
+            raise ConfigError("lifecycle intervals and timeouts must be > 0")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     engine: EngineConfig
     served_model_name: str | None = None
@@ -84,6 +103,8 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     ray_address: str | None = None
 
     @property
@@ -97,7 +118,8 @@ class ClusterConfig:
         if not model:
             raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory or a GGUF file)")
         engine = _build(EngineConfig, {"model": str(model), **(raw.pop("engine", None) or {})}, "engine")
-        sections = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "transfer": TransferConfig}
+        sections = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "transfer": TransferConfig,
+                    "autoscaler": AutoscalerConfig, "lifecycle": LifecycleConfig}
         kwargs: dict[str, Any] = {name: _build(t, raw.pop(name, None) or {}, name) for name, t in sections.items()}
         for key in ("served_model_name", "ray_address"):
             if key in raw:

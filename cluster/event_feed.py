@@ -48,11 +48,12 @@ async def _resync(client, feed) -> int:
     return seq
 
 
-def start_redis_feed(url: str, backend) -> asyncio.Task:
+def start_redis_feed(url: str, backend, on_load=None):
+    """(task, feed) reading the shared Redis stream into the backend's index and load tracker."""
     from router.events import IndexFeed
     from router.redis_events import RedisEventSource
 
-    feed = IndexFeed(backend.index, backend.tracker)
+    feed = IndexFeed(backend.index, backend.tracker, on_load=on_load)
     source = RedisEventSource(url, feed)
     source.restore()  # snapshot + stream: a restarting router rebuilds the same view
-    return source.start(snapshot_interval_s=SNAPSHOT_INTERVAL_S)
+    return source.start(snapshot_interval_s=SNAPSHOT_INTERVAL_S), feed

@@ -21,11 +21,12 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import ray
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig
+from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
 from decode_worker.worker import DecodeWorker
 from engine.config import ModelConfig
@@ -36,12 +37,14 @@ from prefill_worker.base import WorkerInfo, WorkerOptions
 from prefill_worker.worker import PrefillWorker
 from router.backend import ModelCard
 from router.dispatch import ClusterBackend
-from router.policy import POLICIES
+from router.events import IndexFeed
+from router.metrics import ClusterCollector, RouterMetrics
+from router.policy import POLICIES, Role
+from router.registry import WorkerState
 
 log = logging.getLogger(__name__)
 
 WORKER_RESOURCE = "duet_worker"
-START_TIMEOUT_S = 300.0
 FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole cached set this often
 
 
@@ -49,57 +52,82 @@ FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole c
 class Cluster:
     config: ClusterConfig
     backend: ClusterBackend
-    prefill: list[RayWorkerClient]
-    decode: list[RayWorkerClient]
+    pools: PoolManager
+    metrics: RouterMetrics
+    feed: IndexFeed | None = None
     feed_tasks: list[asyncio.Task] = field(default_factory=list)
     started_ray: bool = False
 
     @classmethod
     async def start(cls, config: ClusterConfig) -> Cluster:
         started_ray = _init_ray(config)
-        use_resource = WORKER_RESOURCE in ray.cluster_resources()
-        sinks = _sink_factory(config)
-        handles = [_spawn(PrefillWorker, config, config.prefill, "prefill", i, use_resource, sinks())
-                   for i in range(config.prefill.num_workers)]
-        handles += [_spawn(DecodeWorker, config, config.decode, "decode", i, use_resource, sinks())
-                    for i in range(config.decode.num_workers)]
+        spawn = _spawner(config, WORKER_RESOURCE in ray.cluster_resources())
+        names = [f"prefill-{i}" for i in range(config.prefill.num_workers)]
+        names += [f"decode-{i}" for i in range(config.decode.num_workers)]
+        handles = {name: spawn(Role(name.split("-")[0]), name) for name in names}
         try:
             infos: list[WorkerInfo] = await asyncio.wait_for(
-                asyncio.gather(*(h.info.remote() for h in handles)), START_TIMEOUT_S)
+                asyncio.gather(*(h.info.remote() for h in handles.values())), config.lifecycle.start_timeout_s)
         except Exception as e:
-            for h in handles:
+            for h in handles.values():
                 ray.kill(h)
             raise ConfigError(f"workers failed to start: {e}") from e
-        clients = [RayWorkerClient(h, i) for h, i in zip(handles, infos)]
+        clients = [RayWorkerClient(h, i) for h, i in zip(handles.values(), infos)]
         prefill = [c for c in clients if c.info.role == "prefill"]
         decode = [c for c in clients if c.info.role == "decode"]
         peers = [c.info.peer for c in prefill]
         if peers:
             await asyncio.gather(*(d.handle.add_peers.remote(peers) for d in decode))
-        backend = _make_backend(config, prefill, decode, infos)
-        cluster = cls(config, backend, prefill, decode, started_ray=started_ray)
-        cluster.feed_tasks = _start_feeds(config, backend, clients)
+        metrics = RouterMetrics(config.model_name, min(i.max_model_len for i in infos))
+        backend = _make_backend(config, prefill, decode, infos, metrics)
+        for c in clients:
+            rec = backend.registry.get(c.worker_id)
+            rec.pid, rec.node = c.info.pid, c.info.node
+        feed, feed_tasks, start_feed = _start_feeds(config, backend, clients)
+        pools = PoolManager(config, backend, spawn, handles=handles, start_feed=start_feed, metrics=metrics)
+        metrics.add_collector(ClusterCollector(
+            config.model_name, backend.registry, targets=lambda: {r.value: n for r, n in pools.targets.items()},
+            feed_counters=lambda: asdict(feed.counters) if feed is not None else {}))
+        cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
+        pools.feeds.update({c.worker_id: t for c, t in zip(clients, feed_tasks)} if start_feed else {})
+        cluster.feed_tasks = [] if start_feed else feed_tasks
+        pools.start()
         log.info("cluster up: %d prefill + %d decode workers (%s)", len(prefill), len(decode), config.engine.model)
         return cluster
 
     @property
+    def registry(self):
+        return self.backend.registry
+
+    @property
     def workers(self) -> list[RayWorkerClient]:
-        """The live workers (the router removes one it found dead)."""
-        return [w for w in (*self.prefill, *self.decode) if w.worker_id not in self.backend.lost]
+        """The workers that take or finish requests (ready or draining)."""
+        return [r.client for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
+
+    @property
+    def prefill(self) -> list[RayWorkerClient]:
+        return [r.client for r in self.registry.records(Role.PREFILL) if r.client is not None]
+
+    @property
+    def decode(self) -> list[RayWorkerClient]:
+        return [r.client for r in self.registry.records(Role.DECODE) if r.client is not None]
 
     async def stats(self) -> list[dict]:
         return list(await asyncio.gather(*(w.stats() for w in self.workers)))
 
     async def stop(self) -> None:
+        await self.pools.stop()
         for task in self.feed_tasks:
             task.cancel()
         await asyncio.gather(*self.feed_tasks, return_exceptions=True)
-        for w in (*self.prefill, *self.decode):
+        for worker_id, handle in list(self.pools.handles.items()):
             try:
-                await asyncio.wait_for(w.handle.shutdown.remote(), 10)
+                await asyncio.wait_for(handle.shutdown.remote(), 10)
             except Exception as e:  # a dead or stuck worker: killed below all the same
-                log.debug("worker %s did not shut down cleanly: %r", w.worker_id, e)
-            ray.kill(w.handle)
+                log.debug("worker %s did not shut down cleanly: %r", worker_id, e)
+            ray.kill(handle)
+            if self.registry.get(worker_id).state != WorkerState.DEAD:
+                self.backend.retire(worker_id, "cluster stopped", fault=False)
         if self.started_ray:
             ray.shutdown()
 
@@ -111,28 +139,38 @@ def _init_ray(config: ClusterConfig) -> bool:
     if config.ray_address:
         ray.init(address=config.ray_address, namespace="duet", log_to_driver=True)
         return True
-    n_workers = config.prefill.num_workers + config.decode.num_workers
-    need_cpus = config.prefill.num_workers * config.prefill.num_cpus + config.decode.num_workers * config.decode.num_cpus
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)), resources={WORKER_RESOURCE: n_workers},
-             namespace="duet", include_dashboard=False, log_to_driver=True)
+    # room for every worker the pools may grow to, and for replacements starting while a dead one is reaped
+    auto = config.autoscaler
+    n_workers = max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode) + 1
+    per_worker_cpus = max(config.prefill.num_cpus, config.decode.num_cpus)
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(n_workers * per_worker_cpus + 0.999)),
+             resources={WORKER_RESOURCE: n_workers}, namespace="duet", include_dashboard=False, log_to_driver=True)
     return True
 
 
-def _spawn(worker_cls, config: ClusterConfig, pool: PoolConfig, role: str, index: int, use_resource: bool, sinks):
-    on_gpu = config.engine.device.startswith("cuda")
-    num_gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
-    options = WorkerOptions(
-        worker_id=f"{role}-{index}", role=role, lease_timeout_s=config.transfer.lease_timeout_s,
-        transfer_timeout_s=config.transfer.transfer_timeout_s,
-        recompute_on_transfer_failure=config.transfer.recompute_on_failure,
-        torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
-        full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
-    resources = {WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}
-    actor = ray.remote(worker_cls).options(
-        name=f"duet-{role}-{index}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus,
-        resources=resources, max_restarts=0)
-    engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
-    return actor.remote(engine, options, sinks)
+def _spawner(config: ClusterConfig, use_resource: bool):
+    """``spawn(role, worker_id) -> actor handle``: one worker actor, placed as the module docstring says."""
+    sinks = _sink_factory(config)
+
+    def spawn(role: Role, worker_id: str):
+        pool = config.prefill if role == Role.PREFILL else config.decode
+        worker_cls = PrefillWorker if role == Role.PREFILL else DecodeWorker
+        on_gpu = config.engine.device.startswith("cuda")
+        num_gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
+        options = WorkerOptions(
+            worker_id=worker_id, role=role.value, lease_timeout_s=config.transfer.lease_timeout_s,
+            transfer_timeout_s=config.transfer.transfer_timeout_s,
+            recompute_on_transfer_failure=config.transfer.recompute_on_failure,
+            torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
+            full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
+        resources = {WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}
+        actor = ray.remote(worker_cls).options(
+            name=f"duet-{worker_id}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus,
+            num_gpus=num_gpus, resources=resources, max_restarts=0)
+        engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
+        return actor.remote(engine, options, sinks())
+
+    return spawn
 
 
 def _sink_factory(config: ClusterConfig):
@@ -147,7 +185,8 @@ def _sink_factory(config: ClusterConfig):
     return make
 
 
-def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo]) -> ClusterBackend:
+def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo],
+                  metrics: RouterMetrics) -> ClusterBackend:
     model_config = ModelConfig.from_checkpoint(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()))
@@ -157,15 +196,24 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
         card, Tokenizer.from_checkpoint(config.engine.model), hasher, prefill, decode,
         prefill_policy=POLICIES[config.router.prefill_policy](B),
         decode_policy=POLICIES[config.router.decode_policy](B),
-        local_prefill_max_tokens=config.router.local_prefill_max_tokens)
+        local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics)
 
 
-def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[RayWorkerClient]) -> list[asyncio.Task]:
+def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[RayWorkerClient]):
+    """(feed, tasks, start_feed): the embedded index polls each worker (start_feed adds a worker later);
+    the Redis index reads one stream for everyone (start_feed is None)."""
     from cluster.event_feed import poll_worker_events, start_redis_feed
+    from router.events import IndexFeed
+
+    def on_load(load) -> None:
+        backend.registry.update_load(load, time.monotonic())
 
     if config.router.index == "memory":
-        from router.events import IndexFeed
+        feed = IndexFeed(backend.index, backend.tracker, on_load=on_load)
 
-        feed = IndexFeed(backend.index, backend.tracker)
-        return [asyncio.create_task(poll_worker_events(c, feed), name=f"events-{c.worker_id}") for c in clients]
-    return [start_redis_feed(config.router.index, backend)]
+        def start_feed(client: RayWorkerClient) -> asyncio.Task:
+            return asyncio.create_task(poll_worker_events(client, feed), name=f"events-{client.worker_id}")
+
+        return feed, [start_feed(c) for c in clients], start_feed
+    task, feed = start_redis_feed(config.router.index, backend, on_load=on_load)
+    return feed, [task], None

@@ -69,7 +69,9 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
         cluster = await Cluster.start(config)
         backend = cluster.backend
     rc = config.router
-    app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name])
+    app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name],
+                     operator=cluster.pools if cluster else None, metrics=cluster.metrics if cluster else None,
+                     admin_key=rc.admin_key, bind_host=rc.host)
     server = _Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="info", lifespan="off",
                                            timeout_graceful_shutdown=int(GRACE_S)))
     grpc_server = None

@@ -33,6 +33,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.disagg import KVHandoff, RemoteKVPlan
 from engine.engine import Engine
+from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
 from kvtransfer import KVTransferError, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
 from prefill_worker.base import EventSink, WorkerBase, WorkerOptions
 
@@ -46,6 +47,9 @@ class DecodeWorker(WorkerBase):
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self.transfer_stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0,
                                "transfers_skipped_full_hit": 0}
+        self._xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
+        self._xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
+        self._stats_lock = threading.Lock()  # the transfer thread writes these, stats() reads them
         super().__init__(engine_config, options, sinks)
         self._transfer_thread = threading.Thread(target=self._transfer_loop, name=f"kv-{options.worker_id}", daemon=True)
         self._transfer_thread.start()
@@ -145,25 +149,32 @@ class DecodeWorker(WorkerBase):
 
     def _pull(self, transport: NixlTransport, request: TransferRequest, request_id: str) -> None:
         t0 = time.perf_counter()
-        error = None
+        error, num_bytes = None, 0
         try:
             if not transport.has_peer(request.peer_name):
                 raise KVTransferError(f"unknown prefill worker {request.peer_name!r} (no handshake)")
-            result = transport.pull(request, timeout_s=self.options.transfer_timeout_s)
-            self.transfer_stats["transfers_ok"] += 1
-            self.transfer_stats["transfer_bytes"] += result.num_bytes
+            num_bytes = transport.pull(request, timeout_s=self.options.transfer_timeout_s).num_bytes
         except KVTransferError as e:
-            self.transfer_stats["transfers_failed"] += 1
             error = str(e)
         except Exception as e:  # nixl binding errors
-            self.transfer_stats["transfers_failed"] += 1
             error = f"{type(e).__name__}: {e}"
-        self.transfer_stats["transfer_s"] += time.perf_counter() - t0
+        elapsed_s = time.perf_counter() - t0
+        with self._stats_lock:
+            self.transfer_stats["transfer_s"] += elapsed_s
+            if error is None:
+                self.transfer_stats["transfers_ok"] += 1
+                self.transfer_stats["transfer_bytes"] += num_bytes
+                self._xfer_time.observe(elapsed_s)
+                self._xfer_bytes.observe(num_bytes)
+            else:
+                self.transfer_stats["transfers_failed"] += 1
         self.aengine.call(lambda engine: self._settle(request_id, error))
 
     def _role_stats(self) -> dict[str, Any]:
-        return {**self.transfer_stats, "waiting_for_blocks": len(self._waiting),
-                "remote_pending": len(self.engine.remote_pending)}
+        with self._stats_lock:
+            return {**self.transfer_stats, "waiting_for_blocks": len(self._waiting),
+                    "remote_pending": len(self.engine.remote_pending),
+                    "transfer_time_s": self._xfer_time.snapshot(), "transfer_size_bytes": self._xfer_bytes.snapshot()}
 
     def shutdown(self) -> None:
         self._jobs.put(("stop",))

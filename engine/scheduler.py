@@ -16,11 +16,13 @@ Bookkeeping only (no torch): the engine runs the model on the ``SchedulerOutput`
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.hashing import BlockHasher
+from engine.histogram import LATENCY_BUCKETS_S, Histogram
 from engine.request import Request, RequestStatus
 
 
@@ -68,6 +70,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.queue_time = Histogram(LATENCY_BUCKETS_S)  # arrival → first scheduled, seconds (not after preemption)
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -129,6 +133,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if need > 0:
                     request.blocks.extend(self.pool.allocate(need))
+                self._observe_queue_time(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new))
@@ -154,11 +159,17 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
             self.num_prefix_hit_tokens += num_cached
+            self.num_prefix_queried_tokens += request.num_tokens
+            self._observe_queue_time(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _observe_queue_time(self, request: Request) -> None:
+        if request.num_preemptions == 0:
+            self.queue_time.observe(time.monotonic() - request.arrival_time)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """The model has run ``out``: advance computed counts and offer newly full blocks to the cache."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 from abc import ABC, abstractmethod
 import time
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ class WorkerInfo:
     num_blocks: int
     peer: PeerInfo
     pid: int
+    node: str = ""  # host name (the pod's name on Kubernetes)
 
 
 def kv_compat(engine: Engine) -> KVCompat:
@@ -143,7 +145,7 @@ class WorkerBase(ABC):
             worker_id=self.options.worker_id, role=self.options.role, model_id=self.compat.model_id,
             hash_fingerprint=e.hasher.fingerprint,
             block_size=e.config.block_size, max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
-            num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid())
+            num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid(), node=platform.node())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """Prefill and decode here (colocated; a decode worker's conditional local prefill)."""
@@ -184,10 +186,14 @@ class WorkerBase(ABC):
         def take(engine: Engine) -> dict[str, Any]:
             pool = engine.pool
             pool.check()
+            sched = engine.scheduler
             return {"worker_id": self.options.worker_id, "role": self.options.role, **asdict(engine.stats),
                     "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
-                    "kv_blocks_cached": pool.num_cached_blocks, "running": len(engine.scheduler.running),
-                    "waiting": len(engine.scheduler.waiting), "num_requests": len(engine.requests),
+                    "kv_blocks_cached": pool.num_cached_blocks, "running": len(sched.running),
+                    "waiting": len(sched.waiting), "num_requests": len(engine.requests),
+                    "num_held": len(engine.held), "num_preemptions": sched.num_preemptions,
+                    "prefix_cache_queried_tokens": sched.num_prefix_queried_tokens,
+                    "prefix_cache_hit_tokens": sched.num_prefix_hit_tokens, "queue_time_s": sched.queue_time.snapshot(),
                     "uptime_s": time.time() - self._started_s, **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))

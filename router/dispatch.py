@@ -12,6 +12,12 @@ worker (cluster.ray_client talks to Ray actors; tests may bring their own). One 
     yield first                                    # TTFT: the client has its first token now
     stream D.decode(handoff)                       # D pulls the blocks it lacks over NIXL, decodes
 
+Workers come from the one `WorkerRegistry` (router/registry.py): only `ready` ones are routed to; a
+`draining` one finishes what it holds. ``inflight[worker]`` counts the requests placed on a worker and
+not yet done with it (a decode worker from the moment it is chosen, before its prefill ran elsewhere), which
+is what a drain waits for. With `metrics`, every output is timed as the client sees it (router/metrics.py)
+and attributed to the worker that produced it; routing outcomes are counted.
+
 The router's `LoadTracker` counts every dispatch at once (prefill tokens the router expects to be
 uncached, sequences, KV blocks) and forgets it when the request leaves the worker, so back-to-back
 decisions do not wait for workers' load reports. Leaving early (client gone) aborts on every worker
@@ -25,9 +31,11 @@ Bad input raises InvalidRequestError before anything runs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +49,9 @@ from engine.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
 from router.index import PrefixIndex
 from router.load import LoadTracker
+from router.metrics import RequestTiming, RouterMetrics
 from router.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
+from router.registry import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -106,32 +116,63 @@ class ClusterBackend(Backend):
         card: ModelCard,
         tokenizer: Tokenizer,
         hasher: BlockHasher,
-        prefill: Sequence[WorkerClient],
-        decode: Sequence[WorkerClient],
+        prefill: Sequence[WorkerClient] = (),
+        decode: Sequence[WorkerClient] = (),
         *,
+        registry: WorkerRegistry | None = None,
         index: PrefixIndex | None = None,
         tracker: LoadTracker | None = None,
         prefill_policy: RoutingPolicy | None = None,
         decode_policy: RoutingPolicy | None = None,
         local_prefill_max_tokens: int = 0,
+        metrics: RouterMetrics | None = None,
     ) -> None:
-        if not decode:
-            raise ConfigError("a cluster needs at least one decode worker")
-        check_fingerprints(hasher, [c.descriptor for c in (*prefill, *decode)])
         self.card = card
         self.tokenizer = tokenizer
         self.hasher = hasher
-        self.prefill = {c.worker_id: c for c in prefill}
-        self.decode = {c.worker_id: c for c in decode}
+        self.registry = registry or WorkerRegistry()
         self.index = index or PrefixIndex()
         self.tracker = tracker or LoadTracker()
-        for w in (*self.prefill, *self.decode):
-            self.tracker.add_worker(w)
         self.prefill_policy = prefill_policy or CacheAwarePolicy(hasher.block_size)
         self.decode_policy = decode_policy or CacheAwarePolicy(hasher.block_size)
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.metrics = metrics
         self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0}
-        self.lost: dict[str, str] = {}  # workers removed after a fault -> why
+        self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
+        for client in (*prefill, *decode):
+            self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
+            self.activate(client)
+        if not self.registry.live(Role.DECODE):
+            raise ConfigError("a cluster needs at least one decode worker")
+
+    # ---- the pools (views of the registry) -----------------------------------------------------
+    @property
+    def prefill(self) -> dict[str, WorkerClient]:
+        return {r.worker_id: r.client for r in self.registry.ready(Role.PREFILL)}
+
+    @property
+    def decode(self) -> dict[str, WorkerClient]:
+        return {r.worker_id: r.client for r in self.registry.ready(Role.DECODE)}
+
+    @property
+    def lost(self) -> dict[str, str]:
+        """Workers removed after a fault -> why."""
+        return {r.worker_id: r.reason for r in self.registry.records(states=(WorkerState.DEAD,)) if r.fault}
+
+    def activate(self, client: WorkerClient, pid: int | None = None, node: str | None = None) -> None:
+        """A started worker (already in the registry as ``starting``) joins its pool: routed to from now on."""
+        check_fingerprints(self.hasher, [client.descriptor])
+        self.tracker.add_worker(client.worker_id)
+        self.registry.mark_ready(client.worker_id, time.monotonic(), client=client, pid=pid, node=node)
+
+    def retire(self, worker_id: str, reason: str, *, fault: bool) -> bool:
+        """A worker leaves for good (drained, or found dead): out of the registry's live set, the index and
+        the load tracker. False if it had already left."""
+        if self.registry.mark_dead(worker_id, reason, time.monotonic(), fault=fault) is None:
+            return False
+        self.index.remove_worker(worker_id)
+        self.tracker.remove_worker(worker_id)
+        return True
 
     def health(self) -> Health:
         return Health(ok=bool(self.decode), detail={
@@ -143,74 +184,109 @@ class ClusterBackend(Backend):
         self.check_request(prompt_token_ids, params)
         ids = list(prompt_token_ids)
         hashes = self.hasher(ids)
-        for _ in range(MAX_PLACEMENTS):
-            try:
-                stream = self._place(request_id, ids, hashes, params)
-            except NoWorkersError as e:
-                yield self._error_output(request_id, None, e)
-                return
-            lost = False
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    if out is _WORKER_LOST:  # lost before anything was sent: place the request again
-                        lost = True
-                        break
-                    yield out
-            if not lost:
-                return
-        yield self._error_output(request_id, None, RuntimeError(f"workers kept failing ({MAX_PLACEMENTS} placements)"))
+        timing = self.metrics.request(len(ids)) if self.metrics is not None else None
+        try:
+            for placement in range(MAX_PLACEMENTS):
+                try:
+                    stream = self._place(request_id, ids, hashes, params, timing, again=placement > 0)
+                except NoWorkersError as e:
+                    yield self._timed(timing, None, self._error_output(request_id, None, e))
+                    return
+                lost = False
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        if out is _WORKER_LOST:  # lost before anything was sent: place the request again
+                            lost = True
+                            break
+                        yield out
+                if not lost:
+                    return
+            yield self._timed(timing, None, self._error_output(
+                request_id, None, RuntimeError(f"workers kept failing ({MAX_PLACEMENTS} placements)")))
+        finally:
+            if timing is not None:
+                timing.finish("abort")  # no-op when the request already finished
 
-    def _place(self, rid: str, ids: list[int], hashes: list[int], params: SamplingParams):
+    def _place(self, rid: str, ids: list[int], hashes: list[int], params: SamplingParams,
+               timing: RequestTiming | None, again: bool):
         B = self.hasher.block_size
-        d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(self.decode), hashes, len(ids))
+        decode, prefill = self.decode, self.prefill
+        try:
+            d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(decode), hashes, len(ids))
+        except NoWorkersError:
+            self._count_route(Role.DECODE, "no_workers")
+            raise
         uncached_on_d = len(ids) - d.overlap_blocks * B
         total_blocks = -(-(len(ids) + params.max_tokens) // B)
-        if not self.prefill or uncached_on_d <= self.local_prefill_max_tokens:
+        if not prefill or uncached_on_d <= self.local_prefill_max_tokens:
             self.counters["local_prefill"] += 1
-            return self._local(rid, ids, params, self.decode[d.worker], uncached_on_d, total_blocks)
+            self._count_route(Role.DECODE, "placed_again" if again else "local_prefill")
+            return self._local(rid, ids, params, decode[d.worker], uncached_on_d, total_blocks, timing)
         self.counters["disaggregated"] += 1
-        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(self.prefill), hashes, len(ids))
-        return self._disaggregated(rid, ids, params, self.prefill[p.worker], self.decode[d.worker],
-                                   len(ids) - p.overlap_blocks * B, total_blocks)
+        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids))
+        self._count_route(Role.PREFILL, "placed_again" if again else "disaggregated")
+        return self._disaggregated(rid, ids, params, prefill[p.worker], decode[d.worker],
+                                   len(ids) - p.overlap_blocks * B, total_blocks, timing)
 
-    async def _local(self, rid, ids, params, d: WorkerClient, uncached: int, total_blocks: int):
+    def _count_route(self, role: Role, outcome: str) -> None:
+        if self.metrics is not None:
+            policy = self.prefill_policy if role == Role.PREFILL else self.decode_policy
+            self.metrics.routing.labels(role.value, policy.name, outcome).inc()
+
+    @staticmethod
+    def _timed(timing: RequestTiming | None, worker: WorkerClient | None, out: RequestOutput) -> RequestOutput:
+        if timing is not None and out is not _WORKER_LOST:
+            timing.observe(worker.worker_id if worker else "", worker.descriptor.role.value if worker else "", out)
+        return out
+
+    async def _local(self, rid, ids, params, d: WorkerClient, uncached: int, total_blocks: int,
+                     timing: RequestTiming | None):
         self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=uncached, num_kv_blocks=total_blocks)
+        self.inflight[d.worker_id] += 1
         try:
             first = True
             async for out in self._guard(d.generate(rid, ids, params), rid, d):
                 if first and out is not _WORKER_LOST:
                     self.tracker.prefill_done(rid, d.worker_id)
                     first = False
-                yield out
+                yield self._timed(timing, d, out)
         finally:
             self.tracker.finish(rid, d.worker_id)
+            self.inflight[d.worker_id] -= 1
 
     async def _disaggregated(self, rid, ids, params, p: WorkerClient, d: WorkerClient, uncached: int,
-                             total_blocks: int):
-        self.tracker.dispatch(rid, p.worker_id, num_prefill_tokens=uncached, num_kv_blocks=-(-len(ids) // self.hasher.block_size))
+                             total_blocks: int, timing: RequestTiming | None):
+        self.inflight[d.worker_id] += 1  # D is committed to this request from now: a drain must wait for it
         try:
-            first = await self._call(p.prefill(rid, ids, params), rid, p)
+            self.tracker.dispatch(rid, p.worker_id, num_prefill_tokens=uncached,
+                                  num_kv_blocks=-(-len(ids) // self.hasher.block_size))
+            self.inflight[p.worker_id] += 1
+            try:
+                first = await self._call(p.prefill(rid, ids, params), rid, p)
+            finally:
+                self.tracker.finish(rid, p.worker_id)
+                self.inflight[p.worker_id] -= 1
+            if first is _WORKER_LOST:
+                yield first
+                return
+            handoff = first.handoff
+            if handoff is None:  # ended at its first token (or failed)
+                yield self._timed(timing, p, first)
+                return
+            yield self._timed(timing, p, dataclasses.replace(first, finished=False, finish_reason=None, handoff=None))
+            self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
+            done = False
+            try:
+                async for out in self._guard(d.decode(handoff), rid, d, sent_output=True):
+                    done = out.finished
+                    out.num_cached_tokens = first.num_cached_tokens  # each output is this stream's own object
+                    yield self._timed(timing, d, out)
+            finally:
+                self.tracker.finish(rid, d.worker_id)
+                if not done:  # D refused it or the client left: make sure P's blocks do not wait for the lease
+                    await _quietly(p.release(rid))
         finally:
-            self.tracker.finish(rid, p.worker_id)
-        if first is _WORKER_LOST:
-            yield first
-            return
-        handoff = first.handoff
-        if handoff is None:  # ended at its first token (or failed)
-            yield first
-            return
-        yield dataclasses.replace(first, finished=False, finish_reason=None, handoff=None)
-        self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
-        done = False
-        try:
-            async for out in self._guard(d.decode(handoff), rid, d, sent_output=True):
-                done = out.finished
-                out.num_cached_tokens = first.num_cached_tokens  # each output is this stream's own object
-                yield out
-        finally:
-            self.tracker.finish(rid, d.worker_id)
-            if not done:  # D refused it or the client left: make sure P's blocks do not wait for the lease
-                await _quietly(p.release(rid))
+            self.inflight[d.worker_id] -= 1
 
     async def _call(self, coro, rid: str, worker: WorkerClient):
         try:
@@ -258,13 +334,8 @@ class ClusterBackend(Backend):
         return self._error_output(rid, worker, e)
 
     def _remove_worker(self, worker: WorkerClient, e: BaseException) -> None:
-        pool = self.prefill if worker.descriptor.role == Role.PREFILL else self.decode
-        if pool.pop(worker.worker_id, None) is None:
-            return
-        log.error("worker %s is gone (%s): removed from the %s pool", worker.worker_id, e, worker.descriptor.role)
-        self.lost[worker.worker_id] = f"{type(e).__name__}: {e}"
-        self.index.remove_worker(worker.worker_id)
-        self.tracker.remove_worker(worker.worker_id)
+        if self.retire(worker.worker_id, f"{type(e).__name__}: {e}", fault=True):
+            log.error("worker %s is gone (%s): removed from the %s pool", worker.worker_id, e, worker.descriptor.role)
 
     def _error_output(self, rid: str, worker: WorkerClient | None, e: BaseException) -> RequestOutput:
         self.counters["errors"] += 1

@@ -56,6 +56,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import islice
 from typing import Any
@@ -195,9 +196,11 @@ class FeedCounters:
 class IndexFeed:
     """Applies encoded batches to a PrefixIndex and a LoadTracker (seq rules: module docstring)."""
 
-    def __init__(self, index: PrefixIndex, tracker: LoadTracker) -> None:
+    def __init__(self, index: PrefixIndex, tracker: LoadTracker,
+                 on_load: Callable[[WorkerLoad], None] | None = None) -> None:
         self.index = index
         self.tracker = tracker
+        self.on_load = on_load  # e.g. the worker registry's update_load: every load report, as it arrives
         self.counters = FeedCounters()
         self._last_seq: dict[str, int] = {}
         self._resync_at: dict[str, tuple[int, float]] = {}  # worker -> (seq, timestamp_s) of its last full state
@@ -233,6 +236,8 @@ class IndexFeed:
         if batch.load is not None:
             self.tracker.report(batch.load)
             self._last_load[batch.worker] = batch.load
+            if self.on_load is not None:
+                self.on_load(batch.load)
             self.counters.loads += 1
         self._last_seq[batch.worker] = batch.seq
         self.counters.batches += 1

@@ -4,7 +4,8 @@
     uvicorn.run(app, host="0.0.0.0", port=8000)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-GET /v1/models/{id}, GET /health (open even when API keys are set).
+GET /v1/models/{id}, GET /health (open even when API keys are set); the operator's /admin/* and /metrics
+(router/admin_api.py).
 
 One path serves both generation endpoints: parse the body → tokenize (the router owns tokenization)
 → one SamplingParams per choice → `_ChoiceRun` → either stream SSE chunks or collect one JSON body;
@@ -74,7 +75,12 @@ class ClientGone(Exception):
 
 
 def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
-               served_model_names: Sequence[str] | None = None) -> FastAPI:
+               served_model_names: Sequence[str] | None = None, operator=None, metrics=None,
+               admin_key: str | None = None, bind_host: str = "127.0.0.1") -> FastAPI:
+    """``operator`` (cluster.pools.PoolManager) and ``metrics`` (router.metrics.RouterMetrics) add the
+    operator's API: /admin/* and /metrics (router/admin_api.py)."""
+    from router.admin_api import admin_router
+
     app = FastAPI(title="duet", summary="OpenAI-compatible API over duet")
     server = _OpenAIServer(backend, served_model_names)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_keys))])
@@ -84,6 +90,7 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     v1.add_api_route("/models/{model_id:path}", server.get_model, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
     _install_error_handlers(app)
     return app
 

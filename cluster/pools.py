@@ -1,0 +1,348 @@
+"""PoolManager: the act half of operating the cluster — workers started, drained and replaced on Ray so that
+each pool matches its target; the autoscaler (cluster/autoscaler.py, pure) and the admin API set targets.
+
+Loops (tasks on the router's event loop):
+- health, every ``lifecycle.health_interval_s``: probe every live worker; a dead one leaves the registry's
+  live set, the index and the load tracker (its requests behave as router/dispatch.py documents), and the
+  reconcile below replaces it.
+- stats, every ``lifecycle.stats_interval_s``: each worker's ``stats()`` into the registry (metrics, admin
+  API, drain checks, the autoscaler's queue-time signal). Load reports reach the registry as they arrive
+  on the KV event plane.
+- autoscaler, every ``autoscaler.interval_s`` when enabled: observe (warm/cold workers, loads, the
+  router's latency samples of the interval), ``decide``, record every decision, apply new targets.
+- reconcile (after each of the above and after every target change): at most one action per role at a
+  time. Below target: start a worker (``starting`` until it loaded its model, registered its NIXL agent and
+  shook hands with the other role; then ``ready`` and routed to). Above target: drain the least-loaded
+  ready worker (``draining``: no new requests; it finishes its requests and its KV leases, then stops).
+  No request fails because of a scale-down; a drain that outlives ``lifecycle.drain_timeout_s`` is stopped
+  anyway and logged.
+Handshakes run under one lock, so a prefill and a decode worker starting together still meet.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, WorkerSample, decide
+from cluster.config import ClusterConfig
+from cluster.ray_client import RayWorkerClient
+from engine.errors import InvalidRequestError
+from router.admin_api import Operator
+from router.dispatch import ClusterBackend
+from router.metrics import RouterMetrics
+from router.policy import Role
+from router.registry import WorkerRecord, WorkerState
+
+log = logging.getLogger(__name__)
+
+DECISIONS_KEPT = 50
+HISTORY_KEPT = 32
+
+
+class PoolManager(Operator):
+    def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Callable[[Role, str], Any], *,
+                 handles: dict[str, Any], start_feed: Callable[[RayWorkerClient], asyncio.Task] | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.registry = backend.registry
+        self.auto: AutoscalerConfig = config.autoscaler
+        self.metrics = metrics
+        self._spawn = spawn  # (role, worker_id) -> Ray actor handle
+        self._start_feed = start_feed
+        self.handles = dict(handles)  # worker_id -> actor handle (every worker this manager knows)
+        self.feeds: dict[str, asyncio.Task] = {}
+        self.initial = {Role.PREFILL: config.prefill.num_workers, Role.DECODE: config.decode.num_workers}
+        self.targets = dict(self.initial)
+        self.pinned = {Role.PREFILL: False, Role.DECODE: False}
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)  # changes only
+        self.last_decision: dict[Role, Decision] = {}
+        self.history: collections.deque[Observation] = collections.deque(maxlen=HISTORY_KEPT)
+        self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced
+        self._actions: dict[Role, asyncio.Task] = {}
+        self._handshake = asyncio.Lock()
+        self._loops: list[asyncio.Task] = []
+        self._next_index = {role: n for role, n in self.initial.items()}
+        self._queue_time_seen: dict[str, dict] = {}
+
+    # ---- lifecycle of the manager ----------------------------------------------------------------
+    def start(self) -> None:
+        lc = self.config.lifecycle
+        self._loops = [asyncio.create_task(self._every(lc.health_interval_s, self.check_health), name="pools-health"),
+                       asyncio.create_task(self._every(lc.stats_interval_s, self.poll_stats), name="pools-stats")]
+        if self.auto.enabled:
+            self._loops.append(asyncio.create_task(self._every(self.auto.interval_s, self.autoscale),
+                                                   name="pools-autoscaler"))
+
+    async def stop(self) -> None:
+        for task in (*self._loops, *self._actions.values(), *self.feeds.values()):
+            task.cancel()
+        await asyncio.gather(*self._loops, *self._actions.values(), *self.feeds.values(), return_exceptions=True)
+
+    async def _every(self, interval_s: float, step) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad round must not end the loop
+                log.exception("%s failed", getattr(step, "__name__", step))
+
+    # ---- targets ---------------------------------------------------------------------------------
+    def bounds(self, role: Role) -> tuple[int, int]:
+        lo, hi = self.auto.bounds(role)
+        if self.auto.enabled:
+            return lo, hi
+        return min(lo, self.initial[role]), max(hi, self.initial[role])  # never narrower than the start size
+
+    def set_target(self, role: Role, target: int | None = None, pin: bool | None = None) -> dict[str, Any]:
+        """The admin API's write: a new target inside the bounds, and/or pin (the autoscaler leaves it)."""
+        role = Role(role)
+        if target is not None:
+            lo, hi = self.bounds(role)
+            if isinstance(target, bool) or not isinstance(target, int) or not lo <= target <= hi:
+                raise InvalidRequestError(f"{role.value} target must be an integer in [{lo}, {hi}], got {target!r}")
+            other = self.targets[Role.DECODE if role == Role.PREFILL else Role.PREFILL]
+            if self.auto.enabled and target + other > self.auto.budget:
+                raise InvalidRequestError(f"{role.value} target {target} + {other} exceeds the budget of "
+                                          f"{self.auto.budget} workers")
+            self.targets[role] = target
+        if pin is not None:
+            self.pinned[role] = bool(pin)
+        log.info("admin: %s target %d%s", role.value, self.targets[role], " (pinned)" if self.pinned[role] else "")
+        self.reconcile()
+        return self.pool_view(role)
+
+    # ---- reconcile ---------------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        for role in (Role.PREFILL, Role.DECODE):
+            action = self._actions.get(role)
+            if action is not None and not action.done():
+                continue
+            active = self.registry.records(role, (WorkerState.STARTING, WorkerState.READY))
+            ready = self.registry.ready(role)
+            draining = self.registry.records(role, (WorkerState.DRAINING,))
+            if len(active) < self.targets[role]:
+                self._actions[role] = asyncio.create_task(self.add_worker(role), name=f"start-{role.value}")
+            elif len(ready) > self.targets[role] and not draining:
+                victim = min(ready, key=lambda r: (self.backend.inflight[r.worker_id], r.ready_s or 0))
+                self._actions[role] = asyncio.create_task(self.drain_worker(victim.worker_id, "scale-down"),
+                                                          name=f"drain-{victim.worker_id}")
+
+    async def add_worker(self, role: Role) -> str | None:
+        worker_id = f"{role.value}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        self.registry.add(worker_id, role, time.monotonic())
+        handle = None
+        try:
+            handle = self._spawn(role, worker_id)
+            self.handles[worker_id] = handle
+            info = await asyncio.wait_for(handle.info.remote(), self.config.lifecycle.start_timeout_s)
+            client = RayWorkerClient(handle, info)
+            async with self._handshake:
+                await self._shake_hands(client)
+                self.backend.activate(client, pid=info.pid, node=info.node)
+            if self._start_feed is not None:
+                self.feeds[worker_id] = self._start_feed(client)
+            self.counters["started"] += 1
+            log.info("worker %s is ready", worker_id)
+            return worker_id
+        except asyncio.CancelledError:
+            self._end(worker_id, "cancelled while starting", fault=False)
+            raise
+        except Exception as e:
+            self.counters["start_failures"] += 1
+            log.error("worker %s failed to start: %r", worker_id, e)
+            self._end(worker_id, f"failed to start: {type(e).__name__}: {e}", fault=True)
+            return None
+        finally:
+            self.reconcile_soon()
+
+    async def _shake_hands(self, client: RayWorkerClient) -> None:
+        if client.info.role == Role.DECODE:
+            peers = [r.client.info.peer for r in self.registry.ready(Role.PREFILL)]
+            if peers:
+                await client.handle.add_peers.remote(peers)
+        else:
+            decoders = [r.client for r in self.registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))]
+            await asyncio.gather(*(d.handle.add_peers.remote([client.info.peer]) for d in decoders))
+
+    async def drain_worker(self, worker_id: str, reason: str) -> None:
+        """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it."""
+        rec = self.registry.mark_draining(worker_id, reason)
+        log.info("draining %s (%s)", worker_id, reason)
+        deadline = time.monotonic() + self.config.lifecycle.drain_timeout_s
+        try:
+            while not await self._is_idle(rec):
+                if time.monotonic() > deadline:
+                    self.counters["drain_timeouts"] += 1
+                    log.error("drain of %s timed out after %.0f s: stopping it with work left", worker_id,
+                              self.config.lifecycle.drain_timeout_s)
+                    break
+                if rec.state == WorkerState.DEAD:  # died while draining: the health loop took care of it
+                    return
+                await asyncio.sleep(0.2)
+            await self._stop_worker(worker_id)
+            self.counters["drained"] += 1
+            self._end(worker_id, f"drained ({reason})", fault=False)
+        finally:
+            self.reconcile_soon()
+
+    async def _is_idle(self, rec: WorkerRecord) -> bool:
+        if self.backend.inflight[rec.worker_id]:
+            return False
+        try:
+            stats = await asyncio.wait_for(rec.client.stats(), 10)
+        except Exception:
+            return rec.state == WorkerState.DEAD
+        busy = ("num_requests", "num_held", "leases_held", "remote_pending", "waiting_for_blocks")
+        return not any(stats.get(key) for key in busy)
+
+    async def _stop_worker(self, worker_id: str) -> None:
+        handle = self.handles.get(worker_id)
+        feed = self.feeds.pop(worker_id, None)
+        if feed is not None:
+            feed.cancel()
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(), 10)
+        except Exception as e:
+            log.debug("worker %s did not shut down cleanly: %r", worker_id, e)
+        ray.kill(handle)
+
+    def _end(self, worker_id: str, reason: str, *, fault: bool) -> None:
+        feed = self.feeds.pop(worker_id, None)
+        if feed is not None:
+            feed.cancel()
+        if worker_id in self.registry and self.registry.get(worker_id).state != WorkerState.DEAD:
+            self.backend.retire(worker_id, reason, fault=fault)
+        handle = self.handles.pop(worker_id, None)
+        if fault and handle is not None:
+            try:
+                ray.kill(handle)
+            except Exception as e:
+                log.debug("kill %s: %r", worker_id, e)
+
+    def reconcile_soon(self) -> None:
+        asyncio.get_running_loop().call_soon(self.reconcile)
+
+    # ---- loops -----------------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        live = [r for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
+        alive = await asyncio.gather(*(_alive(r.client) for r in live))
+        for rec, ok in zip(live, alive):
+            if not ok and rec.state != WorkerState.DEAD:
+                log.error("worker %s is gone: replacing it", rec.worker_id)
+                self.counters["replaced"] += 1
+                self._end(rec.worker_id, "died (health probe failed)", fault=True)
+        self.reconcile()
+
+    async def poll_stats(self) -> None:
+        live = self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))
+        results = await asyncio.gather(*(asyncio.wait_for(r.client.stats(), 10) for r in live), return_exceptions=True)
+        now = time.monotonic()
+        for rec, stats in zip(live, results):
+            if isinstance(stats, dict):
+                self.registry.update_stats(rec.worker_id, stats, now)
+
+    async def autoscale(self) -> None:
+        now = time.monotonic()
+        self.history.append(self.observe(now))
+        pools = {role: self.pool_state(role) for role in (Role.PREFILL, Role.DECODE)}
+        for role, d in decide(self.history, pools, self.auto).items():
+            self.last_decision[role] = d
+            if d.direction == "hold" or d.target == self.targets[role]:
+                continue
+            log.info("autoscaler: %s %s -> %d (%s)", role.value, d.direction, d.target, d.reason)
+            self.targets[role] = d.target
+            self.decisions.append(d)
+            if self.metrics is not None:
+                self.metrics.autoscaler.labels(role.value, d.direction, d.code).inc()
+        self.reconcile()
+
+    def observe(self, now_s: float) -> Observation:
+        warmup = self.auto.warmup_s
+
+        def samples(role: Role) -> tuple[WorkerSample, ...]:
+            out = []
+            for rec in self.registry.ready(role):
+                load = rec.load
+                out.append(WorkerSample(
+                    rec.worker_id, warm=rec.age_s(now_s) >= warmup,
+                    running=load.running if load else 0, waiting=load.waiting if load else 0,
+                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    kv_blocks_used=load.kv_blocks_used if load else 0,
+                    kv_blocks_total=load.kv_blocks_total if load else 0))
+            return tuple(out)
+
+        def warm_at(worker: str, t_s: float) -> bool:
+            if worker not in self.registry:
+                return False
+            ready_s = self.registry.get(worker).ready_s
+            return ready_s is not None and t_s - ready_s >= warmup
+
+        latencies = self.metrics.take_samples() if self.metrics is not None else []
+        ttft = tuple(s.value_s for s in latencies if s.kind == "ttft" and warm_at(s.worker, s.t_s))
+        itl = tuple(s.value_s for s in latencies if s.kind == "itl" and warm_at(s.worker, s.t_s))
+        return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=ttft,
+                           prefill_queue_s=self._queue_time_samples(now_s), itl_s=itl)
+
+    def _queue_time_samples(self, now_s: float) -> tuple[float, ...]:
+        """Prefill queue times of the interval, from the growth of warm prefill workers' queue-time histograms
+        (each request counted at its bucket's upper bound: a conservative estimate)."""
+        out: list[float] = []
+        for rec in self.registry.ready(Role.PREFILL):
+            snap = rec.stats.get("queue_time_s")
+            if not snap:
+                continue
+            before = self._queue_time_seen.get(rec.worker_id)
+            self._queue_time_seen[rec.worker_id] = snap
+            if before is None or rec.age_s(now_s) < self.auto.warmup_s:
+                continue
+            bounds = [*snap["buckets"], snap["buckets"][-1]]
+            for bound, now_n, was_n in zip(bounds, snap["counts"], before["counts"]):
+                out.extend([bound] * max(0, now_n - was_n))
+        return tuple(out)
+
+    # ---- views (admin API, dashboard) ------------------------------------------------------------
+    def pool_state(self, role: Role) -> PoolState:
+        counts = self.registry.counts()
+        return PoolState(target=self.targets[role], ready=counts[(role, WorkerState.READY)],
+                         starting=counts[(role, WorkerState.STARTING)], draining=counts[(role, WorkerState.DRAINING)],
+                         pinned=self.pinned[role])
+
+    def pool_view(self, role: Role) -> dict[str, Any]:
+        lo, hi = self.bounds(role)
+        state = self.pool_state(role)
+        return {"role": role.value, "target": state.target, "min": lo, "max": hi, "pinned": state.pinned,
+                "ready": state.ready, "starting": state.starting, "draining": state.draining}
+
+    def autoscaler_view(self) -> dict[str, Any]:
+        return {
+            "enabled": self.auto.enabled, "interval_s": self.auto.interval_s, "budget": self.auto.budget,
+            "slo": {"ttft_s": self.auto.ttft_slo_s, "itl_s": self.auto.itl_slo_s},
+            "pools": {role.value: self.pool_view(role) for role in (Role.PREFILL, Role.DECODE)},
+            "last": {role.value: _decision_view(d) for role, d in self.last_decision.items()},
+            "decisions": [_decision_view(d) for d in reversed(self.decisions)],
+            "counters": dict(self.counters),
+        }
+
+
+def _decision_view(d: Decision) -> dict[str, Any]:
+    return {"role": d.role.value, "direction": d.direction, "target": d.target, "reason": d.reason, "code": d.code,
+            "signals": dict(d.signals), "t_s": d.t_s}
+
+
+async def _alive(client) -> bool:
+    try:
+        return bool(await asyncio.wait_for(client.alive(), 5.0))
+    except Exception:
+        return False
