@@ -12,7 +12,8 @@ on the targets; tests replay signal series. Each role is judged on its own signa
 The rules, in the order they are applied per role:
 1. Pinned by the operator → hold. Target outside [min, max] → move it inside.
 2. An action in progress (a worker starting or draining, or ready ≠ target) → hold: one step at a time,
-   judged on the cluster that step produced.
+   judged on the cluster that step produced — which includes waiting until a new worker is warm
+   (``warmup_s`` after it became ready) and the load had time to spread over it.
 3. Up (+1) when the latest interval shows pressure: a load signal over its threshold, averaged over the
    *warm* workers only, or a latency p90 over its SLO, measured on warm workers' requests only (a new
    worker's cold-start samples would otherwise scale again). Latency catches what an average hides: one
@@ -132,6 +133,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 def decide(history: Sequence[Observation], pools: Mapping[Role, PoolState], config: AutoscalerConfig) -> dict[Role, Decision]:
+    history = list(history)  # a deque (the pool manager keeps one) does not slice
     out: dict[Role, Decision] = {}
     for role in (Role.PREFILL, Role.DECODE):
         other = Role.DECODE if role == Role.PREFILL else Role.PREFILL
@@ -159,6 +161,9 @@ def _decide_role(role: Role, history: Sequence[Observation], pool: PoolState, ot
                         f"{pool.starting} starting, {pool.draining} draining, target {pool.target})")
     if not history:
         return decision("hold", pool.target, "no_data", "no observations yet")
+    if signals.get("warming_workers"):
+        return decision("hold", pool.target, "warming", f"{signals['warming_workers']} worker(s) still warming up: "
+                        "the load has not spread over them yet")
     pressure = _pressure(role, signals, cfg)
     if pressure is not None:
         code, why = pressure

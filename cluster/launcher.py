@@ -87,7 +87,8 @@ class Cluster:
         pools = PoolManager(config, backend, spawn, handles=handles, start_feed=start_feed, metrics=metrics)
         metrics.add_collector(ClusterCollector(
             config.model_name, backend.registry, targets=lambda: {r.value: n for r, n in pools.targets.items()},
-            feed_counters=lambda: asdict(feed.counters) if feed is not None else {}))
+            feed_counters=lambda: asdict(feed.counters) if feed is not None else {},
+            pool_counters=lambda: pools.counters))
         cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
         pools.feeds.update({c.worker_id: t for c, t in zip(clients, feed_tasks)} if start_feed else {})
         cluster.feed_tasks = [] if start_feed else feed_tasks

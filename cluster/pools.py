@@ -130,17 +130,18 @@ class PoolManager(Operator):
             ready = self.registry.ready(role)
             draining = self.registry.records(role, (WorkerState.DRAINING,))
             if len(active) < self.targets[role]:
-                self._actions[role] = asyncio.create_task(self.add_worker(role), name=f"start-{role.value}")
+                worker_id = f"{role.value}-{self._next_index[role]}"
+                self._next_index[role] += 1
+                self.registry.add(worker_id, role, time.monotonic())  # visible as "starting" at once
+                self._actions[role] = asyncio.create_task(self.add_worker(role, worker_id), name=f"start-{worker_id}")
             elif len(ready) > self.targets[role] and not draining:
-                victim = min(ready, key=lambda r: (self.backend.inflight[r.worker_id], r.ready_s or 0))
+                # the least busy; among equals the youngest (the older ones have warmer prefix caches)
+                victim = min(ready, key=lambda r: (self.backend.inflight[r.worker_id], -(r.ready_s or 0)))
                 self._actions[role] = asyncio.create_task(self.drain_worker(victim.worker_id, "scale-down"),
                                                           name=f"drain-{victim.worker_id}")
 
-    async def add_worker(self, role: Role) -> str | None:
-        worker_id = f"{role.value}-{self._next_index[role]}"
-        self._next_index[role] += 1
-        self.registry.add(worker_id, role, time.monotonic())
-        handle = None
+    async def add_worker(self, role: Role, worker_id: str) -> str | None:
+        """Start ``worker_id`` (already in the registry as ``starting``) and make it ready."""
         try:
             handle = self._spawn(role, worker_id)
             self.handles[worker_id] = handle

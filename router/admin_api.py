@@ -9,7 +9,8 @@ Who may do what:
 - Reads follow the API-key rule: with API keys configured, a valid API key or the admin key; else open.
 - Writes need the admin key (``--admin-key``): none sent is 401, any other key (an API key included) 403.
   With no admin key configured, writes are accepted only when the server is bound to a loopback address
-  (the embedded default, 127.0.0.1); on any other bind they are refused with 403 and a hint.
+  (the embedded default, 127.0.0.1), and then under the read rule; on any other bind they are refused
+  with 403 and a hint.
 Errors are OpenAI-style bodies like the rest of the API.
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] 
                 raise ApiError(403, "admin writes are disabled: this server is not bound to a loopback address and "
                                "has no admin key (start it with --admin-key)", "permission_error",
                                code="admin_disabled")
+            await can_read(request)  # a write never needs less than a read
             return
         if given is None:
             raise ApiError(401, "admin key required (send 'Authorization: Bearer <admin key>')",
@@ -111,11 +113,13 @@ def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] 
             raise ApiError(400, f"unknown field(s) {unknown}; send 'target' and/or 'pin'", param=unknown[0])
         if not body:
             raise ApiError(400, "send 'target' (an integer) and/or 'pin' (a boolean)")
-        pin = body.get("pin")
+        pin, target = body.get("pin"), body.get("target")
         if pin is not None and not isinstance(pin, bool):
             raise ApiError(400, f"'pin' must be a boolean, got {pin!r}", param="pin")
+        if target is not None and (isinstance(target, bool) or not isinstance(target, int)):
+            raise ApiError(400, f"'target' must be an integer, got {target!r}", param="target")
         try:
-            return op.set_target(Role(role), body.get("target"), pin)
+            return op.set_target(Role(role), target, pin)
         except InvalidRequestError as e:
             raise ApiError(400, str(e), param="target") from None
 

@@ -172,11 +172,13 @@ class ClusterCollector:
 
     def __init__(self, model_name: str, registry: WorkerRegistry, *,
                  targets: Callable[[], Mapping[str, int]] = dict,
-                 feed_counters: Callable[[], Mapping[str, int]] = dict) -> None:
+                 feed_counters: Callable[[], Mapping[str, int]] = dict,
+                 pool_counters: Callable[[], Mapping[str, int]] = dict) -> None:
         self.model_name = model_name
         self.workers = registry
         self.targets = targets
         self.feed_counters = feed_counters
+        self.pool_counters = pool_counters
 
     def describe(self) -> list:
         return []  # families vary with the workers; nothing to pre-declare
@@ -205,6 +207,12 @@ class ClusterCollector:
         for role, n in sorted(self.targets().items()):
             targets.add_metric((str(role),), n)
         yield targets
+        actions = CounterMetricFamily("duet_pool_actions", "Pool manager actions by kind: started, start_failures, "
+                                      "drained, drain_timeouts, replaced (a dead worker).", labels=("action",))
+        counts = self.pool_counters()
+        for action in ("started", "start_failures", "drained", "drain_timeouts", "replaced"):
+            actions.add_metric((action,), float(counts.get(action, 0)))
+        yield actions
         feed = self.feed_counters()
         for key, doc in (("gaps", "KV event-plane gaps (a worker's batch sequence skipped)."),
                          ("resyncs", "KV event-plane full-state resyncs applied.")):

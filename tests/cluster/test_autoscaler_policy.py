@@ -1,0 +1,151 @@
+"""The autoscaler's policy on replayed signal series (cluster/autoscaler.py; pure, no Ray, no clock).
+
+Each rule of the module docstring, and each failure the anchors' users reported: signals of one role
+scaling the other, cold-start samples over-scaling, flapping between N and N−1 under a steady load, an
+idle window that never scales down, and more than one step at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide, percentile
+from engine.errors import ConfigError
+from router.policy import Role
+
+P, D = Role.PREFILL, Role.DECODE
+CFG = AutoscalerConfig(enabled=True, interval_s=2, min_prefill=1, max_prefill=3, min_decode=1, max_decode=3,
+                       ttft_slo_s=1.0, itl_slo_s=0.1, prefill_queued_tokens_high=1000, decode_kv_usage_high=0.8,
+                       decode_running_high=10, scale_down_fraction=0.5, scale_down_intervals=3, warmup_s=5)
+
+
+def workers(role: Role, n: int, *, queued=0, running=0, used=0, total=100, warm=True, cold: int = 0):
+    """``n`` warm workers sharing a load evenly, plus ``cold`` warming ones reporting ``cold_load``."""
+    out = [WorkerSample(f"{role.value}-{i}", warm=warm, running=running // max(n, 1),
+                        queued_prefill_tokens=queued // max(n, 1), kv_blocks_used=used // max(n, 1),
+                        kv_blocks_total=total) for i in range(n)]
+    return tuple(out + [WorkerSample(f"{role.value}-cold{i}", warm=False) for i in range(cold)])
+
+
+def obs(t=0.0, *, p=1, d=1, queued=0, running=0, used=0, ttft=(), itl=(), queue=(), **kw) -> Observation:
+    return Observation(t, workers(P, p, queued=queued, **kw), workers(D, d, running=running, used=used, **kw),
+                       ttft_s=tuple(ttft), itl_s=tuple(itl), prefill_queue_s=tuple(queue))
+
+
+def steady(n_p=1, n_d=1, **kw):
+    return {P: PoolState(target=n_p, ready=n_p, **kw), D: PoolState(target=n_d, ready=n_d, **kw)}
+
+
+def test_percentile_and_idle_latency():
+    assert percentile([], 90) == 0.0  # no samples: zero, never NaN
+    assert percentile([0.1] * 9 + [5.0], 90) == 0.1 and percentile([0.1] * 8 + [5.0] * 2, 90) == 5.0
+
+
+@pytest.mark.parametrize("role, o, code", [
+    (P, obs(queued=1500), "queued_prefill_tokens"),
+    (P, obs(ttft=[0.2] * 8 + [1.5] * 2), "ttft_slo"),
+    (P, obs(queue=[2.5] * 5), "prefill_queue_slo"),
+    (D, obs(used=85), "kv_usage"),
+    (D, obs(running=12), "running_seqs"),
+    (D, obs(itl=[0.05] * 8 + [0.3] * 2), "itl_slo"),
+])
+def test_each_signal_scales_its_own_role_only(role, o, code):
+    out = decide([o], steady(), CFG)
+    assert (out[role].direction, out[role].target, out[role].code) == ("up", 2, code)
+    other = D if role == P else P
+    assert out[other].direction == "hold", out[other]  # prefill pressure never scales decode, and vice versa
+
+
+def test_bounds_and_budget():
+    busy = obs(p=3, d=3, queued=9000, running=60)
+    out = decide([busy], steady(3, 3), CFG)
+    assert out[P].direction == out[D].direction == "hold" and out[P].code == "at_max"
+    tight = dataclasses.replace(CFG, max_total_workers=3)
+    out = decide([obs(p=2, d=1, queued=9000, running=30)], steady(2, 1), tight)
+    assert (out[P].code, out[D].code) == ("budget", "budget")
+    assert decide([], {P: PoolState(0, 0), D: PoolState(5, 5)}, CFG)[P].target == 1  # below min → min
+    assert decide([], {P: PoolState(1, 1), D: PoolState(5, 5)}, CFG)[D].target == 3  # above max → max
+
+
+def test_one_action_at_a_time():
+    o = obs(queued=5000)
+    for pool in (PoolState(2, 1, starting=1), PoolState(2, 2, draining=1), PoolState(2, 1)):
+        d = decide([o], {P: pool, D: PoolState(1, 1)}, CFG)[P]
+        assert (d.direction, d.code) == ("hold", "in_progress")
+
+
+def test_pinned_pools_are_left_alone():
+    d = decide([obs(queued=5000)], {P: PoolState(1, 1, pinned=True), D: PoolState(1, 1)}, CFG)[P]
+    assert (d.direction, d.code) == ("hold", "pinned")
+
+
+def test_warming_workers_and_their_cold_samples_are_left_out():
+    """A fresh worker reports a big queue while it warms up; averaged in, it would trigger another scale-up."""
+    o = Observation(0, prefill=(WorkerSample("p0", warm=True, queued_prefill_tokens=400),
+                                WorkerSample("p1", warm=False, queued_prefill_tokens=5000)),
+                    decode=workers(D, 1))
+    d = decide([o], steady(2, 1), CFG)[P]
+    assert (d.direction, d.code) == ("hold", "warming") and d.signals["queued_prefill_tokens_per_worker"] == 400
+    assert d.signals["warming_workers"] == 1
+    all_cold = Observation(0, prefill=(WorkerSample("p0", warm=False, queued_prefill_tokens=9000),), decode=workers(D, 1))
+    assert decide([all_cold], steady(), CFG)[P].direction == "hold"
+
+
+def test_scale_down_needs_the_load_to_fit_in_n_minus_1_for_several_intervals():
+    # 2 prefill workers, 600 queued tokens in total: in 1 worker that is 600 >= 0.5 * 1000 → does not fit
+    assert decide([obs(t, p=2, queued=600) for t in range(3)], steady(2, 1), CFG)[P].code == "no_fit"
+    # 400 in total fits in one under 500, but only after three intervals of it
+    light = [obs(t, p=2, queued=400) for t in range(3)]
+    assert decide(light[:2], steady(2, 1), CFG)[P].code == "short_history"
+    d = decide(light, steady(2, 1), CFG)[P]
+    assert (d.direction, d.target, d.code) == ("down", 1, "fits_in_fewer")
+    # one busy interval inside the window blocks it
+    assert decide([light[0], obs(1, p=2, queued=900), light[2]], steady(2, 1), CFG)[P].direction == "hold"
+    # latency too: a TTFT p90 above half the SLO in the window keeps the worker
+    slow = [obs(t, p=2, queued=0, ttft=[0.7] * 10) for t in range(3)]
+    assert decide(slow, steady(2, 1), CFG)[P].code == "no_fit"
+
+
+def test_idle_windows_drain_both_pools_to_their_minimum():
+    idle = [obs(t, p=3, d=2) for t in range(3)]  # no load, no latency samples
+    out = decide(idle, steady(3, 2), CFG)
+    assert (out[P].direction, out[P].target) == ("down", 2) and (out[D].direction, out[D].target) == ("down", 1)
+    assert all(v is None or v == v for v in out[P].signals.values())  # no NaN anywhere
+    out = decide(idle, steady(1, 1), CFG)
+    assert out[P].code == out[D].code == "at_min"
+
+
+def replay(series, pools, cfg=CFG):
+    """Run the policy over a signal series, applying its targets as an ideal actuator would (the new worker
+    is ready, and warm, at the next interval; the load spreads over the workers there are)."""
+    targets, history = dict(pools), []
+    for t, (queued, running) in enumerate(series):
+        history.append(obs(t, p=targets[P], d=targets[D], queued=queued, running=running))
+        state = {r: PoolState(targets[r], targets[r]) for r in (P, D)}
+        for role, d in decide(history, state, cfg).items():
+            targets[role] = d.target
+        yield dict(targets)
+
+
+@pytest.mark.parametrize("queued, running", [(2000, 20), (2100, 21), (1999, 19), (3000, 10)])
+def test_a_steady_load_at_a_threshold_gives_a_constant_target(queued, running):
+    """No oscillation between N and N−1: after at most the steps the load needs, the targets never move."""
+    targets = list(replay([(queued, running)] * 40, {P: 2, D: 2}))
+    settled = targets[10:]
+    assert all(t == settled[0] for t in settled), targets
+
+
+def test_a_burst_then_silence_goes_up_then_back_down():
+    series = [(0, 0)] * 2 + [(8000, 0)] * 4 + [(0, 40)] * 4 + [(0, 0)] * 12
+    targets = list(replay(series, {P: 1, D: 1}))
+    assert max(t[P] for t in targets[:6]) > 1 and all(t[D] == 1 for t in targets[:6])  # prefill first
+    assert max(t[D] for t in targets[6:10]) > 1  # then decode
+    assert targets[-1] == {P: 1, D: 1}  # and both back to the minimum
+
+
+def test_config_is_validated():
+    for bad in (dict(min_decode=0), dict(min_prefill=3, max_prefill=2), dict(interval_s=0),
+                dict(scale_down_fraction=1.0), dict(max_total_workers=1), dict(ttft_slo_s=0)):
+        with pytest.raises(ConfigError):
+            AutoscalerConfig(**bad)

@@ -1,0 +1,123 @@
+"""/metrics content (router/metrics.py) parsed by prometheus-client's own parser: vLLM's names, types, help
+and buckets where vLLM has the series; request timing counts equal to what was observed."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.histogram import NIXL_XFER_BUCKETS_S, Histogram, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, ITL_BUCKETS_S
+from engine.kv_events import WorkerLoad
+from engine.outputs import RequestOutput
+from router.metrics import ClusterCollector, RouterMetrics
+from router.policy import Role
+from router.registry import WorkerRegistry
+
+VLLM_TYPES = {  # vLLM 0.32's type per series family (as prometheus-client parses them)
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter", "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:nixl_xfer_time_seconds": "histogram", "vllm:nixl_bytes_transferred": "histogram",
+    "vllm:nixl_num_failed_transfers": "counter",
+}
+
+
+def out(n_tokens: int, finished: bool = False, reason: str | None = None) -> RequestOutput:
+    return RequestOutput("r", list(range(n_tokens)), "", finished, finish_reason=reason)
+
+
+def registry_with_workers() -> WorkerRegistry:
+    reg = WorkerRegistry()
+    queue = Histogram(LATENCY_BUCKETS_S)
+    queue.observe(0.4), queue.observe(2.0)
+    xfer = Histogram(NIXL_XFER_BUCKETS_S)
+    xfer.observe(0.02)
+    for wid, role, stats in (
+            ("prefill-0", Role.PREFILL, {"num_prompt_tokens": 300, "num_generated_tokens": 3, "num_preemptions": 1,
+                                         "prefix_cache_queried_tokens": 300, "prefix_cache_hit_tokens": 128,
+                                         "leases_expired": 2, "queue_time_s": queue.snapshot()}),
+            ("decode-0", Role.DECODE, {"num_prompt_tokens": 0, "num_generated_tokens": 40, "transfers_failed": 1,
+                                       "num_remote_recomputes": 1, "transfer_time_s": xfer.snapshot()})):
+        reg.add(wid, role, 0.0)
+        reg.mark_ready(wid, 0.0)
+        reg.update_stats(wid, stats, 1.0)
+        reg.update_load(WorkerLoad(worker=wid, role=role.value, running=2, waiting=1, kv_blocks_used=25,
+                                   kv_blocks_total=100, queued_prefill_tokens=64), 1.0)
+    return reg
+
+
+def scrape(metrics: RouterMetrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_vllm_series_names_types_and_buckets():
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector("m", registry_with_workers(), targets=lambda: {"prefill": 1, "decode": 1},
+                                           feed_counters=lambda: {"gaps": 3, "resyncs": 4},
+                                           pool_counters=lambda: {"replaced": 2}))
+    timing = metrics.request(10)
+    timing.observe("prefill-0", "prefill", out(1))
+    timing.observe("decode-0", "decode", out(1, True, "length"))
+    families = scrape(metrics)
+    for name, kind in VLLM_TYPES.items():
+        assert name in families and families[name].type == kind, name
+    ttft = families["vllm:time_to_first_token_seconds"]
+    bounds = sorted({float(s.labels["le"]) for s in ttft.samples if s.name.endswith("_bucket")})
+    assert bounds == [*TTFT_BUCKETS_S, float("inf")]
+    itl = families["vllm:inter_token_latency_seconds"]
+    assert sorted({float(s.labels["le"]) for s in itl.samples if s.name.endswith("_bucket")}) == [*ITL_BUCKETS_S,
+                                                                                                  float("inf")]
+    assert ttft.documentation == "Histogram of time to first token in seconds."
+    sample = next(s for s in ttft.samples if s.name.endswith("_count"))
+    assert sample.labels == {"model_name": "m", "engine": "prefill-0", "worker": "prefill-0", "role": "prefill"}
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+
+    def value(name, **labels):
+        return values[(name, tuple(sorted(labels.items())))]
+
+    w = dict(model_name="m", engine="prefill-0", worker="prefill-0", role="prefill")
+    assert value("vllm:prefix_cache_hits_total", **w) == 128 and value("vllm:num_preemptions_total", **w) == 1
+    assert value("vllm:kv_cache_usage_perc", **w) == 0.25 and value("vllm:num_requests_running", **w) == 2
+    assert value("vllm:nixl_num_kv_expired_reqs_total", **w) == 2 and value("duet_lease_expiries_total", **w) == 2
+    assert value("vllm:request_queue_time_seconds_count", **w) == 2
+    assert value("vllm:request_queue_time_seconds_bucket", le="0.5", **w) == 1
+    d = dict(w, engine="decode-0", worker="decode-0", role="decode")
+    assert value("vllm:nixl_xfer_time_seconds_count", **d) == 1 and value("duet_kv_recomputes_total", **d) == 1
+    assert value("vllm:request_success_total", finished_reason="length", **d) == 1
+    assert value("duet_workers", role="prefill", state="ready") == 1 and value("duet_workers_target", role="decode") == 1
+    assert value("duet_event_gaps_total") == 3 and value("duet_event_resyncs_total") == 4
+    assert value("duet_pool_actions_total", action="replaced") == 2
+    assert value("duet_pool_actions_total", action="drain_timeouts") == 0
+
+
+def test_timing_counts_match_the_requests():
+    """TTFT once per request, ITL once per token after the first, e2e and success once per request."""
+    metrics = RouterMetrics("m", 1024)
+    generated = [1, 5, 12]
+    for n in generated:
+        timing = metrics.request(20)
+        timing.observe("prefill-0", "prefill", out(1))
+        for i in range(n - 1):
+            time.sleep(0.001)
+            timing.observe("decode-0", "decode", out(1, finished=i == n - 2, reason="stop"))
+        if n == 1:
+            timing.observe("prefill-0", "prefill", out(0, True, "length"))
+    aborted = metrics.request(7)
+    aborted.observe("prefill-0", "prefill", out(1))
+    aborted.finish("abort")
+    aborted.finish("stop")  # counted once
+    fam = scrape(metrics)
+    total = {f: sum(s.value for s in fam[f].samples if s.name == f + "_count")
+             for f in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                       "vllm:e2e_request_latency_seconds", "vllm:request_generation_tokens")}
+    assert total["vllm:time_to_first_token_seconds"] == len(generated) + 1
+    assert total["vllm:inter_token_latency_seconds"] == sum(n - 1 for n in generated)
+    assert total["vllm:e2e_request_latency_seconds"] == len(generated) + 1
+    reasons = {s.labels["finished_reason"]: s.value for s in fam["vllm:request_success"].samples
+               if s.name == "vllm:request_success_total"}
+    assert reasons == {"length": 1, "stop": 2, "abort": 1}
+    samples = metrics.take_samples()
+    assert sum(s.kind == "ttft" for s in samples) == 4 and metrics.take_samples() == []
