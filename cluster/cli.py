@@ -82,14 +82,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
+def serve_config_from_args(args: argparse.Namespace):
     from cluster.config import ClusterConfig
-    from cluster.serve import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {
         "model": args.model, "served_model_name": args.served_model_name, "ray_address": args.address,
         "prefill.num_workers": args.prefill, "decode.num_workers": args.decode,
@@ -104,7 +99,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
     }
-    config = ClusterConfig.load(args.config, overrides)
+    return ClusterConfig.load(args.config, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from cluster.serve import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = serve_config_from_args(args)
     try:
         asyncio.run(serve(config, colocated=args.colocated))
     except KeyboardInterrupt:
@@ -146,7 +151,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -167,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="start the cluster and serve the OpenAI HTTP and gRPC APIs")
     _add_serve_args(p)
     p.set_defaults(fn=cmd_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from engine.errors import DuetError
 
     try:

@@ -35,3 +35,26 @@ def test_generate_reports_user_errors_cleanly(tmp_path):
     assert res.returncode == 2
     assert "duet: error:" in res.stderr and "config.json" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_serve_flags_reach_the_cluster_config():
+    from cluster.cli import build_parser, serve_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--model", "m.gguf", "--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--min-decode", "2",
+        "--max-decode", "4", "--autoscale-interval-s", "2.5", "--ttft-slo-s", "0.4", "--itl-slo-s", "0.03",
+        "--admin-key", "adm", "--api-key", "k1", "--api-key", "k2"])
+    config = serve_config_from_args(args)
+    auto = config.autoscaler
+    assert (auto.enabled, auto.min_prefill, auto.max_prefill, auto.min_decode, auto.max_decode) == (True, 1, 2, 2, 4)
+    assert (auto.interval_s, auto.ttft_slo_s, auto.itl_slo_s) == (2.5, 0.4, 0.03)
+    assert config.router.admin_key == "adm" and config.router.api_keys == ("k1", "k2")
+    off = serve_config_from_args(build_parser().parse_args(["serve", "--model", "m"]))
+    assert off.autoscaler.enabled is False and off.router.admin_key is None
+
+
+def test_serve_refuses_bad_autoscaler_bounds_before_starting_anything(tmp_path):
+    res = duet("serve", "--model", str(tmp_path), "--autoscale", "--min-decode", "0", check=False)
+    assert res.returncode == 2 and "min_decode" in res.stderr and "Traceback" not in res.stderr
+    res = duet("serve", "--model", str(tmp_path), "--min-prefill", "3", "--max-prefill", "2", check=False)
+    assert res.returncode == 2 and "max_prefill" in res.stderr
