@@ -61,8 +61,9 @@ class PoolManager(Operator):
         self.initial = {Role.PREFILL: config.prefill.num_workers, Role.DECODE: config.decode.num_workers}
         self.targets = dict(self.initial)
         self.pinned = {Role.PREFILL: False, Role.DECODE: False}
-        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)  # changes only
-        self.last_decision: dict[Role, Decision] = {}
+        # (wall-clock time, decision): changes only / the latest per role, holds included
+        self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.last_decision: dict[Role, tuple[float, Decision]] = {}
         self.history: collections.deque[Observation] = collections.deque(maxlen=HISTORY_KEPT)
         self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced
         self._actions: dict[Role, asyncio.Task] = {}
@@ -70,6 +71,7 @@ class PoolManager(Operator):
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
         self._queue_time_seen: dict[str, dict] = {}
+        self.timeline_series = None  # cluster.dashboard.Timeline once started (needs metrics)
 
     # ---- lifecycle of the manager ----------------------------------------------------------------
     def start(self) -> None:
@@ -79,6 +81,11 @@ class PoolManager(Operator):
         if self.auto.enabled:
             self._loops.append(asyncio.create_task(self._every(self.auto.interval_s, self.autoscale),
                                                    name="pools-autoscaler"))
+        if self.metrics is not None:
+            from cluster.dashboard import Timeline
+
+            self.timeline_series = Timeline(self, self.metrics)
+            self._loops.append(asyncio.create_task(self.timeline_series.run(), name="dashboard-timeline"))
 
     async def stop(self) -> None:
         for task in (*self._loops, *self._actions.values(), *self.feeds.values()):
@@ -258,13 +265,14 @@ class PoolManager(Operator):
         now = time.monotonic()
         self.history.append(self.observe(now))
         pools = {role: self.pool_state(role) for role in (Role.PREFILL, Role.DECODE)}
+        wall_s = time.time()
         for role, d in decide(self.history, pools, self.auto).items():
-            self.last_decision[role] = d
+            self.last_decision[role] = (wall_s, d)
             if d.direction == "hold" or d.target == self.targets[role]:
                 continue
             log.info("autoscaler: %s %s -> %d (%s)", role.value, d.direction, d.target, d.reason)
             self.targets[role] = d.target
-            self.decisions.append(d)
+            self.decisions.append((wall_s, d))
             if self.metrics is not None:
                 self.metrics.autoscaler.labels(role.value, d.direction, d.code).inc()
         self.reconcile()
@@ -326,20 +334,23 @@ class PoolManager(Operator):
         return {"role": role.value, "target": state.target, "min": lo, "max": hi, "pinned": state.pinned,
                 "ready": state.ready, "starting": state.starting, "draining": state.draining}
 
+    def timeline(self, since_s: float) -> list[dict[str, Any]]:
+        return self.timeline_series.since(since_s) if self.timeline_series is not None else []
+
     def autoscaler_view(self) -> dict[str, Any]:
         return {
             "enabled": self.auto.enabled, "interval_s": self.auto.interval_s, "budget": self.auto.budget,
             "slo": {"ttft_s": self.auto.ttft_slo_s, "itl_s": self.auto.itl_slo_s},
             "pools": {role.value: self.pool_view(role) for role in (Role.PREFILL, Role.DECODE)},
-            "last": {role.value: _decision_view(d) for role, d in self.last_decision.items()},
-            "decisions": [_decision_view(d) for d in reversed(self.decisions)],
+            "last": {role.value: _decision_view(at, d) for role, (at, d) in self.last_decision.items()},
+            "decisions": [_decision_view(at, d) for at, d in reversed(self.decisions)],
             "counters": dict(self.counters),
         }
 
 
-def _decision_view(d: Decision) -> dict[str, Any]:
-    return {"role": d.role.value, "direction": d.direction, "target": d.target, "reason": d.reason, "code": d.code,
-            "signals": dict(d.signals), "t_s": d.t_s}
+def _decision_view(at_s: float, d: Decision) -> dict[str, Any]:
+    return {"at": round(at_s, 3), "role": d.role.value, "direction": d.direction, "target": d.target,
+            "reason": d.reason, "code": d.code, "signals": dict(d.signals)}
 
 
 async def _alive(client) -> bool:

@@ -72,6 +72,10 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name],
                      operator=cluster.pools if cluster else None, metrics=cluster.metrics if cluster else None,
                      admin_key=rc.admin_key, bind_host=rc.host)
+    if cluster is not None:
+        from cluster.dashboard import mount_dashboard
+
+        mount_dashboard(app)
     server = _Server(uvicorn.Config(app, host=rc.host, port=rc.port, log_level="info", lifespan="off",
                                            timeout_graceful_shutdown=int(GRACE_S)))
     grpc_server = None
@@ -82,7 +86,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"duet: serving {config.model_name} on http://{rc.host}:{rc.port}/v1", file=sys.stderr, flush=True)
+            print(f"duet: serving {config.model_name} on http://{rc.host}:{rc.port}/v1 "
+                  f"(dashboard: http://{rc.host}:{rc.port}/dashboard)", file=sys.stderr, flush=True)
         await serving
     finally:
         if grpc_server is not None:

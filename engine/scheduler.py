@@ -9,7 +9,11 @@ One step's budget is ``max_num_batched_tokens`` tokens across at most ``max_num_
 2. Waiting requests, oldest (and previously preempted) first, are admitted while budget, sequence slots
    and blocks last — unless this step preempted, since then memory is short. On admission, leading full
    blocks already in the prefix cache are reused; at least one token is always computed (the last prompt
-   token's logits are needed), so a fully cached prompt recomputes its final token.
+   token's logits are needed), so a fully cached prompt recomputes its final token. Requests that must
+   compute their prompt are admitted first-come first-served; requests whose KV is already in place
+   (received from a prefill worker) never wait behind one of those that does not fit.
+3. If nothing runs and nothing waiting fits, the blocks are held by waiting requests with received KV:
+   the newest of them gives its blocks back and will recompute (else the engine would wait forever).
 
 Bookkeeping only (no torch): the engine runs the model on the ``SchedulerOutput`` and then calls
 ``on_step_computed``; sampling and stop checks are the engine's.
@@ -123,14 +127,16 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        blocked = False  # an earlier request that must compute its prompt did not fit: FCFS among those
+        for request in list(self.waiting):
+            if budget <= 0 or out.preempted or len(self.running) >= self.max_num_seqs:
+                break
             if request.blocks:  # KV already in place (received from a prefill worker)
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 need = self.blocks_needed(request.num_computed_tokens + num_new) - len(request.blocks)
                 if need > 0 and not self.pool.can_allocate(need):
-                    break
-                self.waiting.popleft()
+                    continue  # others holding their KV may still fit; never wait behind them
+                self.waiting.remove(request)
                 if need > 0:
                     request.blocks.extend(self.pool.allocate(need))
                 self._observe_queue_time(request)
@@ -139,19 +145,23 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
                 continue
+            if blocked:
+                continue
             hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
             hits = hits[: (request.num_tokens - 1) // self.block_size]
             num_cached = len(hits) * self.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
-                    break
+                    blocked = True
+                    continue
                 num_new = budget
             num_new_blocks = self.blocks_needed(num_cached + num_new) - len(hits)
             num_revived = sum(1 for b in hits if b.ref_count == 0)
             if not self.pool.can_allocate(num_new_blocks + num_revived):
-                break
-            self.waiting.popleft()
+                blocked = True
+                continue
+            self.waiting.remove(request)
             self.pool.touch(hits)
             request.blocks = hits + self.pool.allocate(num_new_blocks)
             request.num_registered_blocks = len(hits)
@@ -165,7 +175,23 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        if not self.running and not out.scheduled and self.waiting:
+            self._break_deadlock(out)
         return out
+
+    def _break_deadlock(self, out: SchedulerOutput) -> None:
+        """Nothing runs and nothing waiting fits: the blocks are all held by waiting requests whose KV
+        arrived from a prefill worker (each waiting for one more block, or behind a request that needs many).
+        Free the newest such request's blocks; it recomputes its tokens later (its full blocks stay in the
+        prefix cache, so the recompute is mostly cache hits). Counted as a preemption."""
+        victim = next((r for r in reversed(self.waiting) if r.blocks), None)
+        if victim is None:
+            return
+        self._free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
 
     def _observe_queue_time(self, request: Request) -> None:
         if request.num_preemptions == 0:

@@ -2,6 +2,8 @@
 
     GET  /admin/workers                 every worker: id, role, state, pid, node, load, KV use, latest stats
     GET  /admin/autoscaler              targets, bounds, pins, the last decisions with their reasons and signals
+    GET  /admin/timeline?since=T        the dashboard's time series (cluster/dashboard/timeline.py)
+    GET  /admin/access                  what reads and writes need (the dashboard shows its controls by it)
     POST /admin/pools/{prefill|decode}  {"target": n} and/or {"pin": true|false}
     GET  /metrics                       Prometheus text (router/metrics.py); open, like vLLM's
 
@@ -42,6 +44,10 @@ class Operator(ABC):
 
     @abstractmethod
     def set_target(self, role: Role, target: int | None = None, pin: bool | None = None) -> dict[str, Any]: ...
+
+    def timeline(self, since_s: float) -> list[dict[str, Any]]:
+        """The dashboard's time series after ``since_s`` (epoch seconds); none by default."""
+        return []
 
 
 def is_loopback(host: str) -> bool:
@@ -101,6 +107,15 @@ def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] 
     @router.get("/admin/autoscaler", dependencies=[Depends(can_read)])
     async def autoscaler() -> dict[str, Any]:
         return need_operator().autoscaler_view()
+
+    @router.get("/admin/timeline", dependencies=[Depends(can_read)])
+    async def timeline(since: float = 0.0) -> dict[str, Any]:
+        return {"object": "list", "data": need_operator().timeline(since)}
+
+    @router.get("/admin/access")
+    async def access() -> dict[str, Any]:
+        writes = "admin_key" if admin else ("loopback" if is_loopback(bind_host) else "disabled")
+        return {"reads": "api_key" if api else "open", "writes": writes, "pools": operator is not None}
 
     @router.post("/admin/pools/{role}", dependencies=[Depends(can_write)])
     async def set_pool(role: str, request: Request) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Two sources, one registry per router (never the process-global one):
 """
 from __future__ import annotations
 
+import collections
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -66,7 +67,9 @@ class RouterMetrics:
                                ("role", "policy", "outcome"), registry=r)
         self.autoscaler = Counter("duet_autoscaler_decisions", "Autoscaler decisions that changed a target, "
                                   "by role, direction and reason.", ("role", "direction", "reason"), registry=r)
-        self._samples: deque[LatencySample] = deque(maxlen=SAMPLE_WINDOW)
+        self._buffers: dict[str, deque[LatencySample]] = {}  # one per consumer (autoscaler, dashboard, ...)
+        self.finished: collections.Counter[str] = collections.Counter()  # requests by finish reason
+        self.num_tokens = 0  # generated tokens the clients received
 
     def labels(self, worker: str, role: str) -> tuple[str, ...]:
         return (self.model_name, worker, worker, role)
@@ -74,11 +77,16 @@ class RouterMetrics:
     def request(self, num_prompt_tokens: int) -> RequestTiming:
         return RequestTiming(self, num_prompt_tokens, time.monotonic())
 
-    def take_samples(self) -> list[LatencySample]:
-        """Latency samples since the last call (the autoscaler's interval)."""
-        out = list(self._samples)
-        self._samples.clear()
+    def take_samples(self, consumer: str = "autoscaler") -> list[LatencySample]:
+        """Latency samples since ``consumer``'s last call (each consumer has its own buffer, made on first use)."""
+        buffer = self._buffers.setdefault(consumer, deque(maxlen=SAMPLE_WINDOW))
+        out = list(buffer)
+        buffer.clear()
         return out
+
+    def _sample(self, sample: LatencySample) -> None:
+        for buffer in self._buffers.values():
+            buffer.append(sample)
 
     def add_collector(self, collector) -> None:
         self.registry.register(collector)
@@ -108,15 +116,16 @@ class RequestTiming:
         if n:
             if self.last_s is None:
                 m.ttft.labels(*labels).observe(now - self.start_s)
-                m._samples.append(LatencySample(now, "ttft", worker, now - self.start_s))
+                m._sample(LatencySample(now, "ttft", worker, now - self.start_s))
                 gaps = [0.0] * (n - 1)
             else:
                 gaps = [(now - self.last_s) / n] * n
             for gap in gaps:
                 m.itl.labels(*labels).observe(gap)
-                m._samples.append(LatencySample(now, "itl", worker, gap))
+                m._sample(LatencySample(now, "itl", worker, gap))
             self.last_s = now
             self.num_tokens += n
+            m.num_tokens += n
         self.last_worker = (worker, role)
         if out.finished:
             self.finish(out.finish_reason or "stop", now)
@@ -129,7 +138,9 @@ class RequestTiming:
         m = self.metrics
         labels = m.labels(*self.last_worker)
         now_s = time.monotonic() if now_s is None else now_s
-        m.success.labels(*labels, reason if reason in FINISHED_REASONS else "stop").inc()
+        reason = reason if reason in FINISHED_REASONS else "stop"
+        m.success.labels(*labels, reason).inc()
+        m.finished[reason] += 1
         m.e2e.labels(*labels).observe(now_s - self.start_s)
         m.prompt_tokens.labels(*labels).observe(self.num_prompt_tokens)
         m.generation_tokens.labels(*labels).observe(self.num_tokens)

@@ -134,3 +134,36 @@ def test_reserve_remote_refuses_mismatch_and_full_pool(model_dir):
     small.step()
     assert small.reserve_remote(handoff) is None  # no room now; the caller retries later
     assert "a" not in small.requests
+
+
+def test_received_kv_filling_the_pool_cannot_deadlock_the_decode_engine(model_dir):
+    """Two handed-off prompts of exactly 3 blocks fill a 6-block decode pool; each needs a 4th block to
+    decode. Nothing runs, nothing fits: the newest gives its blocks back and recomputes (a preemption),
+    the other runs — both finish with the colocated tokens instead of the engine waiting forever."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(48)] for _ in range(2)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 2
+    colocated = [r["token_ids"] for r in engine(model_dir).generate(prompts, params)]
+    P, D = engine(model_dir), engine(model_dir, num_blocks=6)
+    first = {}
+    for i, p in enumerate(prompts):
+        P.add_request(f"r{i}", prompt_token_ids=p, params=params[i], remote_decode=True)
+    while P.has_unfinished_requests():
+        for out in P.step():
+            first[out.request_id] = list(out.new_token_ids)
+            plan = D.reserve_remote(out.handoff)
+            assert plan is not None
+            copy_blocks(P, D, plan)
+            P.release_held(out.request_id)
+            D.commit_remote(out.request_id)
+    assert D.pool.num_used_blocks == 6 and len(D.scheduler.waiting) == 2  # full, and nothing can run as it is
+    steps = 0
+    while D.has_unfinished_requests():
+        for out in D.step():
+            first[out.request_id] += out.new_token_ids
+        steps += 1
+        assert steps < 200, "the decode engine made no progress"
+    assert [first["r0"], first["r1"]] == colocated
+    assert D.scheduler.num_preemptions >= 1
+    D.pool.check()
+    assert D.pool.num_used_blocks == 0

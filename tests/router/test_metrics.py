@@ -96,6 +96,7 @@ def test_vllm_series_names_types_and_buckets():
 def test_timing_counts_match_the_requests():
     """TTFT once per request, ITL once per token after the first, e2e and success once per request."""
     metrics = RouterMetrics("m", 1024)
+    metrics.take_samples()  # the autoscaler's buffer exists from its first call on
     generated = [1, 5, 12]
     for n in generated:
         timing = metrics.request(20)
@@ -121,3 +122,5 @@ def test_timing_counts_match_the_requests():
     assert reasons == {"length": 1, "stop": 2, "abort": 1}
     samples = metrics.take_samples()
     assert sum(s.kind == "ttft" for s in samples) == 4 and metrics.take_samples() == []
+    assert metrics.take_samples("dashboard") == []  # a new consumer starts from now
+    assert metrics.finished == {"length": 1, "stop": 2, "abort": 1} and metrics.num_tokens == sum(generated) + 1

@@ -1,0 +1,330 @@
+// duet operator dashboard: polls the admin API and draws everything itself (SVG), no library, no CDN.
+"use strict";
+
+const POLL_MS = 1500;
+const WINDOW_S = 300;          // the charts show the last five minutes
+const COLORS = { prefill: "#f2a33a", decode: "#36b9d6", p50: "#3ccf8e", p90: "#f2c94c", p99: "#f0605d",
+                 accent: "#8b8cf8", muted: "#8593a6", bad: "#f0605d" };
+const SVG = "http://www.w3.org/2000/svg";
+
+const state = { key: sessionStorage.getItem("duet-key") || "", points: [], lastT: 0, access: null,
+                workers: [], auto: null, model: null, busy: false, error: null };
+
+// ---------------------------------------------------------------------------------------- data
+
+async function api(path, options = {}) {
+  const headers = Object.assign({ "Content-Type": "application/json" }, options.headers || {});
+  if (state.key) headers.Authorization = "Bearer " + state.key;
+  const response = await fetch(path, Object.assign({}, options, { headers }));
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const message = (body.error && body.error.message) || response.statusText;
+    const err = new Error(message);
+    err.status = response.status;
+    throw err;
+  }
+  return body;
+}
+
+async function refresh() {
+  if (state.busy) return;
+  state.busy = true;
+  try {
+    const [access, workers, auto, timeline] = await Promise.all([
+      api("/admin/access"), api("/admin/workers"), api("/admin/autoscaler"),
+      api("/admin/timeline?since=" + state.lastT)]);
+    if (!state.model) {
+      try { state.model = (await api("/v1/models")).data[0].id; } catch (e) { state.model = ""; }
+    }
+    state.access = access; state.workers = workers.data; state.auto = auto;
+    for (const p of timeline.data) state.points.push(p);
+    if (state.points.length) state.lastT = state.points[state.points.length - 1].t;
+    const cutoff = Date.now() / 1000 - 600;
+    while (state.points.length && state.points[0].t < cutoff) state.points.shift();
+    state.error = null;
+  } catch (e) {
+    state.error = e.status === 401 ? "This cluster needs an API key to read: enter it above." : "Cannot reach the router: " + e.message;
+  } finally {
+    state.busy = false;
+  }
+  render();
+}
+
+// ---------------------------------------------------------------------------------------- helpers
+
+const $ = (id) => document.getElementById(id);
+function el(tag, attrs = {}, children = []) {
+  const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "text") node.textContent = v;
+    else if (k === "class") node.setAttribute("class", v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) if (c) node.appendChild(c);
+  return node;
+}
+function fmtSeconds(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 0.001) return (s * 1e6).toFixed(0) + " µs";
+  if (s < 1) return (s * 1000).toFixed(s < 0.01 ? 1 : 0) + " ms";
+  return s.toFixed(s < 10 ? 2 : 1) + " s";
+}
+function fmtNumber(x, digits = 1) {
+  if (x === null || x === undefined || Number.isNaN(x)) return "–";
+  const a = Math.abs(x);
+  if (a >= 1e9) return (x / 1e9).toFixed(digits) + "G";
+  if (a >= 1e6) return (x / 1e6).toFixed(digits) + "M";
+  if (a >= 1e3) return (x / 1e3).toFixed(digits) + "k";
+  return a >= 100 || Number.isInteger(x) ? x.toFixed(0) : x.toFixed(digits);
+}
+const fmtPct = (x) => (x === null || x === undefined ? "–" : (x * 100).toFixed(x < 0.1 ? 1 : 0) + "%");
+const fmtBytes = (x) => (x === null || x === undefined ? "–" : fmtNumber(x) + "B/s");
+function latest(key) {
+  for (let i = state.points.length - 1; i >= 0; i--) {
+    const v = state.points[i][key];
+    if (v !== null && v !== undefined) return v;
+  }
+  return null;
+}
+function sumLast(key, seconds) {
+  const since = Date.now() / 1000 - seconds;
+  return state.points.filter((p) => p.t >= since).reduce((a, p) => a + (p[key] || 0), 0);
+}
+
+// ---------------------------------------------------------------------------------------- charts
+
+// A line chart of some point fields over the last WINDOW_S seconds. Gaps (null) break the line.
+function lineChart(id, spec) {
+  const fig = $(id);
+  let svg = fig.querySelector("svg");
+  let legend = fig.querySelector(".legend");
+  if (!svg) {
+    svg = el("svg:svg", { viewBox: "0 0 400 150", preserveAspectRatio: "none" });
+    legend = el("div", { class: "legend" });
+    fig.appendChild(svg); fig.appendChild(legend);
+  }
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const W = 400, H = 150, L = 44, R = 6, T = 8, B = 18;
+  const now = Date.now() / 1000, t0 = now - WINDOW_S;
+  const pts = state.points.filter((p) => p.t >= t0);
+  const values = [];
+  for (const s of spec.series) for (const p of pts) if (p[s.key] !== null && p[s.key] !== undefined) values.push(s.scale ? p[s.key] * s.scale : p[s.key]);
+  let yMax = Math.max(spec.min || 0, ...values, spec.slo ? spec.slo * 1.15 : 0);
+  if (spec.max !== undefined) yMax = Math.max(yMax, spec.max);
+  if (!(yMax > 0)) yMax = 1;
+  yMax = spec.integer ? Math.max(4, Math.ceil(yMax / 4) * 4) : niceCeil(yMax);
+  const x = (t) => L + ((t - t0) / WINDOW_S) * (W - L - R);
+  const y = (v) => T + (1 - v / yMax) * (H - T - B);
+  for (let i = 0; i <= 4; i++) {
+    const v = (yMax * i) / 4;
+    svg.appendChild(el("svg:line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }));
+    svg.appendChild(el("svg:text", { x: L - 5, y: y(v) + 3, "text-anchor": "end", class: "axis-label", text: spec.fmt(v) }));
+  }
+  for (const [label, t] of [["-5m", t0], ["-2.5m", t0 + WINDOW_S / 2], ["now", now]]) {
+    svg.appendChild(el("svg:text", { x: Math.min(Math.max(x(t), L + 10), W - R - 12), y: H - 4,
+                                     "text-anchor": "middle", class: "axis-label", text: label }));
+  }
+  if (spec.slo) {
+    svg.appendChild(el("svg:line", { x1: L, x2: W - R, y1: y(spec.slo), y2: y(spec.slo), class: "slo" }));
+    svg.appendChild(el("svg:text", { x: W - R - 2, y: y(spec.slo) - 3, "text-anchor": "end", class: "slo-label",
+                                     text: "SLO " + spec.fmt(spec.slo) }));
+  }
+  let plotted = 0;
+  for (const s of spec.series) {
+    let d = "", pen = false;
+    for (const p of pts) {
+      const raw = p[s.key];
+      if (raw === null || raw === undefined) { pen = false; continue; }
+      const v = s.scale ? raw * s.scale : raw;
+      d += (pen ? "L" : "M") + x(p.t).toFixed(1) + "," + y(v).toFixed(1);
+      if (s.step) d += "H" + x(p.t + 1).toFixed(1);
+      pen = true; plotted++;
+    }
+    if (d) svg.appendChild(el("svg:path", { d, class: "series", stroke: s.color,
+                                            "stroke-dasharray": s.dash ? "4 3" : "none" }));
+  }
+  if (!pts.length) svg.appendChild(el("svg:text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty", text: "waiting for data…" }));
+  svg.setAttribute("data-points", String(plotted));
+  while (legend.firstChild) legend.removeChild(legend.firstChild);
+  for (const s of spec.series) {
+    const v = latest(s.key);
+    legend.appendChild(el("span", {}, [el("i", { style: "background:" + s.color }), document.createTextNode(s.label + " "),
+                                       el("b", { text: v === null ? "–" : spec.fmt(s.scale ? v * s.scale : v) })]));
+  }
+}
+function niceCeil(v) {
+  const p = Math.pow(10, Math.floor(Math.log10(v)));
+  for (const m of [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (m * p >= v) return m * p;
+  return 10 * p;
+}
+
+// ---------------------------------------------------------------------------------------- render
+
+function render() {
+  const banner = $("banner");
+  banner.textContent = state.error || "";
+  banner.classList.toggle("hidden", !state.error);
+  const auto = state.auto;
+  $("model").textContent = state.model || "";
+  const readyDecode = state.workers.filter((w) => w.role === "decode" && w.state === "ready").length;
+  const status = $("status");
+  status.textContent = state.error ? "unreachable" : readyDecode ? "serving" : "no decode worker";
+  status.className = "pill " + (state.error || !readyDecode ? "pill-bad" : "pill-ok");
+  if (!auto) return;
+  const pools = auto.pools;
+  $("ratio").textContent = pools.prefill.ready + " : " + pools.decode.ready;
+  $("ratio-target").textContent = "(target " + pools.prefill.target + " : " + pools.decode.target + ")";
+  $("autoscaler-mode").textContent = auto.enabled ? "autoscaler on · every " + auto.interval_s + " s" : "autoscaler off";
+
+  renderKpis(auto);
+  const slo = auto.slo;
+  lineChart("chart-ttft", { fmt: fmtSeconds, slo: slo.ttft_s, series: [
+    { key: "ttft_p50", label: "p50", color: COLORS.p50 }, { key: "ttft_p90", label: "p90", color: COLORS.p90 },
+    { key: "ttft_p99", label: "p99", color: COLORS.p99 }] });
+  lineChart("chart-itl", { fmt: fmtSeconds, slo: slo.itl_s, series: [
+    { key: "itl_p50", label: "p50", color: COLORS.p50 }, { key: "itl_p90", label: "p90", color: COLORS.p90 },
+    { key: "itl_p99", label: "p99", color: COLORS.p99 }] });
+  lineChart("chart-traffic", { fmt: (v) => fmtNumber(v), series: [
+    { key: "req_s", label: "finished/s", color: COLORS.accent },
+    { key: "waiting_prefill", label: "queued prefill", color: COLORS.prefill },
+    { key: "waiting_decode", label: "queued decode", color: COLORS.decode }] });
+  lineChart("chart-pools", { fmt: (v) => (Number.isInteger(v) ? String(v) : ""), min: 4, integer: true, series: [
+    { key: "ready_prefill", label: "prefill ready", color: COLORS.prefill, step: true },
+    { key: "target_prefill", label: "target", color: COLORS.prefill, dash: true, step: true },
+    { key: "ready_decode", label: "decode ready", color: COLORS.decode, step: true },
+    { key: "target_decode", label: "target", color: COLORS.decode, dash: true, step: true }] });
+  lineChart("chart-kv", { fmt: fmtPct, max: 1, series: [
+    { key: "kv_prefill", label: "prefill", color: COLORS.prefill }, { key: "kv_decode", label: "decode", color: COLORS.decode }] });
+  lineChart("chart-prefix", { fmt: fmtPct, max: 1, series: [{ key: "prefix_hit", label: "hit rate", color: COLORS.p50 }] });
+  lineChart("chart-xfer", { fmt: (v) => fmtNumber(v) + "B/s", series: [
+    { key: "xfer_bytes_s", label: "bandwidth", color: COLORS.decode },
+    { key: "xfer_failures", label: "failures", color: COLORS.bad }] });
+  lineChart("chart-errors", { fmt: (v) => fmtNumber(v, 2), series: [
+    { key: "errors_s", label: "errors/s", color: COLORS.bad }, { key: "recomputes", label: "recomputes", color: COLORS.p90 },
+    { key: "lease_expiries", label: "lease expiries", color: COLORS.prefill },
+    { key: "placed_again", label: "placed again", color: COLORS.accent }] });
+  renderPool("prefill", pools.prefill);
+  renderPool("decode", pools.decode);
+  renderDecisions(auto.decisions);
+}
+
+function renderKpis(auto) {
+  const set = (id, text, cls) => { const n = $(id); n.textContent = text; n.className = "kpi-value" + (cls ? " " + cls : ""); };
+  set("kpi-req", fmtNumber(latest("req_s")));
+  set("kpi-tok", fmtNumber(latest("tok_s")));
+  const judge = (v, slo) => (v === null ? "" : v > slo ? "bad" : v > 0.8 * slo ? "warn" : "good");
+  const ttft = latest("ttft_p90"), itl = latest("itl_p90");
+  set("kpi-ttft", fmtSeconds(ttft), judge(ttft, auto.slo.ttft_s));
+  set("kpi-itl", fmtSeconds(itl), judge(itl, auto.slo.itl_s));
+  $("kpi-ttft-slo").textContent = "SLO " + fmtSeconds(auto.slo.ttft_s);
+  $("kpi-itl-slo").textContent = "SLO " + fmtSeconds(auto.slo.itl_s);
+  const queued = (latest("waiting_prefill") || 0) + (latest("waiting_decode") || 0);
+  set("kpi-queue", fmtNumber(queued, 0), queued > 0 ? "warn" : "");
+  set("kpi-prefix", fmtPct(latest("prefix_hit")));
+  set("kpi-xfer", fmtBytes(latest("xfer_bytes_s")));
+  const errors = sumLast("errors_s", 300) + sumLast("xfer_failures", 300);
+  set("kpi-errors", fmtNumber(errors, 0), errors > 0 ? "bad" : "good");
+}
+
+function writesAllowed() {
+  const a = state.access;
+  if (!a || !a.pools) return [false, "this server runs no pools"];
+  if (a.writes === "disabled") return [false, "writes are disabled: start the server with --admin-key"];
+  if (a.writes === "admin_key" && !state.key) return [false, "enter the admin key to scale"];
+  return [true, ""];
+}
+
+function renderPool(role, pool) {
+  const box = $("pool-" + role);
+  while (box.firstChild) box.removeChild(box.firstChild);
+  const [allowed, why] = writesAllowed();
+  const minus = el("button", { "data-action": "minus", title: why || "one worker less (drains the least busy)", text: "−" });
+  const plus = el("button", { "data-action": "plus", title: why || "one worker more", text: "+" });
+  minus.disabled = !allowed || pool.target <= pool.min;
+  plus.disabled = !allowed || pool.target >= pool.max;
+  minus.onclick = () => setTarget(role, pool.target - 1);
+  plus.onclick = () => setTarget(role, pool.target + 1);
+  const pin = el("input", { type: "checkbox", "data-action": "pin", title: why || "pinned pools are left alone by the autoscaler" });
+  pin.checked = pool.pinned; pin.disabled = !allowed;
+  pin.onchange = () => setPin(role, pin.checked);
+  const head = el("div", { class: "pool-head" }, [
+    el("h2", { text: role === "prefill" ? "Prefill pool" : "Decode pool" }),
+    el("span", { class: "muted", text: pool.ready + " ready · target " + pool.target + " (" + pool.min + "–" + pool.max + ")" +
+                 (pool.starting ? " · " + pool.starting + " starting" : "") + (pool.draining ? " · " + pool.draining + " draining" : "") }),
+    el("div", { class: "controls" }, [minus, el("span", { class: "target", "data-role-target": role, text: String(pool.target) }), plus,
+                                      el("label", {}, [pin, document.createTextNode("pin")])])]);
+  box.appendChild(head);
+  const grid = el("div", { class: "workers" });
+  const workers = state.workers.filter((w) => w.role === role)
+    .sort((a, b) => (a.state === "dead") - (b.state === "dead") || a.worker_id.localeCompare(b.worker_id, undefined, { numeric: true }));
+  for (const w of workers.slice(0, 12)) grid.appendChild(workerCard(w, role));
+  if (!workers.length) grid.appendChild(el("div", { class: "muted", text: "no workers" }));
+  box.appendChild(grid);
+}
+
+function workerCard(w, role) {
+  const s = w.stats || {};
+  const used = w.kv_blocks_used, total = w.kv_blocks_total;
+  const kv = total ? used / total : 0;
+  const health = role === "decode"
+    ? "transfers " + fmtNumber(s.transfers_ok || 0, 0) + " ok · " + fmtNumber(s.transfers_failed || 0, 0) + " failed"
+    : "leases " + fmtNumber(s.leases_held || 0, 0) + " held · " + fmtNumber(s.leases_expired || 0, 0) + " expired";
+  const bar = el("div", { class: "bar" }, [el("span", { style: "width:" + (kv * 100).toFixed(1) + "%;background:" +
+                                                   (kv > 0.9 ? COLORS.bad : COLORS[role]) })]);
+  return el("div", { class: "worker" + (w.state === "dead" ? " dead" : ""), "data-worker": w.worker_id, "data-state": w.state }, [
+    el("div", { class: "row" }, [el("span", { class: "id", text: w.worker_id }), el("span", { class: "state state-" + w.state, text: w.state })]),
+    el("div", { class: "row" }, [el("span", { text: "running " + (w.running ?? "–") + " · waiting " + (w.waiting ?? "–") }),
+                                 el("span", { text: w.uptime_s !== null ? "up " + fmtUptime(w.uptime_s) : "" })]),
+    bar,
+    el("div", { class: "row" }, [el("span", { text: "KV " + (total ? used + " / " + total + " blocks" : "–") }),
+                                 el("span", { text: w.pid ? "pid " + w.pid : "" })]),
+    el("div", { class: "row" }, [el("span", { text: w.state === "dead" || w.state === "draining" ? (w.reason || "") : health })]),
+  ]);
+}
+const fmtUptime = (s) => (s < 90 ? s.toFixed(0) + " s" : s < 5400 ? (s / 60).toFixed(0) + " min" : (s / 3600).toFixed(1) + " h");
+
+function renderDecisions(decisions) {
+  const body = $("decisions");
+  while (body.firstChild) body.removeChild(body.firstChild);
+  if (!decisions.length) {
+    body.appendChild(el("tr", {}, [el("td", { colspan: "5", class: "muted", text: "no scaling decision yet" })]));
+    return;
+  }
+  for (const d of decisions.slice(0, 12)) {
+    const ago = new Date(d.at * 1000).toLocaleTimeString() + " (" + fmtUptime(Math.max(0, Date.now() / 1000 - d.at)) + " ago)";
+    body.appendChild(el("tr", {}, [el("td", { class: "muted", text: ago }), el("td", { text: d.role }),
+                                   el("td", { class: d.direction, text: d.direction === "up" ? "▲ up" : "▼ down" }),
+                                   el("td", { text: String(d.target) }), el("td", { text: d.reason })]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------- actions
+
+async function setTarget(role, target) {
+  try {
+    await api("/admin/pools/" + role, { method: "POST", body: JSON.stringify({ target }) });
+    state.error = null;
+  } catch (e) {
+    state.error = "Scaling " + role + " failed: " + e.message;
+  }
+  refresh();
+}
+async function setPin(role, pin) {
+  try {
+    await api("/admin/pools/" + role, { method: "POST", body: JSON.stringify({ pin }) });
+  } catch (e) {
+    state.error = "Pinning " + role + " failed: " + e.message;
+  }
+  refresh();
+}
+
+$("key").value = state.key;
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  state.key = $("key").value.trim();
+  sessionStorage.setItem("duet-key", state.key);
+  state.model = null;
+  refresh();
+});
+refresh();
+setInterval(refresh, POLL_MS);
