@@ -2,7 +2,7 @@
 "use strict";
 
 const POLL_MS = 1500;
-const WINDOW_S = 300;          // the charts show the last five minutes
+const WINDOW_S = 300;          // the charts show the last five minutes (or since the first point, at least 60 s)
 const COLORS = { prefill: "#f2a33a", decode: "#36b9d6", p50: "#3ccf8e", p90: "#f2c94c", p99: "#f0605d",
                  accent: "#8b8cf8", muted: "#8593a6", bad: "#f0605d" };
 const SVG = "http://www.w3.org/2000/svg";
@@ -65,6 +65,7 @@ function el(tag, attrs = {}, children = []) {
 }
 function fmtSeconds(s) {
   if (s === null || s === undefined) return "–";
+  if (s === 0) return "0";
   if (s < 0.001) return (s * 1e6).toFixed(0) + " µs";
   if (s < 1) return (s * 1000).toFixed(s < 0.01 ? 1 : 0) + " ms";
   return s.toFixed(s < 10 ? 2 : 1) + " s";
@@ -104,8 +105,12 @@ function lineChart(id, spec) {
     fig.appendChild(svg); fig.appendChild(legend);
   }
   while (svg.firstChild) svg.removeChild(svg.firstChild);
-  const W = 400, H = 150, L = 44, R = 6, T = 8, B = 18;
-  const now = Date.now() / 1000, t0 = now - WINDOW_S;
+  const W = 400, H = 150, L = 50, R = 6, T = 8, B = 18;
+  const now = Date.now() / 1000;
+  const first = state.points.length ? state.points[0].t : now;
+  const span = Math.min(WINDOW_S, Math.max(60, now - first));
+  const t0 = now - span;
+  const axisFmt = spec.axisFmt || spec.fmt;
   const pts = state.points.filter((p) => p.t >= t0);
   const values = [];
   for (const s of spec.series) for (const p of pts) if (p[s.key] !== null && p[s.key] !== undefined) values.push(s.scale ? p[s.key] * s.scale : p[s.key]);
@@ -113,14 +118,15 @@ function lineChart(id, spec) {
   if (spec.max !== undefined) yMax = Math.max(yMax, spec.max);
   if (!(yMax > 0)) yMax = 1;
   yMax = spec.integer ? Math.max(4, Math.ceil(yMax / 4) * 4) : niceCeil(yMax);
-  const x = (t) => L + ((t - t0) / WINDOW_S) * (W - L - R);
+  const x = (t) => L + ((t - t0) / span) * (W - L - R);
   const y = (v) => T + (1 - v / yMax) * (H - T - B);
   for (let i = 0; i <= 4; i++) {
     const v = (yMax * i) / 4;
     svg.appendChild(el("svg:line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }));
-    svg.appendChild(el("svg:text", { x: L - 5, y: y(v) + 3, "text-anchor": "end", class: "axis-label", text: spec.fmt(v) }));
+    svg.appendChild(el("svg:text", { x: L - 5, y: y(v) + 3, "text-anchor": "end", class: "axis-label", text: axisFmt(v) }));
   }
-  for (const [label, t] of [["-5m", t0], ["-2.5m", t0 + WINDOW_S / 2], ["now", now]]) {
+  const ago = (sec) => (sec >= 120 ? "-" + (sec / 60).toFixed(sec % 60 ? 1 : 0) + " min" : "-" + Math.round(sec) + " s");
+  for (const [label, t] of [[ago(span), t0], [ago(span / 2), t0 + span / 2], ["now", now]]) {
     svg.appendChild(el("svg:text", { x: Math.min(Math.max(x(t), L + 10), W - R - 12), y: H - 4,
                                      "text-anchor": "middle", class: "axis-label", text: label }));
   }
@@ -176,6 +182,10 @@ function render() {
   $("ratio-target").textContent = "(target " + pools.prefill.target + " : " + pools.decode.target + ")";
   $("autoscaler-mode").textContent = auto.enabled ? "autoscaler on · every " + auto.interval_s + " s" : "autoscaler off";
 
+  const [allowed, why] = writesAllowed();
+  const note = $("access-note");
+  note.textContent = allowed ? "" : "read-only · " + why;
+  note.classList.toggle("hidden", allowed);
   renderKpis(auto);
   const slo = auto.slo;
   lineChart("chart-ttft", { fmt: fmtSeconds, slo: slo.ttft_s, series: [
@@ -196,7 +206,7 @@ function render() {
   lineChart("chart-kv", { fmt: fmtPct, max: 1, series: [
     { key: "kv_prefill", label: "prefill", color: COLORS.prefill }, { key: "kv_decode", label: "decode", color: COLORS.decode }] });
   lineChart("chart-prefix", { fmt: fmtPct, max: 1, series: [{ key: "prefix_hit", label: "hit rate", color: COLORS.p50 }] });
-  lineChart("chart-xfer", { fmt: (v) => fmtNumber(v) + "B/s", series: [
+  lineChart("chart-xfer", { fmt: (v) => fmtNumber(v) + "B/s", axisFmt: (v) => fmtNumber(v, 1), series: [
     { key: "xfer_bytes_s", label: "bandwidth", color: COLORS.decode },
     { key: "xfer_failures", label: "failures", color: COLORS.bad }] });
   lineChart("chart-errors", { fmt: (v) => fmtNumber(v, 2), series: [
@@ -234,32 +244,45 @@ function writesAllowed() {
   return [true, ""];
 }
 
+// The pool header and its controls are built once and updated in place (a click must never land on a
+// button that is being replaced); the worker cards below are redrawn on every poll.
 function renderPool(role, pool) {
   const box = $("pool-" + role);
-  while (box.firstChild) box.removeChild(box.firstChild);
+  let head = box.querySelector(".pool-head");
+  if (!head) {
+    const minus = el("button", { "data-action": "minus", text: "−" });
+    const plus = el("button", { "data-action": "plus", text: "+" });
+    const pin = el("input", { type: "checkbox", "data-action": "pin" });
+    minus.onclick = () => setTarget(role, state.auto.pools[role].target - 1);
+    plus.onclick = () => setTarget(role, state.auto.pools[role].target + 1);
+    pin.onchange = () => setPin(role, pin.checked);
+    head = el("div", { class: "pool-head" }, [
+      el("h2", { text: role === "prefill" ? "Prefill pool" : "Decode pool" }), el("span", { class: "muted summary" }),
+      el("div", { class: "controls" }, [minus, el("span", { class: "target", "data-role-target": role }), plus,
+                                        el("label", {}, [pin, document.createTextNode("pin")])])]);
+    box.appendChild(head);
+    box.appendChild(el("div", { class: "workers" }));
+  }
   const [allowed, why] = writesAllowed();
-  const minus = el("button", { "data-action": "minus", title: why || "one worker less (drains the least busy)", text: "−" });
-  const plus = el("button", { "data-action": "plus", title: why || "one worker more", text: "+" });
+  const minus = head.querySelector('[data-action="minus"]'), plus = head.querySelector('[data-action="plus"]');
+  const pin = head.querySelector('[data-action="pin"]');
   minus.disabled = !allowed || pool.target <= pool.min;
   plus.disabled = !allowed || pool.target >= pool.max;
-  minus.onclick = () => setTarget(role, pool.target - 1);
-  plus.onclick = () => setTarget(role, pool.target + 1);
-  const pin = el("input", { type: "checkbox", "data-action": "pin", title: why || "pinned pools are left alone by the autoscaler" });
-  pin.checked = pool.pinned; pin.disabled = !allowed;
-  pin.onchange = () => setPin(role, pin.checked);
-  const head = el("div", { class: "pool-head" }, [
-    el("h2", { text: role === "prefill" ? "Prefill pool" : "Decode pool" }),
-    el("span", { class: "muted", text: pool.ready + " ready · target " + pool.target + " (" + pool.min + "–" + pool.max + ")" +
-                 (pool.starting ? " · " + pool.starting + " starting" : "") + (pool.draining ? " · " + pool.draining + " draining" : "") }),
-    el("div", { class: "controls" }, [minus, el("span", { class: "target", "data-role-target": role, text: String(pool.target) }), plus,
-                                      el("label", {}, [pin, document.createTextNode("pin")])])]);
-  box.appendChild(head);
-  const grid = el("div", { class: "workers" });
+  pin.disabled = !allowed;
+  if (document.activeElement !== pin) pin.checked = pool.pinned;
+  minus.title = why || "one worker less (drains the least busy)";
+  plus.title = why || "one worker more";
+  pin.title = why || "a pinned pool is left alone by the autoscaler";
+  head.querySelector(".target").textContent = String(pool.target);
+  head.querySelector(".summary").textContent = pool.ready + " ready · target " + pool.target + " (" + pool.min + "–" +
+    pool.max + ")" + (pool.starting ? " · " + pool.starting + " starting" : "") +
+    (pool.draining ? " · " + pool.draining + " draining" : "") + (pool.pinned ? " · pinned" : "");
+  const grid = box.querySelector(".workers");
+  while (grid.firstChild) grid.removeChild(grid.firstChild);
   const workers = state.workers.filter((w) => w.role === role)
     .sort((a, b) => (a.state === "dead") - (b.state === "dead") || a.worker_id.localeCompare(b.worker_id, undefined, { numeric: true }));
   for (const w of workers.slice(0, 12)) grid.appendChild(workerCard(w, role));
   if (!workers.length) grid.appendChild(el("div", { class: "muted", text: "no workers" }));
-  box.appendChild(grid);
 }
 
 function workerCard(w, role) {

@@ -1,0 +1,141 @@
+"""The operator dashboard in a real headless Chromium (Debian's chromium + chromedriver, driven by Selenium)
+against a live cluster: the page loads without console errors, shows the live workers, its charts receive
+data, and a scaling action made on the page changes the pool. Screenshots go to build/screenshots/."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from router.policy import Role
+from tests.cluster.test_disagg_cluster import wait_for
+from tests.cluster.test_operating import Load
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "build" / "screenshots"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+def serve_app(loop_thread, app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    task = asyncio.run_coroutine_threadsafe(server.serve(), loop_thread.loop)
+    assert wait_for(lambda: server.started, timeout_s=20)
+    return server, task, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "autoscaler.max_decode": 2})
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1600,1150"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    yield driver
+    driver.quit()
+
+
+def dom(driver, css):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def enabled(driver, css) -> bool:
+    """Whether the (freshly found) element is enabled; the page re-renders every 1.5 s, so retry on staleness."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(5):
+        try:
+            return dom(driver, css)[0].is_enabled()
+        except (StaleElementReferenceException, IndexError):
+            continue
+    raise AssertionError(f"{css} kept going stale")
+
+
+def severe(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def points(driver, chart: str) -> int:
+    found = dom(driver, f"#{chart} svg")
+    return int(found[0].get_attribute("data-points") or 0) if found else 0
+
+
+def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread, browser):
+    from cluster.dashboard import mount_dashboard
+    from router.http_api import create_app
+
+    app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,
+                     metrics=cluster.metrics)
+    mount_dashboard(app)
+    server, task, url = serve_app(loop_thread, app)
+    load = Load(cluster.backend, clients=6, prompt_len=120, max_tokens=40, seed=9)
+    loop_thread.run(load.start())
+    try:
+        browser.get(url + "/dashboard")
+        assert wait_for(lambda: dom(browser, '[data-worker="prefill-0"][data-state="ready"]')
+                        and dom(browser, '[data-worker="decode-0"][data-state="ready"]'), timeout_s=20)
+        assert browser.find_element("id", "model").text == cluster.config.model_name
+        assert browser.find_element("id", "ratio").text == "1 : 1"
+        charts = ("chart-ttft", "chart-itl", "chart-traffic", "chart-pools", "chart-kv", "chart-xfer")
+        assert wait_for(lambda: all(points(browser, c) >= 5 for c in charts), timeout_s=40, interval_s=0.5), \
+            {c: points(browser, c) for c in charts}
+        assert browser.find_element("id", "kpi-tok").text not in ("–", "0")
+        browser.save_screenshot(str(SHOTS / "dashboard-live.png"))
+
+        assert enabled(browser, '#pool-decode button[data-action="plus"]')
+        dom(browser, '#pool-decode button[data-action="plus"]')[0].click()  # a real click: POST /admin/pools/decode
+        assert wait_for(lambda: cluster.pools.targets[Role.DECODE] == 2, timeout_s=10)
+        assert wait_for(lambda: dom(browser, '[data-worker="decode-1"][data-state="ready"]'), timeout_s=90)
+        assert wait_for(lambda: browser.find_element("id", "ratio").text == "1 : 2", timeout_s=10)
+        assert len(cluster.registry.ready(Role.DECODE)) == 2
+        assert wait_for(lambda: points(browser, "chart-pools") >= 20, timeout_s=30)
+        browser.save_screenshot(str(SHOTS / "dashboard-scaled.png"))
+        assert not enabled(browser, '#pool-decode button[data-action="plus"]')  # at its maximum of 2
+    finally:
+        loop_thread.run(load.stop())
+        server.should_exit = True
+        task.result(15)
+    assert load.failed == 0 and load.done > 0, load.errors[:3]
+    assert severe(browser) == []
+
+
+def test_dashboard_is_read_only_until_the_admin_key_is_entered(cluster, loop_thread, browser):
+    from cluster.dashboard import mount_dashboard
+    from router.http_api import create_app
+
+    app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,
+                     metrics=cluster.metrics, admin_key="s3cret", bind_host="0.0.0.0")
+    mount_dashboard(app)
+    server, task, url = serve_app(loop_thread, app)
+    try:
+        browser.get(url + "/dashboard")
+        assert wait_for(lambda: dom(browser, '[data-worker="decode-0"]'), timeout_s=20)
+        assert not enabled(browser, '#pool-decode button[data-action="minus"]')
+        assert "admin key" in browser.execute_script(
+            'return document.querySelector(\'#pool-decode button[data-action="minus"]\').title')
+        browser.save_screenshot(str(SHOTS / "dashboard-read-only.png"))
+        browser.find_element("id", "key").send_keys("s3cret")
+        browser.find_element("css selector", "#key-form button").click()
+        assert wait_for(lambda: enabled(browser, '#pool-decode button[data-action="minus"]'), timeout_s=10)
+    finally:
+        server.should_exit = True
+        task.result(15)
+    assert severe(browser) == []
