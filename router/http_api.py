@@ -4,7 +4,8 @@
     uvicorn.run(app, host="0.0.0.0", port=8000)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-GET /v1/models/{id}, GET /health (open even when API keys are set); the operator's /admin/* and /metrics
+GET /v1/models/{id}, GET /health (open even when API keys are set; ``?probe=liveness`` for liveness
+probes); the operator's /admin/* and /metrics
 (router/admin_api.py).
 
 One path serves both generation endpoints: parse the body → tokenize (the router owns tokenization)
@@ -122,7 +123,14 @@ class _OpenAIServer:
         self._check_model(model_id)
         return self._model_entry(model_id)
 
-    async def health(self) -> JSONResponse:
+    async def health(self, probe: str | None = None) -> JSONResponse:
+        """Readiness (default): 200 only while the backend can serve (a decode worker is ready).
+        ``?probe=liveness``: 200 as long as this server answers — a pool being replaced is no reason to
+        restart the router (Kubernetes liveness probes use this)."""
+        if probe == "liveness":
+            return JSONResponse({"status": "alive"})
+        if probe is not None:
+            raise ApiError(400, f"unknown probe {probe!r}; use probe=liveness or none", param="probe")
         try:
             health = self.backend.health()
         except Exception as e:  # a health probe must answer, whatever the backend does

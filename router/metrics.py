@@ -183,11 +183,13 @@ class ClusterCollector:
 
     def __init__(self, model_name: str, registry: WorkerRegistry, *,
                  targets: Callable[[], Mapping[str, int]] = dict,
+                 bounds: Callable[[], Mapping[str, tuple[int, int]]] = dict,
                  feed_counters: Callable[[], Mapping[str, int]] = dict,
                  pool_counters: Callable[[], Mapping[str, int]] = dict) -> None:
         self.model_name = model_name
         self.workers = registry
         self.targets = targets
+        self.bounds = bounds
         self.feed_counters = feed_counters
         self.pool_counters = pool_counters
 
@@ -218,6 +220,13 @@ class ClusterCollector:
         for role, n in sorted(self.targets().items()):
             targets.add_metric((str(role),), n)
         yield targets
+        low = GaugeMetricFamily("duet_workers_min", "Smallest size a pool may have (autoscaler bound).", labels=("role",))
+        high = GaugeMetricFamily("duet_workers_max", "Largest size a pool may have (autoscaler bound).", labels=("role",))
+        for role, (lo, hi) in sorted(self.bounds().items()):
+            low.add_metric((str(role),), lo)
+            high.add_metric((str(role),), hi)
+        yield low
+        yield high
         actions = CounterMetricFamily("duet_pool_actions", "Pool manager actions by kind: started, start_failures, "
                                       "drained, drain_timeouts, replaced (a dead worker).", labels=("action",))
         counts = self.pool_counters()

@@ -128,3 +128,14 @@ def test_colocated_server_has_no_pools(tiny_model):
     with ServerThread(app) as server:
         r = call(server, "GET", "/admin/workers")
         assert r.status_code == 404 and assert_error_shape(r.json())["code"] == "no_pools"
+
+
+def test_health_readiness_and_liveness(tiny_model):
+    backend = ScriptedBackend(Tokenizer.from_dir(tiny_model()))
+    with ServerThread(create_app(backend)) as server:
+        assert call(server, "GET", "/health").status_code == 200
+        backend.healthy = False  # e.g. no decode worker ready: not ready, but alive
+        assert call(server, "GET", "/health").status_code == 503
+        r = call(server, "GET", "/health?probe=liveness")
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
+        assert call(server, "GET", "/health?probe=startup").status_code == 400

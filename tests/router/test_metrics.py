@@ -57,7 +57,8 @@ def test_vllm_series_names_types_and_buckets():
     metrics = RouterMetrics("m", 8192)
     metrics.add_collector(ClusterCollector("m", registry_with_workers(), targets=lambda: {"prefill": 1, "decode": 1},
                                            feed_counters=lambda: {"gaps": 3, "resyncs": 4},
-                                           pool_counters=lambda: {"replaced": 2}))
+                                           pool_counters=lambda: {"replaced": 2},
+                                           bounds=lambda: {"prefill": (1, 3), "decode": (2, 5)}))
     timing = metrics.request(10)
     timing.observe("prefill-0", "prefill", out(1))
     timing.observe("decode-0", "decode", out(1, True, "length"))
@@ -90,6 +91,7 @@ def test_vllm_series_names_types_and_buckets():
     assert value("duet_workers", role="prefill", state="ready") == 1 and value("duet_workers_target", role="decode") == 1
     assert value("duet_event_gaps_total") == 3 and value("duet_event_resyncs_total") == 4
     assert value("duet_pool_actions_total", action="replaced") == 2
+    assert value("duet_workers_min", role="decode") == 2 and value("duet_workers_max", role="prefill") == 3
     assert value("duet_pool_actions_total", action="drain_timeouts") == 0
 
 
