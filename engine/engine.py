@@ -98,10 +98,28 @@ class Engine:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self._start_text(request)
         self.requests[request.request_id] = request
         self.stats.num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add(request)
+
+    def _start_text(self, request: Request) -> None:
+        """The request's detokenizer; for a resumed request, replayed through the tokens generated before the
+        move, so its text, what is still held back and the next text it emits are exactly the original's."""
+        resume = request.params.resume
+        if resume is None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            return
+        n = resume.num_output_tokens
+        if n >= request.num_prompt_tokens:
+            raise InvalidRequestError(f"resume: {n} generated tokens leave no original prompt")
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids[:-n])
+        request.text = "".join(request.detokenizer.add(t) for t in request.prompt_token_ids[-n:])
+        if resume.num_emitted_chars > len(request.text):
+            raise InvalidRequestError(f"resume: {resume.num_emitted_chars} characters emitted, but the generated "
+                                      f"tokens make only {len(request.text)}")
+        request.num_stop_held_chars = len(request.text) - resume.num_emitted_chars
+        request.num_prior_output_tokens = n
 
     def add_request(self, request_id=None, prompt=None, prompt_token_ids=None, params=None,
                     remote_decode: bool = False) -> Request:
@@ -227,10 +245,9 @@ class Engine:
         request.blocks = hits + self.pool.allocate(need)
         request.num_registered_blocks = len(hits)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        request.text = request.detokenizer.add(handoff.first_token_id)
-        if request.params.stop:
-            request.num_stop_held_chars = held_chars(request.text, request.params.stop)
+        self._start_text(request)
+        request.text += request.detokenizer.add(handoff.first_token_id)
+        request.num_stop_held_chars = held_chars(request.text, request.params.stop)  # the prefill side emitted the rest
         self.requests[request.request_id] = request
         self.remote_pending[request.request_id] = request
         self.stats.num_prompt_tokens += n_prompt

@@ -38,6 +38,20 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class ResumeState:
+    """A request continued on another worker after the one generating it died (the router's migration).
+
+    The new prompt is the original prompt followed by the ``num_output_tokens`` tokens already generated;
+    ``num_emitted_chars`` of their text already reached the client. The engine replays those tokens through
+    a fresh detokenizer (so text held back for a stop string or an unfinished UTF-8 character is emitted
+    exactly once) and numbers its samples from ``num_output_tokens`` (so a seeded request draws the same
+    noise as it would have without the move). ``max_tokens`` and ``min_tokens`` are what remains."""
+
+    num_output_tokens: int
+    num_emitted_chars: int
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -49,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
     min_tokens: int = 0
+    resume: ResumeState | None = None  # set by the router when it migrates a request, never by clients
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +94,11 @@ class SamplingParams:
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        r = self.resume
+        if r is not None and not (isinstance(r, ResumeState) and isinstance(r.num_output_tokens, int)
+                                  and r.num_output_tokens >= 1 and isinstance(r.num_emitted_chars, int)
+                                  and r.num_emitted_chars >= 0):
+            raise bad(f"resume must be a ResumeState with num_output_tokens >= 1, got {r!r}")
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +150,7 @@ class Request:
     detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer when text is produced
     text: str = ""
     num_stop_held_chars: int = 0  # trailing text withheld because it may begin a stop string
+    num_prior_output_tokens: int = 0  # a resumed request: outputs generated before (the prompt's tail)
     remote_decode: bool = False  # prefill role: hand the KV off after the first token
     abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
     # prompt + outputs as one list, kept in step by append_output_token (read on every step: no copies)

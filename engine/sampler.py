@@ -2,7 +2,8 @@
 
 Randomness is stateless per step: the noise for a request's n-th output token comes from a generator
 seeded with ``mix(seed, n)``. So a request samples the same tokens whatever batch it shares, after a
-preemption, or when its first token is sampled on one worker and the rest on another (disaggregation).
+preemption, when its first token is sampled on one worker and the rest on another (disaggregation), or
+when it is resumed elsewhere after its worker died (n counts the tokens generated before the move too).
 Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from p.
 Logprobs are those of the model's distribution (raw logits), as OpenAI reports them.
 """
@@ -46,7 +47,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         gen = torch.Generator()
         for row, i in enumerate(random):
             r = requests[i]
-            gen.manual_seed(step_seed(r.seed, len(r.output_token_ids)))
+            gen.manual_seed(step_seed(r.seed, r.num_prior_output_tokens + len(r.output_token_ids)))
             noise[row].exponential_(generator=gen)
         token_ids[random] = (probs / noise).argmax(dim=-1).to(token_ids.device)
     ids = token_ids.tolist()

@@ -26,8 +26,8 @@ def apply_stop_conditions(request: Request, max_model_len: int) -> RequestStatus
                 return _finish(request, RequestStatus.FINISHED_STOPPED, hit)
     if num_out >= params.max_tokens or request.num_tokens >= max_model_len:
         return _finish(request, RequestStatus.FINISHED_LENGTH, None)
-    if params.stop:
-        request.num_stop_held_chars = held_chars(request.text, params.stop)
+    # (also without stop strings: a resumed request starts with its unsent tail held, released here)
+    request.num_stop_held_chars = held_chars(request.text, params.stop)
     return None
 
 

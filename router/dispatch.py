@@ -24,8 +24,10 @@ decisions do not wait for workers' load reports. Leaving early (client gone) abo
 involved and releases a lease the decode worker never claimed, so no block stays pinned.
 Faults: a worker call that raises is followed by a liveness probe. A dead worker leaves the pools (and
 the index and load tracker); a request it held is placed again on the remaining workers if the client
-has seen nothing yet (prefill failed, or a local prefill failed before its first token), otherwise it
-ends with ``finish_reason="error"``. A live worker's failure is an error output, never retried blindly.
+has seen nothing yet (prefill failed, or a local prefill failed before its first token), otherwise it is
+continued elsewhere from where the client is (router/migration.py: the prompt plus the tokens sent, the
+engine resuming exactly), at most ``MAX_MIGRATIONS`` times; then it ends with ``finish_reason="error"``.
+A live worker's failure is an error output, never retried blindly.
 Bad input raises InvalidRequestError before anything runs.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -50,6 +53,7 @@ from router.backend import Backend, Health, ModelCard
 from router.index import PrefixIndex
 from router.load import LoadTracker
 from router.metrics import RequestTiming, RouterMetrics
+from router.migration import MAX_MIGRATIONS, SentSoFar, with_seed
 from router.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
 from router.registry import WorkerRegistry, WorkerState
 
@@ -57,7 +61,14 @@ log = logging.getLogger(__name__)
 
 MAX_PLACEMENTS = 3  # a request whose worker died before the client saw anything is placed again
 ALIVE_TIMEOUT_S = 5.0
-_WORKER_LOST = RequestOutput(request_id="", new_token_ids=[], new_text="", finished=False)  # sentinel
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """In a worker's stream instead of an output: that worker died (generate() places or migrates)."""
+
+    worker_id: str
+    role: str
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,8 @@ class ClusterBackend(Backend):
         self.decode_policy = decode_policy or CacheAwarePolicy(hasher.block_size)
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.metrics = metrics
-        self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0}
+        self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0,
+                         "migrated": 0}
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
@@ -182,27 +194,48 @@ class ClusterBackend(Backend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_token_ids, params)
-        ids = list(prompt_token_ids)
-        hashes = self.hasher(ids)
-        timing = self.metrics.request(len(ids)) if self.metrics is not None else None
+        params = with_seed(params)
+        sent = SentSoFar(list(prompt_token_ids))
+        timing = self.metrics.request(len(sent.prompt_token_ids)) if self.metrics is not None else None
+        placements = migrations = 0
         try:
-            for placement in range(MAX_PLACEMENTS):
+            for attempt in itertools.count():
+                n_prior = len(sent.token_ids)
+                ids, attempt_params = (sent.continuation(params) if n_prior
+                                       else (sent.prompt_token_ids, params))
+                rid = request_id if attempt == 0 else f"{request_id}~{attempt}"  # fresh on every worker
                 try:
-                    stream = self._place(request_id, ids, hashes, params, timing, again=placement > 0)
+                    stream = self._place(rid, ids, self.hasher(ids), attempt_params, timing, again=attempt > 0)
                 except NoWorkersError as e:
                     yield self._timed(timing, None, self._error_output(request_id, None, e))
                     return
-                lost = False
+                lost = None
                 async with contextlib.aclosing(stream):
                     async for out in stream:
-                        if out is _WORKER_LOST:  # lost before anything was sent: place the request again
-                            lost = True
+                        if isinstance(out, _Lost):  # its worker died: place again, or continue elsewhere
+                            lost = out
                             break
+                        out = sent.as_original(out, n_prior)
+                        sent.record(out)
                         yield out
-                if not lost:
+                if lost is None:
                     return
-            yield self._timed(timing, None, self._error_output(
-                request_id, None, RuntimeError(f"workers kept failing ({MAX_PLACEMENTS} placements)")))
+                if not sent.token_ids:  # nothing reached the client: place the request again
+                    placements += 1
+                    self.counters["replaced"] += 1
+                    if placements >= MAX_PLACEMENTS:
+                        break
+                    continue
+                migrations += 1
+                if migrations > MAX_MIGRATIONS:
+                    break
+                self.counters["migrated"] += 1
+                if self.metrics is not None:
+                    self.metrics.migrations.labels(lost.role).inc()
+                log.warning("request %s: worker %s died after %d tokens were sent; continuing it elsewhere "
+                            "(migration %d)", request_id, lost.worker_id, len(sent.token_ids), migrations)
+            yield self._timed(timing, None, self._error_output(request_id, None, RuntimeError(
+                f"workers kept failing ({placements} placements, {migrations} migrations)")))
         finally:
             if timing is not None:
                 timing.finish("abort")  # no-op when the request already finished
@@ -235,7 +268,7 @@ class ClusterBackend(Backend):
 
     @staticmethod
     def _timed(timing: RequestTiming | None, worker: WorkerClient | None, out: RequestOutput) -> RequestOutput:
-        if timing is not None and out is not _WORKER_LOST:
+        if timing is not None and not isinstance(out, _Lost):
             timing.observe(worker.worker_id if worker else "", worker.descriptor.role.value if worker else "", out)
         return out
 
@@ -246,7 +279,7 @@ class ClusterBackend(Backend):
         try:
             first = True
             async for out in self._guard(d.generate(rid, ids, params), rid, d):
-                if first and out is not _WORKER_LOST:
+                if first and not isinstance(out, _Lost):
                     self.tracker.prefill_done(rid, d.worker_id)
                     first = False
                 yield self._timed(timing, d, out)
@@ -256,7 +289,10 @@ class ClusterBackend(Backend):
 
     async def _disaggregated(self, rid, ids, params, p: WorkerClient, d: WorkerClient, uncached: int,
                              total_blocks: int, timing: RequestTiming | None):
-        self.inflight[d.worker_id] += 1  # D is committed to this request from now: a drain must wait for it
+        # D is committed to this request from now: its predicted load counts it (so requests arriving together
+        # spread over the decode pool) and a drain must wait for it
+        self.inflight[d.worker_id] += 1
+        self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
         try:
             self.tracker.dispatch(rid, p.worker_id, num_prefill_tokens=uncached,
                                   num_kv_blocks=-(-len(ids) // self.hasher.block_size))
@@ -266,7 +302,7 @@ class ClusterBackend(Backend):
             finally:
                 self.tracker.finish(rid, p.worker_id)
                 self.inflight[p.worker_id] -= 1
-            if first is _WORKER_LOST:
+            if isinstance(first, _Lost):
                 yield first
                 return
             handoff = first.handoff
@@ -274,18 +310,20 @@ class ClusterBackend(Backend):
                 yield self._timed(timing, p, first)
                 return
             yield self._timed(timing, p, dataclasses.replace(first, finished=False, finish_reason=None, handoff=None))
-            self.tracker.dispatch(rid, d.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
             done = False
             try:
-                async for out in self._guard(d.decode(handoff), rid, d, sent_output=True):
+                async for out in self._guard(d.decode(handoff), rid, d):
+                    if isinstance(out, _Lost):
+                        yield out
+                        return
                     done = out.finished
                     out.num_cached_tokens = first.num_cached_tokens  # each output is this stream's own object
                     yield self._timed(timing, d, out)
             finally:
-                self.tracker.finish(rid, d.worker_id)
                 if not done:  # D refused it or the client left: make sure P's blocks do not wait for the lease
                     await _quietly(p.release(rid))
         finally:
+            self.tracker.finish(rid, d.worker_id)
             self.inflight[d.worker_id] -= 1
 
     async def _call(self, coro, rid: str, worker: WorkerClient):
@@ -298,39 +336,35 @@ class ClusterBackend(Backend):
         except InvalidRequestError:
             raise
         except Exception as e:
-            return await self._on_fault(rid, worker, e, sent_output=False)
+            return await self._on_fault(rid, worker, e)
 
-    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient,
-                     sent_output: bool = False):
+    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient):
         """Yield a worker's stream; on early exit abort there; a worker fault becomes an error output
-        (or `_WORKER_LOST` when the worker is gone and nothing reached the client yet)."""
+        (or `_Lost` when the worker is gone)."""
         finished = False
         try:
             async for out in stream:
                 finished = out.finished
-                sent_output = True
                 yield out
         except InvalidRequestError:
             finished = True
             raise
         except Exception as e:
             finished = True
-            yield await self._on_fault(rid, worker, e, sent_output)
+            yield await self._on_fault(rid, worker, e)
         finally:
             if not finished:
                 self.counters["aborted"] += 1
                 await _quietly(worker.abort(rid))
             await _quietly(stream.aclose())
 
-    async def _on_fault(self, rid: str, worker: WorkerClient, e: BaseException, sent_output: bool):
-        """A worker call failed. A dead worker leaves the pools (its index entry and predicted load with
-        it); if the client has seen nothing yet the request is placed again, else it ends with an error."""
+    async def _on_fault(self, rid: str, worker: WorkerClient, e: BaseException):
+        """A worker call failed. A dead worker leaves the pools (its index entry and predicted load with it)
+        and the request goes on elsewhere (generate()); a live worker's failure is an error output."""
         alive = await _alive(worker)
         if not alive:
             self._remove_worker(worker, e)
-            if not sent_output:
-                self.counters["replaced"] += 1
-                return _WORKER_LOST
+            return _Lost(worker.worker_id, worker.descriptor.role.value)
         return self._error_output(rid, worker, e)
 
     def _remove_worker(self, worker: WorkerClient, e: BaseException) -> None:

@@ -65,6 +65,8 @@ class RouterMetrics:
         self.routing = Counter("duet_routing_decisions", "Routing decisions by role, policy and outcome "
                                "(disaggregated, local_prefill, placed_again, no_workers).",
                                ("role", "policy", "outcome"), registry=r)
+        self.migrations = Counter("duet_migrations", "Requests continued on another worker after theirs died "
+                                  "mid-stream, by the role of the worker that died.", ("role",), registry=r)
         self.autoscaler = Counter("duet_autoscaler_decisions", "Autoscaler decisions that changed a target, "
                                   "by role, direction and reason.", ("role", "direction", "reason"), registry=r)
         self._buffers: dict[str, deque[LatencySample]] = {}  # one per consumer (autoscaler, dashboard, ...)

@@ -158,3 +158,72 @@ async def test_when_every_decode_worker_is_gone_requests_end_with_a_clear_error(
     outs = await collect(backend.generate("z", [1, 2, 3], SamplingParams(max_tokens=2)))
     assert len(outs) == 1 and outs[0].finish_reason == "error" and "decode" in outs[0].error
     assert not backend.health().ok and "d0" in backend.health().detail["lost_workers"]
+
+
+class Dying(Script):
+    """A decode worker that streams ``k`` tokens and then dies (its actor is gone)."""
+
+    def __init__(self, worker_id: str, k: int) -> None:
+        super().__init__(worker_id, Role.DECODE)
+        self.k, self.dead = k, False
+
+    async def decode(self, handoff):
+        self.calls.append(("decode", handoff.request_id))
+        for i in range(self.k):
+            yield RequestOutput(handoff.request_id, [20 + i], "xy", False)
+        self.dead = True
+        raise ConnectionError("actor died")
+
+    async def alive(self):
+        return not self.dead
+
+
+class Recording(Script):
+    """Records the continuation it was handed; decodes the rest (its prefill worker sampled one token)."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id, Role.DECODE)
+        self.asked: list[tuple] = []
+
+    async def decode(self, handoff):
+        self.asked.append((handoff.request_id, list(handoff.prompt_token_ids), handoff.params))
+        n = handoff.params.max_tokens - 1
+        for i in range(n):
+            yield RequestOutput(handoff.request_id, [50 + i], "z", i == n - 1, "length" if i == n - 1 else None,
+                                num_prompt_tokens=len(handoff.prompt_token_ids), num_output_tokens=i + 2,
+                                num_cached_tokens=len(handoff.prompt_token_ids) - 1)
+
+
+async def test_a_decode_worker_dying_mid_stream_is_migrated_from_where_the_client_is():
+    dying, spare = Dying("d0", k=2), Recording("d1")
+    ps = [Script("p0", Role.PREFILL)]
+    backend = ClusterBackend(ModelCard("m", 1024, 100), tokenizer=None, hasher=BlockHasher(B), prefill=ps,
+                             decode=[dying, spare], local_prefill_max_tokens=0)
+    backend.decode_policy.choose = _prefer_first(backend.decode_policy.choose)  # D = d0 first
+    prompt = list(range(1, 20))
+    outs = await collect(backend.generate("r", prompt, SamplingParams(max_tokens=8, temperature=0.9, min_tokens=5)))
+    tokens = [t for o in outs for t in o.new_token_ids]
+    # first token from the prefill worker, two from d0, then the continuation (prefilled on p0, decoded on d1)
+    assert tokens == [7, 20, 21, 7, 50, 51, 52, 53] and outs[-1].finished and outs[-1].finish_reason == "length"
+    (rid, asked_prompt, asked), = spare.asked
+    assert rid == "r~1" and asked_prompt == prompt + [7, 20, 21]
+    assert (asked.max_tokens, asked.min_tokens) == (5, 2)
+    assert asked.resume.num_output_tokens == 3 and asked.resume.num_emitted_chars == len("a" + "xy" * 2)
+    assert asked.seed is not None  # the router seeded it so the continuation draws the same noise
+    assert (outs[-1].num_prompt_tokens, outs[-1].num_output_tokens, outs[-1].num_cached_tokens) == (19, 8, 4)
+    assert backend.counters["migrated"] == 1 and "d0" in backend.lost
+
+
+async def test_migrations_are_limited():
+    dyings = [Dying(f"d{i}", k=1) for i in range(4)]
+    backend = ClusterBackend(ModelCard("m", 1024, 100), tokenizer=None, hasher=BlockHasher(B),
+                             prefill=[Script("p0", Role.PREFILL)], decode=dyings, local_prefill_max_tokens=0)
+    outs = await collect(backend.generate("r", list(range(1, 20)), SamplingParams(max_tokens=50)))
+    assert outs[-1].finish_reason == "error" and "migrations" in outs[-1].error
+    assert backend.counters["migrated"] == 2
+
+
+def _prefer_first(choose):
+    def wrapped(role, workers, *args):
+        return choose(role, sorted(workers)[:1], *args)
+    return wrapped
