@@ -92,6 +92,9 @@ def serve_config_from_args(args: argparse.Namespace):
         "router.index": args.index, "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
         "router.api_keys": args.api_key or None, "router.admin_key": args.admin_key,
+        "router.max_concurrent_requests": args.max_concurrent_requests,
+        "router.max_queued_requests": args.max_queued_requests, "router.queue_timeout_s": args.queue_timeout_s,
+        "router.request_timeout_s": args.request_timeout_s, "router.max_request_bytes": args.max_request_bytes,
         "autoscaler.enabled": True if args.autoscale else None, "autoscaler.interval_s": args.autoscale_interval_s,
         "autoscaler.min_prefill": args.min_prefill, "autoscaler.max_prefill": args.max_prefill,
         "autoscaler.min_decode": args.min_decode, "autoscaler.max_decode": args.max_decode,
@@ -135,6 +138,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode worker prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
     p.add_argument("--admin-key", help="bearer key for /admin writes (without it: only on a loopback bind)")
+    p.add_argument("--max-concurrent-requests", type=int, help="sequences generating at once (default: no bound)")
+    p.add_argument("--max-queued-requests", type=int, help="sequences waiting for a slot; beyond: 429 (default: no bound)")
+    p.add_argument("--queue-timeout-s", type=float, help="longest wait for a slot; beyond: 408")
+    p.add_argument("--request-timeout-s", type=float, help="longest request from admission to last token; beyond: 504")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body / gRPC message (default 4 MiB); beyond: 413")
     p.add_argument("--autoscale", action="store_true", help="size the prefill and decode pools to the traffic")
     p.add_argument("--min-prefill", type=int, help="autoscaler bound (default 1)")
     p.add_argument("--max-prefill", type=int, help="autoscaler bound (default 3)")

@@ -63,6 +63,12 @@ class RouterConfig:
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode worker prefills short uncached prompts
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None  # required for /admin writes; None: writes only on a loopback bind
+    # admission control (router/admission.py); None: no bound
+    max_concurrent_requests: int | None = None  # sequences generating at once
+    max_queued_requests: int | None = None  # sequences waiting for a slot (beyond: 429)
+    queue_timeout_s: float | None = None  # longest wait for a slot (beyond: 408)
+    request_timeout_s: float | None = None  # longest request, admission to last token (beyond: 504)
+    max_request_bytes: int = 4 << 20  # HTTP body / gRPC message (beyond: 413 / RESOURCE_EXHAUSTED)
     index: str = "memory"  # "memory" or "redis://host:port[/db]"
 
     def __post_init__(self) -> None:
@@ -74,6 +80,16 @@ class RouterConfig:
             raise ConfigError(f"router.index must be 'memory' or a redis:// URL, got {self.index!r}")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("router.local_prefill_max_tokens must be >= 0")
+        self.admission  # validates the admission fields
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ConfigError(f"router.max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+
+    @property
+    def admission(self):
+        from router.admission import AdmissionConfig
+
+        return AdmissionConfig(self.max_concurrent_requests, self.max_queued_requests, self.queue_timeout_s,
+                               self.request_timeout_s)
 
 
 @dataclass(frozen=True)

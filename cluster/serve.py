@@ -55,8 +55,10 @@ class _Server(uvicorn.Server):
 
 
 async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
+    from router.admission import AdmittedBackend
     from router.grpc_api import start_grpc_server
     from router.http_api import create_app
+    from router.metrics import AdmissionCollector
 
     cluster = None
     if colocated:
@@ -69,7 +71,11 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
         cluster = await Cluster.start(config)
         backend = cluster.backend
     rc = config.router
+    backend = AdmittedBackend(backend, rc.admission)  # both front doors share the slots
+    if cluster is not None:
+        cluster.metrics.add_collector(AdmissionCollector(backend))
     app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name],
+                     max_request_bytes=rc.max_request_bytes,
                      operator=cluster.pools if cluster else None, metrics=cluster.metrics if cluster else None,
                      admin_key=rc.admin_key, bind_host=rc.host)
     if cluster is not None:
@@ -80,7 +86,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
                                            timeout_graceful_shutdown=int(GRACE_S)))
     grpc_server = None
     if rc.grpc_port is not None:
-        grpc_server = await start_grpc_server(backend, rc.host, rc.grpc_port, api_keys=rc.api_keys)
+        grpc_server = await start_grpc_server(backend, rc.host, rc.grpc_port, api_keys=rc.api_keys,
+                                              max_request_bytes=rc.max_request_bytes)
     try:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():

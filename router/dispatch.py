@@ -207,6 +207,8 @@ class ClusterBackend(Backend):
                 try:
                     stream = self._place(rid, ids, self.hasher(ids), attempt_params, timing, again=attempt > 0)
                 except NoWorkersError as e:
+                    if not sent.token_ids:
+                        raise  # before any output: the front door answers 503 / UNAVAILABLE
                     yield self._timed(timing, None, self._error_output(request_id, None, e))
                     return
                 lost = None

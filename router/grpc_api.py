@@ -49,7 +49,9 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto.build import ensure_generated
+from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
+from router.policy import NoWorkersError
 
 ensure_generated()
 from proto.duet.v1 import generate_pb2 as pb  # noqa: E402  (generated above when missing)
@@ -112,6 +114,17 @@ def _top_logprobs_pb(top: dict[int, float]) -> pb.TopLogprobs:
     return pb.TopLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ranked])
 
 
+def _status_of(e: DuetError) -> grpc.StatusCode:
+    """One status per condition (router/admission.py's table); anything else the caller got wrong."""
+    if isinstance(e, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, (QueueTimeoutError, DeadlineExceededError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(e, NoWorkersError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
 # ---- the servicer ----------------------------------------------------------------------------------
 
 class GenerateServicer(pb_grpc.GenerateServicer):
@@ -137,8 +150,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                                             f"request {request_id} failed: {out.error or 'backend error'}")
                     if out.new_token_ids or out.new_text or out.finished:
                         await context.write(response_from_output(out))
-        except DuetError as e:  # the backend refused it before the first output
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DuetError as e:  # the backend refused it before the first output (or timed it out)
+            await context.abort(_status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:
@@ -213,12 +226,14 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.Rpc
 # ---- the server ------------------------------------------------------------------------------------
 
 async def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
-                            api_keys: Iterable[str] = (), health_interval_s: float = 5.0) -> grpc.aio.Server:
+                            api_keys: Iterable[str] = (), health_interval_s: float = 5.0,
+                            max_request_bytes: int = 4 << 20) -> grpc.aio.Server:
     """Start serving `backend`; returns the started server, with the bound port as ``server.port``
     (port=0 picks a free one). Its ``stop(grace)`` first sets every health status to NOT_SERVING.
     With ``api_keys``, duet.v1.Generate requires one of them; health and reflection never do."""
     keys = tuple(api_keys)
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [])
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+                             options=[("grpc.max_receive_message_length", max_request_bytes)])  # over: RESOURCE_EXHAUSTED
     pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -47,7 +47,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
+from router.policy import NoWorkersError
 from router.openai_protocol import (
     BadRequest, ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
     ResponseBuilder, GenerationRequest, error_body,
@@ -59,31 +61,39 @@ _Body = TypeVar("_Body", bound=GenerationRequest)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
 _CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+MAX_BUFFERED_OUTPUTS = 4096  # per response: a client that stops reading is cut off beyond this
 
 
 class ApiError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.body = error_body(message, type, param, code)
+        self.headers = headers or {}
 
 
 class ClientGone(Exception):
     """The client closed the connection."""
 
 
+class _ClientTooSlow(Exception):
+    """The client stopped reading a streamed response: its buffered outputs passed MAX_BUFFERED_OUTPUTS."""
+
+
 def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
                served_model_names: Sequence[str] | None = None, operator=None, metrics=None,
-               admin_key: str | None = None, bind_host: str = "127.0.0.1") -> FastAPI:
+               admin_key: str | None = None, bind_host: str = "127.0.0.1",
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """``operator`` (cluster.pools.PoolManager) and ``metrics`` (router.metrics.RouterMetrics) add the
     operator's API: /admin/* and /metrics (router/admin_api.py)."""
     from router.admin_api import admin_router
 
     app = FastAPI(title="duet", summary="OpenAI-compatible API over duet")
-    server = _OpenAIServer(backend, served_model_names)
+    server = _OpenAIServer(backend, served_model_names, max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_keys))])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
@@ -97,20 +107,22 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
 
 
 class _OpenAIServer:
-    def __init__(self, backend: Backend, served_model_names: Sequence[str] | None) -> None:
+    def __init__(self, backend: Backend, served_model_names: Sequence[str] | None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.backend = backend
+        self.max_request_bytes = max_request_bytes
         self.model_names = list(served_model_names or [backend.card.model_id])
         self._accepted_names = {backend.card.model_id, *self.model_names}
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse_body(request, CompletionRequest)
+        body = await _parse_body(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         prompt = body.single_prompt()
         prompt_ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return await self._generate(request, body, prompt_ids, CompletionResponses, echo=prompt if body.echo else None)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse_body(request, ChatCompletionRequest)
+        body = await _parse_body(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         # the rendered template holds its own BOS: encode without adding special tokens
         prompt_ids = self.backend.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True)
@@ -181,6 +193,7 @@ class _ChoiceRun:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list = []
         self._num_open = len(params)
+        self._overflowed = False
         self._tasks = [asyncio.create_task(self._pump(i, backend, f"{response_id}-{i}", prompt_ids, p))
                        for i, p in enumerate(params)]
         self._tasks.append(asyncio.create_task(self._watch(request)))
@@ -197,6 +210,9 @@ class _ChoiceRun:
     async def next(self) -> tuple[int, RequestOutput] | None:
         """The next (choice index, output), or None when every choice has finished."""
         while self._num_open:
+            if self._overflowed:
+                raise _ClientTooSlow(f"the client stopped reading: more than {MAX_BUFFERED_OUTPUTS} outputs "
+                                     "were waiting to be sent, so the request was aborted")
             item = self._buffered.pop() if self._buffered else await self._queue.get()
             if item is self._DISCONNECTED:
                 raise ClientGone()
@@ -224,6 +240,10 @@ class _ChoiceRun:
             outputs = backend.generate(request_id, prompt_ids, params)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    if self._queue.qsize() >= MAX_BUFFERED_OUTPUTS:  # the client does not read: do not
+                        self._overflowed = True                       # buffer without bound; abort instead
+                        self._cancel_pumps()
+                        return
                     self._queue.put_nowait((index, out))
                     if out.finished:
                         return
@@ -291,8 +311,8 @@ def _sse(payload: dict[str, Any]) -> str:
 # ---- request parsing, auth, errors -----------------------------------------------------------------
 
 
-async def _parse_body(request: Request, model: type[_Body]) -> _Body:
-    raw = await request.body()
+async def _parse_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
+    raw = await read_body(request, max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -304,6 +324,20 @@ async def _parse_body(request: Request, model: type[_Body]) -> _Body:
     if not isinstance(parsed, dict):
         raise BadRequest("the request body must be a JSON object")
     return model.model_validate_json(text, strict=True)  # strict JSON mode: "5" is not an integer
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, or 413 as soon as it is known to be over ``max_bytes`` (never read whole into memory)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is over the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _api_key_check(api_keys: Sequence[str]):
@@ -323,6 +357,7 @@ def _api_key_check(api_keys: Sequence[str]):
 
 def _error_response(exc: Exception) -> tuple[int, dict[str, Any]]:
     """(status, OpenAI error body) for any exception; logs the ones that are our fault."""
+    exc = _as_api_error(exc)
     if isinstance(exc, ApiError):
         return exc.status_code, exc.body
     if isinstance(exc, ClientGone):
@@ -335,6 +370,32 @@ def _error_response(exc: Exception) -> tuple[int, dict[str, Any]]:
         return exc.status_code, error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code))
     log.error("internal error while serving a request", exc_info=exc)
     return 500, error_body(f"internal server error: {type(exc).__name__}", "server_error", code="internal_error")
+
+
+def _as_api_error(exc: Exception) -> Exception:
+    """The front door's one status per overload/timeout condition (router/admission.py's table)."""
+    if isinstance(exc, OverloadedError):
+        return ApiError(429, str(exc), "rate_limit_error", code="overloaded",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, QueueTimeoutError):
+        return ApiError(408, str(exc), "timeout_error", code="queue_timeout")
+    if isinstance(exc, DeadlineExceededError):
+        return ApiError(504, str(exc), "timeout_error", code="deadline_exceeded")
+    if isinstance(exc, NoWorkersError):
+        return ApiError(503, str(exc), "server_error", code="no_workers")
+    if isinstance(exc, _ClientTooSlow):
+        return ApiError(408, str(exc), "timeout_error", code="client_too_slow")
+    return exc
+
+
+def _error_headers(exc: Exception) -> dict[str, str]:
+    """Headers an error response must carry: Retry-After on 429, Allow on 405."""
+    exc = _as_api_error(exc)
+    if isinstance(exc, ApiError):
+        return exc.headers
+    if isinstance(exc, StarletteHTTPException):
+        return dict(exc.headers or {})
+    return {}
 
 
 def _validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
@@ -355,10 +416,11 @@ def _health_error(message: str, detail: dict[str, Any]) -> dict[str, Any]:
 def _install_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         status, body = _error_response(exc)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=_error_headers(exc))
 
     for exc_class in (ApiError, ClientGone, InvalidRequestError, ValidationError, RequestValidationError,
-                      StarletteHTTPException):
+                      StarletteHTTPException, OverloadedError, QueueTimeoutError, DeadlineExceededError,
+                      NoWorkersError):
         app.add_exception_handler(exc_class, handle)
     app.add_middleware(_InternalErrorMiddleware)
 
@@ -390,4 +452,4 @@ class _InternalErrorMiddleware:
             if started:  # too late for a status: let the server close the connection
                 raise
             status, body = _error_response(exc)
-            await JSONResponse(body, status_code=status)(scope, receive, send)
+            await JSONResponse(body, status_code=status, headers=_error_headers(exc))(scope, receive, send)

@@ -273,3 +273,26 @@ def cumulative_buckets(snapshot: Mapping[str, Any]) -> list[tuple[str, float]]:
         out.append((floatToGoString(bound), float(running)))
     return out
 
+
+
+class AdmissionCollector:
+    """The router's admission control (router/admission.py) on /metrics."""
+
+    def __init__(self, admitted) -> None:
+        self.admitted = admitted
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        a = self.admitted
+        running = GaugeMetricFamily("duet_requests_running", "Sequences admitted and generating.")
+        running.add_metric((), a.running)
+        queued = GaugeMetricFamily("duet_requests_queued", "Sequences waiting for an admission slot.")
+        queued.add_metric((), a.queued)
+        rejected = CounterMetricFamily("duet_admission_rejections", "Requests refused or cut short by admission "
+                                       "control: overloaded (429), queue_timeouts (408), deadlines (504).",
+                                       labels=("reason",))
+        for reason in ("overloaded", "queue_timeouts", "deadlines"):
+            rejected.add_metric((reason,), float(a.counters.get(reason, 0)))
+        yield from (running, queued, rejected)
