@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
 
 install: $(STAMP)
 
@@ -65,6 +65,10 @@ test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
+# the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md)
+soak: install system-deps
+	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py
+
 bench-engine: install
 	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,)
 

@@ -244,6 +244,10 @@ class PoolManager(Operator):
 
     # ---- loops -----------------------------------------------------------------------------------
     async def check_health(self) -> None:
+        for rec in self.registry.records(states=(WorkerState.DEAD,)):  # retired by dispatch after a fault
+            if rec.worker_id in self.feeds or rec.worker_id in self.handles:
+                self.counters["replaced"] += rec.fault
+                self._end(rec.worker_id, rec.reason, fault=rec.fault)
         live = [r for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
         alive = await asyncio.gather(*(_alive(r.client) for r in live))
         for rec, ok in zip(live, alive):
