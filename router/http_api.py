@@ -49,6 +49,7 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
+from router.openapi_doc import document
 from router.policy import NoWorkersError
 from router.openai_protocol import (
     BadRequest, ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
@@ -103,6 +104,7 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     app.add_api_route("/health", server.health, methods=["GET"])
     app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
     _install_error_handlers(app)
+    document(app, server.model_names)
     return app
 
 
@@ -321,6 +323,8 @@ async def _parse_body(request: Request, model: type[_Body], max_bytes: int) -> _
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
     if not isinstance(parsed, dict):
         raise BadRequest("the request body must be a JSON object")
     return model.model_validate_json(text, strict=True)  # strict JSON mode: "5" is not an integer

@@ -243,3 +243,51 @@ def test_cancel_storm(cluster, before, loop_thread, reference):
     assert outcome.cancelled >= len(prompts) // 2  # most left before finishing
     figures = finish("cancel-storm", cluster, loop_thread, reference, outcome, at, len(prompts), before)
     assert figures["errors"] == 0
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_bounded_load_loses_nothing_and_memory_stays_bounded(cluster, before, loop_thread, reference):
+    """64 closed-loop streaming clients with mixed lengths for 20 s: every request ends exactly; the router's
+    and the workers' resident memory after the load stays within a bound of before."""
+    duration_s, clients = 20 * SCALE, 64
+    pids = {r.worker_id: r.pid for r in cluster.registry.ready(Role.PREFILL) + cluster.registry.ready(Role.DECODE)}
+    router_before, workers_before = rss_mib(os.getpid()), {w: rss_mib(p) for w, p in pids.items()}
+    rng = random.Random(6)
+    checked = {"requests": 0, "exact": 0}
+
+    async def client(i):
+        end = time.monotonic() + duration_s
+        n = 0
+        while time.monotonic() < end:
+            ids = [rng.randrange(3, 500) for _ in range(rng.randint(5, 300))]
+            params = SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True, temperature=0.0, seed=i)
+            tokens, text, last = await asyncio.wait_for(stream(cluster.backend, f"load-{i}-{n}", ids, params),
+                                                        HANG_BOUND_S)
+            assert last.finished and last.finish_reason == "length", last.error
+            assert len(tokens) == params.max_tokens
+            checked["requests"] += 1
+            if n == 0 and i < 8:  # a sample checked against the fault-free engine
+                ref = reference([ids], [params])[0]
+                assert (tokens, text) == (ref["token_ids"], ref["text"])
+                checked["exact"] += 1
+            n += 1
+
+    async def go():
+        await asyncio.gather(*(client(i) for i in range(clients)))
+
+    loop_thread.run(go(), timeout=duration_s + HANG_BOUND_S)
+    assert wait_for(lambda: recovered(loop_thread, cluster), timeout_s=RECOVERY_BOUND_S)
+    router_after, workers_after = rss_mib(os.getpid()), {w: rss_mib(p) for w, p in pids.items()}
+    growth = {"router": router_after - router_before, **{w: workers_after[w] - workers_before[w] for w in pids}}
+    figures = {"scenario": "bounded-load", "clients": clients, "duration_s": duration_s, **checked,
+               "rss_before_mib": {"router": round(router_before), **{w: round(v) for w, v in workers_before.items()}},
+               "rss_after_mib": {"router": round(router_after), **{w: round(v) for w, v in workers_after.items()}}}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bounded-load.json").write_text(json.dumps(figures, indent=2))
+    print(json.dumps(figures))
+    assert checked["requests"] >= clients and checked["exact"] == 8
+    assert all(g < 300 for g in growth.values()), growth  # MiB: no unbounded buffering anywhere
