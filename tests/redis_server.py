@@ -1,6 +1,6 @@
 """A real redis-server for the event-plane tests: one per session, on a free port, no persistence.
 
-`make test` installs redis-server (`make redis`). A machine without it fails these tests with a message
+`make test` installs redis-server (`make system-deps`). A machine without it fails these tests with a message
 saying so — the shared index is part of the product, so its tests are never skipped.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def redis_server(tmp_path_factory):
     """URL of a private redis-server started for this test session."""
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed: run `make redis` (apt-get install -y redis-server)", pytrace=False)
+        pytest.fail("redis-server is not installed: run `make system-deps` (apt-get install -y redis-server)", pytrace=False)
     workdir = tmp_path_factory.mktemp("redis")
     for attempt in range(3):  # the free port can be taken between choosing and binding it
         try:
