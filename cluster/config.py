@@ -97,10 +97,15 @@ class TransferConfig:
     lease_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     recompute_on_failure: bool = True
+    # Fault injection, for the fault suite only: every decode pull waits this long before reading, which
+    # opens a window to kill a worker "mid-transfer". Each worker logs a warning when it is set.
+    fault_pull_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.transfer_timeout_s < self.lease_timeout_s:
             raise ConfigError("transfer.transfer_timeout_s must be > 0 and < transfer.lease_timeout_s")
+        if not 0 <= self.fault_pull_delay_s < self.lease_timeout_s:
+            raise ConfigError("transfer.fault_pull_delay_s must be >= 0 and < transfer.lease_timeout_s")
 
 
 @dataclass(frozen=True)

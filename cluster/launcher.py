@@ -163,6 +163,7 @@ def _spawner(config: ClusterConfig, use_resource: bool):
             worker_id=worker_id, role=role.value, lease_timeout_s=config.transfer.lease_timeout_s,
             transfer_timeout_s=config.transfer.transfer_timeout_s,
             recompute_on_transfer_failure=config.transfer.recompute_on_failure,
+            fault_pull_delay_s=config.transfer.fault_pull_delay_s,
             torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
             full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
         resources = {**({WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}), **pool.resources}

@@ -68,6 +68,7 @@ class PoolManager(Operator):
         self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
+        self._forgets: set[asyncio.Task] = set()  # decode workers dropping a gone prefill worker's NIXL peer
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
         self._queue_time_seen: dict[str, dict] = {}
@@ -88,9 +89,10 @@ class PoolManager(Operator):
             self._loops.append(asyncio.create_task(self.timeline_series.run(), name="dashboard-timeline"))
 
     async def stop(self) -> None:
-        for task in (*self._loops, *self._actions.values(), *self.feeds.values()):
+        tasks = (*self._loops, *self._actions.values(), *self.feeds.values(), *self._forgets)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._loops, *self._actions.values(), *self.feeds.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _every(self, interval_s: float, step) -> None:
         while True:
@@ -230,6 +232,12 @@ class PoolManager(Operator):
         feed = self.feeds.pop(worker_id, None)
         if feed is not None:
             feed.cancel()
+        rec = self.registry.get(worker_id) if worker_id in self.registry else None
+        peer = getattr(getattr(rec.client, "info", None), "peer", None) if rec is not None else None
+        if rec is not None and rec.role == Role.PREFILL and peer is not None:
+            task = asyncio.get_running_loop().create_task(self._forget_peer(worker_id, peer.agent_name))
+            self._forgets.add(task)
+            task.add_done_callback(self._forgets.discard)
         if worker_id in self.registry and self.registry.get(worker_id).state != WorkerState.DEAD:
             self.backend.retire(worker_id, reason, fault=fault)
         handle = self.handles.pop(worker_id, None)
@@ -238,6 +246,18 @@ class PoolManager(Operator):
                 ray.kill(handle)
             except Exception as e:
                 log.debug("kill %s: %r", worker_id, e)
+
+    async def _forget_peer(self, worker_id: str, agent_name: str) -> None:
+        """Every live decode worker drops the ended prefill worker's NIXL metadata and connection."""
+        decoders = self.registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))
+        results = await asyncio.gather(
+            *(asyncio.wait_for(d.client.handle.remove_peers.remote([agent_name]), 30) for d in decoders),
+            return_exceptions=True)
+        for rec, result in zip(decoders, results):
+            if isinstance(result, BaseException):  # that decode worker is itself gone or stuck: its own problem
+                log.warning("decode worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
+            else:
+                self.counters["peers_forgotten"] += len(result)
 
     def reconcile_soon(self) -> None:
         asyncio.get_running_loop().call_soon(self.reconcile)

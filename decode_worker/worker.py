@@ -50,10 +50,14 @@ class DecodeWorker(WorkerBase):
         self._xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
         self._xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
         self._stats_lock = threading.Lock()  # the transfer thread writes these, stats() reads them
+        self._num_peers = 0  # prefill workers handshaken with (written by the transfer thread)
         super().__init__(engine_config, options, sinks)
         self._transfer_thread = threading.Thread(target=self._transfer_loop, name=f"kv-{options.worker_id}", daemon=True)
         self._transfer_thread.start()
         self._peer_info: PeerInfo = self._ready.result(timeout=60)
+        if options.fault_pull_delay_s > 0:
+            log.warning("fault injection: every KV pull of %s waits %.2f s (transfer.fault_pull_delay_s)",
+                        options.worker_id, options.fault_pull_delay_s)
 
     def peer_info(self) -> PeerInfo:
         return self._peer_info
@@ -66,6 +70,16 @@ class DecodeWorker(WorkerBase):
             self._jobs.put(("add_peer", peer, future))
             futures.append(asyncio.wrap_future(future))
         return list(await asyncio.gather(*futures))
+
+    async def remove_peers(self, peer_names: Sequence[str]) -> list[str]:
+        """Forget prefill workers that are gone (their NIXL metadata and connections); returns those it knew.
+
+        Runs on the transfer thread after the jobs already queued, so a pull in flight finishes (or fails)
+        first; a handoff naming a forgotten peer later fails with "no handshake" and is recomputed or failed.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put(("remove_peers", tuple(peer_names), future))
+        return await asyncio.wrap_future(future)
 
     async def decode(self, handoff: KVHandoff):
         """Stream the request's outputs after its first token. InvalidRequestError if it can never fit."""
@@ -87,7 +101,13 @@ class DecodeWorker(WorkerBase):
             engine.commit_remote(handoff.request_id)
             return
         request = TransferRequest(handoff.source, handoff.lease_id, plan.remote_block_ids, plan.local_block_ids)
-        self._jobs.put(("pull", request, handoff.request_id))
+        delay_s = self.options.fault_pull_delay_s
+        if delay_s > 0:  # fault injection: the blocks are reserved, the pull starts later (pulls do not queue)
+            timer = threading.Timer(delay_s, self._jobs.put, args=(("pull", request, handoff.request_id),))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._jobs.put(("pull", request, handoff.request_id))
 
     def _on_tick(self) -> None:
         if self._waiting:
@@ -137,6 +157,17 @@ class DecodeWorker(WorkerBase):
                 future.set_result(transport.add_peer(peer))
             except Exception as e:
                 future.set_exception(e)
+            self._num_peers = transport.num_peers
+        elif kind == "remove_peers":
+            _, names, future = job
+            known = [name for name in names if transport.has_peer(name)]
+            for name in known:
+                try:
+                    transport.remove_peer(name)
+                except Exception:  # the binding may complain about a peer whose process is gone; it is forgotten
+                    log.warning("removing peer %s", name, exc_info=True)
+            self._num_peers = transport.num_peers
+            future.set_result(known)
         elif kind == "notify":
             _, peer_name, payload = job
             try:
@@ -172,7 +203,7 @@ class DecodeWorker(WorkerBase):
 
     def _role_stats(self) -> dict[str, Any]:
         with self._stats_lock:
-            return {**self.transfer_stats, "waiting_for_blocks": len(self._waiting),
+            return {**self.transfer_stats, "waiting_for_blocks": len(self._waiting), "peers": self._num_peers,
                     "remote_pending": len(self.engine.remote_pending),
                     "transfer_time_s": self._xfer_time.snapshot(), "transfer_size_bytes": self._xfer_bytes.snapshot()}
 

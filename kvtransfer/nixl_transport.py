@@ -209,6 +209,10 @@ class NixlTransport:
         if self._peers.pop(peer_name, None) is not None:
             self._agent.remove_remote_agent(peer_name)
 
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
 

@@ -40,8 +40,10 @@ from proto.kv_codec import encode_batch
 log = logging.getLogger(__name__)
 
 
-class EventSink(Protocol):
-    def publish(self, worker: str, seq: int, data: bytes) -> None: ...
+class EventSink(Protocol):  # router/events.py's EventSink
+    def publish(self, worker: str, seq: int, data: bytes) -> bool: ...
+
+    def available(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class WorkerOptions:
     lease_timeout_s: float = 60.0  # prefill: blocks held for a decode worker at most this long
     transfer_timeout_s: float = 30.0  # decode: one pull; keep well below the peers' lease timeout
     recompute_on_transfer_failure: bool = True  # decode: False ends the request with an error instead
+    fault_pull_delay_s: float = 0.0  # decode, fault injection (transfer.fault_pull_delay_s): wait before each pull
     publish_interval_s: float = 0.1  # load reports when nothing else happens
     full_state_interval_s: float | None = None  # publish the whole cached set this often (shared Redis
     # stream: routers that lost a batch resync in-band, identically); None: only on request (snapshot())
@@ -101,6 +104,8 @@ class WorkerBase(ABC):
         self._seq = 0
         self._last_publish_s = 0.0
         self._last_full_state_s = time.monotonic()
+        self._full_state_due = False  # a sink dropped a batch: send the whole cached set once it is back
+        self.events_undelivered = 0  # batches some sink dropped (Redis down)
         self._started_s = time.time()
         self._attach()
         self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
@@ -120,7 +125,9 @@ class WorkerBase(ABC):
         events = self.engine.take_events()
         now = time.monotonic()
         every = self.options.full_state_interval_s
-        if every is not None and now - self._last_full_state_s >= every:
+        full = (self._full_state_due and all(sink.available() for sink in self._sinks)) or (
+            every is not None and now - self._last_full_state_s >= every)
+        if full:
             events = self.engine.pool.snapshot_events()  # subsumes the pending events
             self._last_full_state_s = now
         elif not events and now - self._last_publish_s < self.options.publish_interval_s:
@@ -128,11 +135,19 @@ class WorkerBase(ABC):
         self._last_publish_s = now
         self._seq += 1
         data = encode_batch(self.options.worker_id, self._seq, events, self.engine.load(self.options.role), time.time())
+        delivered = True
         for sink in self._sinks:
             try:
-                sink.publish(self.options.worker_id, self._seq, data)
+                delivered = sink.publish(self.options.worker_id, self._seq, data) and delivered
             except Exception:  # a sink that is down (Redis restarting) must not stop the engine
                 log.exception("KV event sink %r failed", sink)
+                delivered = False
+        if not delivered:
+            # Readers of that sink see a seq gap and drop this worker from their index until a full state.
+            self.events_undelivered += 1
+            self._full_state_due = True
+        elif full:
+            self._full_state_due = False
 
     # ---- methods the cluster and routers call -------------------------------------------------------
     @abstractmethod
@@ -194,7 +209,8 @@ class WorkerBase(ABC):
                     "num_held": len(engine.held), "num_preemptions": sched.num_preemptions,
                     "prefix_cache_queried_tokens": sched.num_prefix_queried_tokens,
                     "prefix_cache_hit_tokens": sched.num_prefix_hit_tokens, "queue_time_s": sched.queue_time.snapshot(),
-                    "uptime_s": time.time() - self._started_s, **self._role_stats()}
+                    "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
+                    "events_full_state_due": self._full_state_due, **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))
 

@@ -9,7 +9,8 @@ at least every ~100 ms, with ``seq`` = 1, 2, 3, … per worker (proto/kv_codec.p
     and must resync from ``worker.snapshot()`` — a full-state batch, see below.
   * ``RedisEventSink`` (``--index redis://…``): XADD to one stream, field ``b``, approximate MAXLEN.
     After a failed XADD it drops batches for ``retry_interval_s`` instead of stalling the engine thread;
-    a dropped batch is a seq gap that every router sees and resyncs from.
+    a dropped batch is a seq gap that every router sees. The worker then publishes its full state as the
+    first batch that gets through (``WorkerBase._publish``), so routers resync in-band right away.
 
 Router side, ``IndexFeed.apply_batch(data)`` is the one place a batch enters the router. Per worker, with
 ``last`` the seq of the last batch applied from it:
@@ -91,7 +92,12 @@ class EventSink(ABC):
     """Where a worker's encoded batches go. Picklable; connects lazily on the first publish."""
 
     @abstractmethod
-    def publish(self, worker: str, seq: int, data: bytes) -> None: ...
+    def publish(self, worker: str, seq: int, data: bytes) -> bool:
+        """Hand one batch on; False when it was dropped (the destination is down)."""
+
+    def available(self) -> bool:
+        """Whether a publish now would be attempted (False while a sink waits to retry after a failure)."""
+        return True
 
     def close(self) -> None:
         """Release connections; a sink without any has nothing to do."""
@@ -109,7 +115,7 @@ class MemoryEventLog(EventSink):
         self._worker: str | None = None
         self._lock = threading.Lock()
 
-    def publish(self, worker: str, seq: int, data: bytes) -> None:
+    def publish(self, worker: str, seq: int, data: bytes) -> bool:
         with self._lock:
             if self._worker is None:
                 self._worker = worker
@@ -119,6 +125,7 @@ class MemoryEventLog(EventSink):
                 self._ring.clear()  # a restart (or a skipped seq): readers behind it are truncated
             self._ring.append((seq, data))
             self._head_seq = seq
+        return True
 
     def read(self, after_seq: int, max_batches: int = 256) -> tuple[list[bytes], int, bool]:
         """``(batches with seq > after_seq, seq to pass next time, truncated)``.
@@ -158,18 +165,24 @@ class RedisEventSink(EventSink):
         self._client: redis.Redis | None = None
         self._retry_at = 0.0
 
-    def publish(self, worker: str, seq: int, data: bytes) -> None:
-        if time.monotonic() < self._retry_at:
+    def publish(self, worker: str, seq: int, data: bytes) -> bool:
+        if not self.available():
             self.num_dropped += 1  # Redis was down a moment ago: routers will see the seq gap and resync
-            return
+            return False
         if self._client is None:
             self._client = redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             self._client.xadd(self.stream, {_FIELD: data}, maxlen=self.maxlen, approximate=True)
-        except redis.RedisError:
+        except redis.RedisError as e:
             self.num_dropped += 1
             self._retry_at = time.monotonic() + self.retry_interval_s
-            raise
+            log.warning("KV events of %s not published to %s (%r): dropping batches for %.1f s", worker, self.url,
+                        e, self.retry_interval_s)
+            return False
+        return True
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._retry_at
 
     def close(self) -> None:
         if self._client is not None:
@@ -191,6 +204,8 @@ class FeedCounters:
     restarts: int = 0  # a known worker started over at FIRST_SEQ
     resyncs: int = 0  # full-state batches applied
     stale: int = 0  # skipped: older than a full state already applied
+    source_errors: int = 0  # failed reads of the shared stream (Redis down), retried with backoff
+    stream_resets: int = 0  # the shared stream started over below the last entry read (Redis lost its data)
 
 
 class IndexFeed:

@@ -171,6 +171,8 @@ _WORKER_COUNTERS = (
      "(transfer.recompute_on_failure: false).", "num_remote_failures"),
     ("duet_kv_transfers_skipped", "Handoffs the decode worker already held completely (nothing pulled).",
      "transfers_skipped_full_hit"),
+    ("duet_event_batches_undelivered", "KV event batches a worker could not publish to every sink (Redis down); "
+     "it republishes its full cached set once the sink is back.", "events_undelivered"),
 )
 _WORKER_HISTOGRAMS = (
     ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue_time_s"),
@@ -237,7 +239,10 @@ class ClusterCollector:
         yield actions
         feed = self.feed_counters()
         for key, doc in (("gaps", "KV event-plane gaps (a worker's batch sequence skipped)."),
-                         ("resyncs", "KV event-plane full-state resyncs applied.")):
+                         ("resyncs", "KV event-plane full-state resyncs applied."),
+                         ("source_errors", "Failed reads of the shared Redis event stream (retried)."),
+                         ("stream_resets", "Times the shared Redis event stream started over below the last "
+                          "entry read (Redis lost its data); the router read it from 0.")):
             family = CounterMetricFamily(f"duet_event_{key}", doc)
             family.add_metric((), float(feed.get(key, 0)))
             yield family

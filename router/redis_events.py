@@ -34,8 +34,22 @@ return 1
 """
 
 
+RESET_CHECK_INTERVAL_S = 1.0  # while the stream is quiet, look this often whether it started over
+MAX_RETRY_S = 2.0  # backoff ceiling while Redis is unreachable
+
+
 class RedisEventSource:
-    """Reads the shared stream into an ``IndexFeed`` (asyncio task ``run()``; sync ``poll_once()``)."""
+    """Reads the shared stream into an ``IndexFeed`` (asyncio task ``run()``; sync ``poll_once()``).
+
+    Redis restarts. Without persistence a restarted Redis has an empty stream; XADD ids are the server's
+    clock, so new entries usually sort after the last id read and are simply read on. If they do not (a
+    clock behind ours, a replica promoted with less data), reading after ``last_id`` would wait forever:
+    after every failed read, and every ``RESET_CHECK_INTERVAL_S`` while the stream is quiet, the source
+    compares the stream's last generated id with ``last_id`` and reads the stream from 0 if it went
+    backwards (``stream_resets``). Batches lost while Redis was down are per-worker seq gaps: those
+    workers leave the index until their full-state batch, which each worker publishes as soon as its sink
+    gets through again (``WorkerBase._publish``).
+    """
 
     def __init__(self, url: str, feed: IndexFeed, stream: str = DEFAULT_STREAM,
                  snapshot_key: str = DEFAULT_SNAPSHOT_KEY, *, block_ms: int = 100, batch_entries: int = 512) -> None:
@@ -105,6 +119,27 @@ class RedisEventSource:
         self.catch_up()
         return used
 
+    def check_stream_reset(self) -> bool:
+        """Sync ``_reset_if_behind``: whether the stream started over (then it is read from 0)."""
+        try:
+            info = self._sync().xinfo_stream(self.stream)
+        except redis.ResponseError:  # no such stream
+            info = None
+        return self._reset_if_behind(info)
+
+    def _reset_if_behind(self, info: dict | None) -> bool:
+        if self._last_id == "0-0":
+            return False
+        newest = info.get("last-generated-id") if info else None
+        if newest is not None and parse_stream_id(newest) >= parse_stream_id(self._last_id):
+            return False
+        log.warning("KV event stream %s at %s started over below %s (Redis lost its data): reading it from 0; "
+                    "workers whose batches were lost resync from their next full state", self.stream,
+                    newest.decode() if isinstance(newest, bytes) else newest, self._last_id)
+        self._last_id = "0-0"
+        self.feed.counters.stream_resets += 1
+        return True
+
     def _trimmed_past(self, stream_id: str) -> bool:
         """Whether entries after ``stream_id`` may have been trimmed (its own entry is gone)."""
         try:
@@ -129,24 +164,44 @@ class RedisEventSource:
     # ---- asyncio: the router process ---------------------------------------------------------------
     async def run(self, snapshot_interval_s: float | None = DEFAULT_SNAPSHOT_INTERVAL_S) -> None:
         """Follow the stream until cancelled, saving a snapshot every ``snapshot_interval_s`` (None: never)."""
-        self._aclient = aioredis.Redis.from_url(self.url)
+        self._aclient = aioredis.Redis.from_url(self.url, socket_connect_timeout=1.0)
         next_snapshot_s = time.monotonic() + (snapshot_interval_s or 0.0)
+        check_at = time.monotonic() + RESET_CHECK_INTERVAL_S
+        failures = 0
         try:
             while True:
                 try:
+                    if failures or time.monotonic() >= check_at:  # back after an outage, or quiet for a while
+                        await self._check_stream_reset_async()
+                        check_at = time.monotonic() + RESET_CHECK_INTERVAL_S
                     response = await self._aclient.xread({self.stream: self._last_id}, count=self.batch_entries,
                                                          block=self.block_ms)
-                    self._apply(response)
+                    if failures:
+                        log.info("reading KV events from %s again after %d failed attempts", self.url, failures)
+                        failures = 0
+                    if self._apply(response):
+                        check_at = time.monotonic() + RESET_CHECK_INTERVAL_S  # entries flow: no need to look
                     if snapshot_interval_s and time.monotonic() >= next_snapshot_s:
                         next_snapshot_s = time.monotonic() + snapshot_interval_s
                         await self._aclient.eval(_SAVE_IF_NEWER, 1, self.snapshot_key, self._snapshot_json(),
                                                  self._last_id)
                 except redis.RedisError as e:
-                    log.warning("reading KV events from %s failed: %r; retrying", self.url, e)
-                    await asyncio.sleep(min(1.0, self.block_ms / 1000))
+                    failures += 1
+                    self.feed.counters.source_errors += 1
+                    if failures == 1 or failures % 30 == 0:  # an outage logs once, then every ~minute
+                        log.warning("reading KV events from %s failed (%d in a row): %r; retrying", self.url,
+                                    failures, e)
+                    await asyncio.sleep(min(MAX_RETRY_S, self.block_ms / 1000 * 2 ** min(failures - 1, 5)))
         finally:
             await self._aclient.aclose()
             self._aclient = None
+
+    async def _check_stream_reset_async(self) -> bool:
+        try:
+            info = await self._aclient.xinfo_stream(self.stream)
+        except redis.ResponseError:  # no such stream (yet)
+            info = None
+        return self._reset_if_behind(info)
 
     def start(self, snapshot_interval_s: float | None = DEFAULT_SNAPSHOT_INTERVAL_S) -> asyncio.Task:
         """Run ``run()`` as a task of the current event loop."""

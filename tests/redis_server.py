@@ -20,8 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(binary: str, workdir) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def _start(binary: str, workdir, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or _free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"
@@ -38,6 +38,38 @@ def _start(binary: str, workdir) -> tuple[subprocess.Popen, str]:
     proc.kill()
     proc.wait()
     raise RuntimeError(f"redis-server did not come up on port {port} (exit code {proc.returncode})")
+
+
+class RedisProcess:
+    """A private redis-server that a test may stop and start again on the same port (fault injection)."""
+
+    def __init__(self, workdir) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.fail("redis-server is not installed: run `make system-deps` (apt-get install -y redis-server)",
+                        pytrace=False)
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        for attempt in range(3):
+            try:
+                self.proc, self.url = _start(self.binary, self.workdir, self.port)
+                break
+            except RuntimeError:
+                if attempt == 2 or self.port is not None:  # the same port must come back; do not pick another
+                    raise
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        return self.url
+
+    def stop(self) -> None:
+        """SIGKILL: no shutdown save, like a crashed or evicted pod (persistence is off anyway)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 @pytest.fixture(scope="session")

@@ -100,14 +100,19 @@ def recovered(loop_thread, cluster) -> bool:
     if cluster.registry.records(states=(WorkerState.STARTING, WorkerState.DRAINING)):
         return False
     try:
-        return all(s["kv_blocks_used"] == 0 and s["num_requests"] == 0 and s.get("leases_held", 0) == 0
-                   for s in stats(loop_thread, cluster).values())
+        snapshot = stats(loop_thread, cluster).values()
     except Exception:
         return False
+    num_prefill = len(cluster.registry.ready(Role.PREFILL))
+    return all(s["kv_blocks_used"] == 0 and s["num_requests"] == 0 and s.get("leases_held", 0) == 0
+               # a decode worker knows exactly the live prefill workers: a dead one's NIXL peer is dropped
+               and (s["role"] != "decode" or s["peers"] == num_prefill)
+               for s in snapshot)
 
 
 def finish(name, cluster, loop_thread, reference_fn, outcome: Outcome, fault_at: float, n: int,
-           counters_before: dict) -> dict:
+           counters_before: dict, **extra) -> dict:
+    """Check recovery and an exact batch afterwards; write the figures (``extra`` too) for docs/reliability.md."""
     assert not outcome.hung, f"hung requests: {outcome.hung}"
     assert not outcome.wrong, f"requests that succeeded with another text than the fault-free run: {outcome.wrong}"
     back = wait_for(lambda: recovered(loop_thread, cluster), timeout_s=RECOVERY_BOUND_S, interval_s=0.25)
@@ -127,7 +132,7 @@ def finish(name, cluster, loop_thread, reference_fn, outcome: Outcome, fault_at:
                "cancelled": outcome.cancelled, "wrong": len(outcome.wrong), "hung": len(outcome.hung),
                "migrations": cluster.backend.counters["migrated"] - counters_before["migrated"],
                "placed_again": cluster.backend.counters["replaced"] - counters_before["replaced"],
-               "recovery_s": round(recovery_s, 1), "leaked_blocks": 0, "error_messages": sorted(set(outcome.errors))[:3]}
+               "recovery_s": round(recovery_s, 1), "leaked_blocks": 0, "error_messages": sorted(set(outcome.errors))[:3], **extra}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures))
@@ -177,10 +182,29 @@ def test_kill_a_prefill_worker_mid_prefill(cluster, before, loop_thread, referen
         fault.update(at=time.monotonic(), worker=victim.worker_id)
         os.kill(victim.pid, signal.SIGKILL)
 
+    forgotten = cluster.pools.counters["peers_forgotten"]
+    prefill_before = {r.worker_id for r in cluster.registry.ready(Role.PREFILL)}
     results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-prefill-mid-prefill")
     outcome = judge(results, reference(prompts, params), Outcome())
     figures = finish("kill-prefill-mid-prefill", cluster, loop_thread, reference, outcome, at, len(prompts), before)
     assert figures["exact"] + figures["errors"] == len(prompts)
+    # each decode worker dropped the dead prefill worker's NIXL peer (recovered() checked the counts) …
+    assert cluster.pools.counters["peers_forgotten"] - forgotten == len(cluster.registry.ready(Role.DECODE))
+    # … and pulls from its replacement (a new NIXL agent, often at the same host) succeed
+    (replacement,) = {r.worker_id for r in cluster.registry.ready(Role.PREFILL)} - prefill_before
+    for attempt in range(6):
+        served = stats(loop_thread, cluster)[replacement]["leases_released"]
+        if served:
+            break
+        prompts, params = workload(100 + attempt, 4, scale=1)
+
+        async def more(prompts=prompts, params=params):
+            return await asyncio.gather(*(stream(cluster.backend, f"replacement-{attempt}-{i}", p, q)
+                                          for i, (p, q) in enumerate(zip(prompts, params))))
+
+        after = loop_thread.run(more(), timeout=HANG_BOUND_S)
+        assert [(t, x) for t, x, _ in after] == [(r["token_ids"], r["text"]) for r in reference(prompts, params)]
+    assert served, f"the replacement {replacement} never handed KV to a decode worker"
 
 
 def test_kill_a_decode_worker_mid_stream(cluster, before, loop_thread, reference):

@@ -1,0 +1,124 @@
+"""Faults timed into a chosen window of a request's life (the fault suite's oracle: tests/cluster/test_faults.py).
+
+A kill "mid-transfer" cannot be timed from outside when a pull over NIXL takes microseconds, so this
+cluster injects a delay: `transfer.fault_pull_delay_s` holds every decode pull for 1.5 s after the decode
+worker has reserved its blocks (the prefill worker holds the lease, the decode worker's request is
+`remote_pending`). Each scenario waits until the window is open on some worker — read from the workers'
+own stats — and kills there. The decode pool is given few blocks so that handoffs also queue for free
+blocks (`waiting_for_blocks`). Every scenario then checks that the fault really landed in its window.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from router.policy import Role
+from tests.cluster.test_faults import (HANG_BOUND_S, Outcome, finish, judge, reference, run_with_fault,  # noqa: F401
+                                       workload)
+
+pytestmark = pytest.mark.slow
+
+TIMED_CLUSTER = {"prefill.num_workers": 2, "decode.num_workers": 2, "router.local_prefill_max_tokens": 0,
+                 "transfer.lease_timeout_s": 6.0, "transfer.transfer_timeout_s": 3.0,
+                 "transfer.fault_pull_delay_s": 1.5, "decode.num_blocks": 96}
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    return cluster_factory(**TIMED_CLUSTER)
+
+
+@pytest.fixture
+def before(cluster):
+    return dict(cluster.backend.counters)
+
+
+async def _worker_stats(cluster) -> dict[str, dict]:
+    return {s["worker_id"]: s for s in await cluster.stats()}
+
+
+async def _wait_for_window(cluster, role: str, key: str, timeout_s: float = HANG_BOUND_S) -> tuple[str, dict]:
+    """The first worker of ``role`` whose stats show ``key`` > 0, and everyone's stats at that moment."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = await _worker_stats(cluster)
+        for worker_id, s in stats.items():
+            if s["role"] == role and s.get(key, 0) > 0:
+                return worker_id, stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {role} worker ever had {key} > 0")
+
+
+def _pid(cluster, worker_id: str) -> int:
+    return cluster.registry.get(worker_id).pid
+
+
+def _decode_failed_transfers(loop_thread, cluster) -> int:
+    stats = loop_thread.run(_worker_stats(cluster))
+    return sum(s.get("transfers_failed", 0) for s in stats.values() if s["role"] == "decode")
+
+
+def test_kill_a_prefill_worker_while_a_decode_worker_is_pulling_its_blocks(cluster, before, loop_thread, reference):
+    prompts, params = workload(11, 8)
+    failed_before = _decode_failed_transfers(loop_thread, cluster)
+
+    async def inject(fault):
+        _, stats = await _wait_for_window(cluster, "decode", "remote_pending")
+        # the prefill worker whose lease a pull is waiting on (it holds leases; the window lasts 1.5 s)
+        holders = [w for w, s in stats.items() if s["role"] == "prefill" and s.get("leases_held", 0) > 0]
+        assert holders, stats
+        fault.update(at=time.monotonic(), worker=holders[0], leases=stats[holders[0]]["leases_held"])
+        os.kill(_pid(cluster, holders[0]), signal.SIGKILL)
+
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-prefill-mid-transfer")
+    outcome = judge(results, reference(prompts, params), Outcome())
+    # The pull found its peer gone: the decode worker recomputed the prompt (recompute_on_failure: true),
+    # so every request is exact — and the failed pull proves the kill landed inside the transfer window.
+    failed = _decode_failed_transfers(loop_thread, cluster) - failed_before
+    figures = finish("kill-prefill-mid-transfer", cluster, loop_thread, reference, outcome, at, len(prompts), before,
+                     failed_pulls_recomputed=failed)
+    assert figures["exact"] == len(prompts), figures
+    assert failed >= 1, "no pull failed: the prefill worker died outside the transfer window"
+
+
+def test_kill_a_decode_worker_while_it_is_pulling_kv(cluster, before, loop_thread, reference):
+    prompts, params = workload(12, 8)
+    victim_state = {}
+
+    async def inject(fault):
+        victim, stats = await _wait_for_window(cluster, "decode", "remote_pending")
+        victim_state.update(stats[victim])
+        fault.update(at=time.monotonic(), worker=victim)
+        os.kill(_pid(cluster, victim), signal.SIGKILL)
+
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-mid-transfer")
+    outcome = judge(results, reference(prompts, params), Outcome())
+    figures = finish("kill-decode-mid-transfer", cluster, loop_thread, reference, outcome, at, len(prompts), before,
+                     victim_pulls_pending=victim_state.get("remote_pending"))
+    assert victim_state["remote_pending"] >= 1
+    assert figures["exact"] == len(prompts), figures
+    # its requests went on elsewhere (continued after the prefill's first token, or placed again)
+    assert figures["migrations"] + figures["placed_again"] >= 1, figures
+
+
+def test_kill_a_decode_worker_while_requests_wait_for_free_blocks(cluster, before, loop_thread, reference):
+    prompts, params = workload(13, 8, long_prompts=True)  # 600-900 tokens: one fits in 96 blocks at a time
+    victim_state = {}
+
+    async def inject(fault):
+        victim, stats = await _wait_for_window(cluster, "decode", "waiting_for_blocks")
+        victim_state.update(stats[victim])
+        fault.update(at=time.monotonic(), worker=victim)
+        os.kill(_pid(cluster, victim), signal.SIGKILL)
+
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-waiting-for-blocks")
+    outcome = judge(results, reference(prompts, params), Outcome())
+    figures = finish("kill-decode-waiting-for-blocks", cluster, loop_thread, reference, outcome, at, len(prompts),
+                     before, victim_waiting_for_blocks=victim_state.get("waiting_for_blocks"))
+    assert victim_state["waiting_for_blocks"] >= 1
+    assert figures["exact"] == len(prompts), figures
+    assert figures["migrations"] + figures["placed_again"] >= 1, figures
