@@ -67,7 +67,7 @@ test-fast: install system-deps
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
 # the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md)
 soak: install system-deps
-	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py
+	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py
 
 bench-engine: install
 	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,)

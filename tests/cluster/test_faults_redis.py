@@ -113,7 +113,8 @@ def test_redis_restart_under_routers_sharing_the_index(cluster, redis_process, l
         # and it keeps flowing: new prompts land in both indexes
         _serve(loop_thread, cluster, reference, 23, "redis-after")
         assert wait_for(converged, timeout_s=CONVERGE_BOUND_S, interval_s=0.25)
-        figures = {"scenario": "redis-restart", "requests": sum(SERVED), "exact": sum(SERVED), "outage_s": round(restart_at - outage_at, 1),
+        figures = {"scenario": "redis-restart", "requests": sum(SERVED), "exact": sum(SERVED),
+                   "outage_s": round(restart_at - outage_at, 1),
                    "index_converged_s": round(converge_s, 1),
                    "router_read_errors": feed.counters.source_errors - errors_before,
                    "undelivered_batches": undelivered, "resyncs": feed.counters.resyncs}
