@@ -129,10 +129,10 @@ def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] 
         if not body:
             raise ApiError(400, "send 'target' (an integer) and/or 'pin' (a boolean)")
         pin, target = body.get("pin"), body.get("target")
-        if pin is not None and not isinstance(pin, bool):
-            raise ApiError(400, f"'pin' must be a boolean, got {pin!r}", param="pin")
-        if target is not None and (isinstance(target, bool) or not isinstance(target, int)):
-            raise ApiError(400, f"'target' must be an integer, got {target!r}", param="target")
+        if "pin" in body and not isinstance(pin, bool):  # null included: an operator's write says what it means
+            raise ApiError(400, f"'pin' must be a boolean, got {json.dumps(pin)}", param="pin")
+        if "target" in body and (isinstance(target, bool) or not isinstance(target, int)):
+            raise ApiError(400, f"'target' must be an integer, got {json.dumps(target)}", param="target")
         try:
             return op.set_target(Role(role), target, pin)
         except InvalidRequestError as e:

@@ -95,6 +95,8 @@ def test_reads_show_the_registry(tiny_model):
     ("/admin/pools/prefill", {"target": 9}, 400, "target"),
     ("/admin/pools/prefill", {"target": "two"}, 400, "target"),
     ("/admin/pools/prefill", {"pin": "yes"}, 400, "pin"),
+    ("/admin/pools/prefill", {"target": None}, 400, "target"),  # found by schemathesis: was accepted as a no-op
+    ("/admin/pools/prefill", {"pin": None, "target": 2}, 400, "pin"),
     ("/admin/pools/prefill", {"size": 2}, 400, "size"),
     ("/admin/pools/prefill", {}, 400, None),
     ("/admin/pools/router", {"target": 1}, 404, "role"),

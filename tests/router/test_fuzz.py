@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.tokenizer import Tokenizer
 from router.http_api import create_app
 from tests.router.http_harness import ServerThread, assert_error_shape
+from tests.router.test_admin_api import RecordingOperator
 from tests.router.test_http_backend_faults import ScriptedBackend
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,8 @@ def test_schemathesis_finds_no_server_error_and_nothing_undocumented(tiny_model)
     backend = ScriptedBackend(Tokenizer.from_dir(tiny_model()))
     REPORT.mkdir(parents=True, exist_ok=True)
     events = REPORT / "schemathesis.ndjson"
-    with ServerThread(create_app(backend)) as server:
+    operator = RecordingOperator()  # /admin/* answer as in a cluster (pools of 1..3), instead of 404
+    with ServerThread(create_app(backend, operator=operator)) as server:
         run = subprocess.run(
             [str(Path(sys.executable).parent / "st"), "run", server.url + "/openapi.json", "--checks", "all",
              "--exclude-checks", "positive_data_acceptance", "--mode", "all", "--max-examples", "110", "--seed", "7",
@@ -48,7 +50,33 @@ def test_schemathesis_finds_no_server_error_and_nothing_undocumented(tiny_model)
         ok = httpx.post(server.url + "/v1/completions", json={"model": "fake", "prompt": "still here?",
                                                               "max_tokens": 2}, timeout=10)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "AB"  # still serving
-    (REPORT / "schemathesis-summary.txt").write_text(summary)
+        assert operator.calls  # the fuzzer got through to the pool writes
+    (REPORT / "schemathesis.txt").write_text(run.stdout)
+
+
+def test_schemathesis_against_a_real_engine(tiny_model):
+    """A shorter run against a real engine (LocalBackend: tokenizer, validation against the model's vocab
+    and context length, scheduler, sampler), so errors only real generation can raise are reached too."""
+    backend = LocalBackend.from_config(EngineConfig(model=str(tiny_model()), num_blocks=256, max_model_len=256))
+    REPORT.mkdir(parents=True, exist_ok=True)
+    try:
+        with ServerThread(create_app(backend)) as server:
+            run = subprocess.run(
+                [str(Path(sys.executable).parent / "st"), "run", server.url + "/openapi.json", "--checks", "all",
+                 "--exclude-checks", "positive_data_acceptance", "--mode", "all", "--max-examples", "25",
+                 "--seed", "11", "--no-shrink", "--workers", "1", "--request-timeout", "60"],
+                capture_output=True, text=True, timeout=600)
+            summary = run.stdout[run.stdout.rfind("Test cases:"):]
+            assert run.returncode == 0, run.stdout[-6000:]
+            assert int(summary.split()[2]) >= 400, summary
+            model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            ok = httpx.post(server.url + "/v1/completions", timeout=30,
+                            json={"model": model, "prompt": "still here?", "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3  # still serving
+            assert backend.engine.pool.num_used_blocks == 0  # nothing the fuzzer sent left a block behind
+    finally:
+        backend.async_engine.shutdown()
+    (REPORT / "schemathesis-real-engine.txt").write_text(run.stdout)
 
 
 HOSTILE_BODIES = {
