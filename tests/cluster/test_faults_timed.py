@@ -17,8 +17,8 @@ import time
 import pytest
 
 from router.policy import Role
-from tests.cluster.test_faults import (HANG_BOUND_S, Outcome, finish, judge, reference, run_with_fault,  # noqa: F401
-                                       workload)
+from tests.cluster.test_faults import (HANG_BOUND_S, Outcome, before, finish, judge, reference,  # noqa: F401
+                                       run_with_fault, workload)
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +30,6 @@ TIMED_CLUSTER = {"prefill.num_workers": 2, "decode.num_workers": 2, "router.loca
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
     return cluster_factory(**TIMED_CLUSTER)
-
-
-@pytest.fixture
-def before(cluster):
-    return dict(cluster.backend.counters)
 
 
 async def _worker_stats(cluster) -> dict[str, dict]:
@@ -85,40 +80,26 @@ def test_kill_a_prefill_worker_while_a_decode_worker_is_pulling_its_blocks(clust
     assert failed >= 1, "no pull failed: the prefill worker died outside the transfer window"
 
 
-def test_kill_a_decode_worker_while_it_is_pulling_kv(cluster, before, loop_thread, reference):
-    prompts, params = workload(12, 8)
+@pytest.mark.parametrize("name, seed, long_prompts, window", [
+    ("kill-decode-mid-transfer", 12, False, "remote_pending"),  # blocks reserved, pull not done
+    # 600-900-token prompts: one fits in the 96 blocks at a time, the others' handoffs queue
+    ("kill-decode-waiting-for-blocks", 13, True, "waiting_for_blocks"),
+])
+def test_kill_a_decode_worker_in_a_window(cluster, before, loop_thread, reference, name, seed, long_prompts, window):
+    prompts, params = workload(seed, 8, long_prompts=long_prompts)
     victim_state = {}
 
     async def inject(fault):
-        victim, stats = await _wait_for_window(cluster, "decode", "remote_pending")
+        victim, stats = await _wait_for_window(cluster, "decode", window)
         victim_state.update(stats[victim])
         fault.update(at=time.monotonic(), worker=victim)
         os.kill(_pid(cluster, victim), signal.SIGKILL)
 
-    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-mid-transfer")
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name=name)
     outcome = judge(results, reference(prompts, params), Outcome())
-    figures = finish("kill-decode-mid-transfer", cluster, loop_thread, reference, outcome, at, len(prompts), before,
-                     victim_pulls_pending=victim_state.get("remote_pending"))
-    assert victim_state["remote_pending"] >= 1
+    figures = finish(name, cluster, loop_thread, reference, outcome, at, len(prompts), before,
+                     **{f"victim_{window}": victim_state.get(window)})
+    assert victim_state[window] >= 1
     assert figures["exact"] == len(prompts), figures
     # its requests went on elsewhere (continued after the prefill's first token, or placed again)
-    assert figures["migrations"] + figures["placed_again"] >= 1, figures
-
-
-def test_kill_a_decode_worker_while_requests_wait_for_free_blocks(cluster, before, loop_thread, reference):
-    prompts, params = workload(13, 8, long_prompts=True)  # 600-900 tokens: one fits in 96 blocks at a time
-    victim_state = {}
-
-    async def inject(fault):
-        victim, stats = await _wait_for_window(cluster, "decode", "waiting_for_blocks")
-        victim_state.update(stats[victim])
-        fault.update(at=time.monotonic(), worker=victim)
-        os.kill(_pid(cluster, victim), signal.SIGKILL)
-
-    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-waiting-for-blocks")
-    outcome = judge(results, reference(prompts, params), Outcome())
-    figures = finish("kill-decode-waiting-for-blocks", cluster, loop_thread, reference, outcome, at, len(prompts),
-                     before, victim_waiting_for_blocks=victim_state.get("waiting_for_blocks"))
-    assert victim_state["waiting_for_blocks"] >= 1
-    assert figures["exact"] == len(prompts), figures
     assert figures["migrations"] + figures["placed_again"] >= 1, figures
