@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve clean
 
 install: $(STAMP)
 
@@ -86,6 +86,12 @@ bench-routing: install
 # Mooncake conversation trace against the real prefix index and block pools (no model)
 bench-routing-trace: install
 	$(PY) -m bench.bench_routing_trace
+
+# the whole server under load: duet disaggregated, duet colocated and vLLM CPU (installed into .cache/vllm-venv)
+# on the same model, workloads and clients; SMALL=1: fewer requests and rates. Report in build/bench/serve/.
+bench-serve: install
+	bench/install_vllm.sh .cache/vllm-venv
+	$(PY) -m bench.bench_serve $(if $(SMALL),--small,)
 
 bench-router-decision: install
 	$(PY) -m bench.bench_router_decision

@@ -3,6 +3,7 @@
     duet make-tiny-model DIR [--arch llama|qwen2|mistral]   write a small random HF checkpoint
     duet generate --model DIR --prompt TEXT [...]           run prompts through one engine, streaming
     duet serve --model DIR [--prefill N] [--decode M] ...    the cluster + OpenAI HTTP + gRPC front doors
+    duet bench [--base-url URL] [--workload ...] ...         measure any OpenAI-compatible server (bench/client.py)
 """
 from __future__ import annotations
 
@@ -159,6 +160,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.client import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -180,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the cluster and serve the OpenAI HTTP and gRPC APIs")
     _add_serve_args(p)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("bench", help="drive an OpenAI-compatible server with a workload; TTFT/TPOT/goodput")
+    from bench.client import add_args as _add_bench_args
+    _add_bench_args(p)
+    p.set_defaults(fn=cmd_bench)
     return parser
 
 

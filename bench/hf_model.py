@@ -1,0 +1,46 @@
+"""The benchmark model as a Hugging Face directory that both duet and vLLM load.
+
+``make bench-serve`` serves the same weights from every server: SmolLM2-135M-Instruct's Q4_1 GGUF (the
+default model) dequantized by transformers to fp32 and saved with its tokenizer and chat template as
+safetensors. Both servers then read the same ``config.json`` and ``tokenizer.json``.
+
+    python -m bench.hf_model [OUT_DIR]      # prints the directory (built once, then reused)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DIR = Path(".cache/bench/SmolLM2-135M-Instruct")
+
+
+def ensure_hf_model(out: Path = DEFAULT_DIR) -> Path:
+    out = Path(out)
+    stamp = out / ".complete"
+    if stamp.exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.default_model import default_model_path
+
+    gguf = default_model_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    # The weights are already dequantized to fp32; what marks the model as "gguf-quantized" is bookkeeping
+    # that save_pretrained refuses to serialize. Drop it so the directory is a plain fp32 checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "duet_source.json").write_text(json.dumps({"gguf": gguf.name, "dtype": "float32"}))
+    stamp.touch()
+    return out
+
+
+if __name__ == "__main__":
+    print(ensure_hf_model(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR))

@@ -1,0 +1,146 @@
+"""bench-serve's plots (PNG): goodput vs request rate, latency CDFs, per-configuration bars, routing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLORS = {"duet-disagg-1p1d": "#1f77b4", "duet-colocated": "#2ca02c", "vllm-cpu": "#d62728",
+          "duet-2p1d-cache_aware": "#9467bd", "duet-2p1d-round_robin": "#8c564b"}
+WORKLOAD_TITLES = {"random": "random (fixed lengths)", "shared-prefix": "shared prefix",
+                   "mooncake-conversation": "Mooncake trace (scaled)"}
+
+
+def _runs(report: dict, out: Path, workload: str, study=None) -> list[dict]:
+    rs = [r for r in report["runs"] if r["workload"] == workload and r.get("study") == study]
+    for r in rs:
+        r["doc"] = json.loads((out / r["file"]).read_text())
+    return rs
+
+
+def plot_all(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slo = report["slo"]
+    written = []
+
+    # 1. goodput (and throughput) vs request rate, one panel per swept workload
+    swept = [w for w in ("random", "shared-prefix") if _runs(report, out, w)]
+    if swept:
+        fig, axes = plt.subplots(1, len(swept), figsize=(6.2 * len(swept), 4.4), squeeze=False)
+        for ax, wl in zip(axes[0], swept):
+            by: dict[str, list] = {}
+            for r in _runs(report, out, wl):
+                by.setdefault(r["config"], []).append((r["rate"], r["summary"]["goodput"], r["summary"]["request_throughput"]))
+            for cfg, pts in by.items():
+                pts.sort()
+                c = COLORS.get(cfg)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"{cfg} goodput", lw=2)
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=c, alpha=0.5, label=f"{cfg} throughput")
+            rates = sorted({r["rate"] for r in _runs(report, out, wl)})
+            ax.plot(rates, rates, color="#999", ls=":", lw=1, label="offered rate")
+            ax.set_title(WORKLOAD_TITLES[wl])
+            ax.set_xlabel("offered request rate (req/s, Poisson)")
+            ax.set_ylabel("requests/s")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(rates, [f"{r:g}" for r in rates])
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"Goodput (TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s) vs offered rate")
+        fig.tight_layout()
+        written.append(_save(fig, out / "goodput_vs_rate.png"))
+
+    # 2. latency CDFs: TTFT and TPOT, per workload at its highest common rate (trace: the trace run)
+    panels = []
+    for wl in ("random", "shared-prefix", "mooncake-conversation"):
+        rs = _runs(report, out, wl)
+        if not rs:
+            continue
+        rates = [r["rate"] for r in rs if r.get("rate")]
+        pick = max(rates) if rates else None
+        panels.append((wl, pick, [r for r in rs if r.get("rate") == pick]))
+    if panels:
+        fig, axes = plt.subplots(2, len(panels), figsize=(5.2 * len(panels), 7.5), squeeze=False)
+        for col, (wl, rate, rs) in enumerate(panels):
+            wslo = report.get("trace_slo", slo) if wl == "mooncake-conversation" else slo
+            for row, (key, label, lim) in enumerate((("ttft_s", "TTFT (s)", wslo["ttft_s"]),
+                                                     ("tpot_s", "TPOT (s)", wslo["tpot_s"]))):
+                ax = axes[row][col]
+                for r in rs:
+                    xs = sorted(q[key] for q in r["doc"]["requests"] if q[key] is not None)
+                    if xs:
+                        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                                color=COLORS.get(r["config"]), label=r["config"], lw=2)
+                ax.axvline(lim, color="k", ls=":", lw=1, label="SLO")
+                ax.set_xlabel(label)
+                ax.set_ylabel("fraction of requests")
+                ax.set_ylim(0, 1.02)
+                ax.grid(alpha=0.3)
+                ax.set_title(f"{WORKLOAD_TITLES[wl]}" + (f", {rate} req/s" if rate else ", trace arrivals"), fontsize=10)
+                ax.legend(fontsize=7, loc="lower right")
+        fig.suptitle("Latency CDFs")
+        fig.tight_layout()
+        written.append(_save(fig, out / "latency_cdf.png"))
+
+    # 3. bars per configuration: output tok/s, mean TTFT, mean TPOT, goodput — per workload at the middle rate
+    rows = []
+    for wl in ("random", "shared-prefix", "mooncake-conversation"):
+        rs = _runs(report, out, wl)
+        rates = sorted({r["rate"] for r in rs if r.get("rate")})
+        mid = rates[len(rates) // 2] if rates else None
+        rows.append((wl, mid, [r for r in rs if r.get("rate") == mid]))
+    rows = [r for r in rows if r[2]]
+    if rows:
+        metrics = [("output_throughput", "output tok/s", 1), ("goodput", "goodput req/s", 1),
+                   ("ttft_mean", "mean TTFT (s)", 1), ("tpot_mean", "mean TPOT (ms)", 1000)]
+        fig, axes = plt.subplots(len(rows), len(metrics), figsize=(16, 3.3 * len(rows)), squeeze=False)
+        for i, (wl, rate, rs) in enumerate(rows):
+            for j, (key, label, scale) in enumerate(metrics):
+                ax = axes[i][j]
+                names = [r["config"] for r in rs]
+                vals = []
+                for r in rs:
+                    s = r["summary"]
+                    v = s["ttft_s"]["mean"] if key == "ttft_mean" else s["tpot_s"]["mean"] if key == "tpot_mean" else s[key]
+                    vals.append((v or 0) * scale)
+                bars = ax.bar(range(len(names)), vals, color=[COLORS.get(n, "#777") for n in names])
+                ax.bar_label(bars, fmt="%.2f" if max(vals, default=0) < 10 else "%.0f", fontsize=8)
+                ax.set_xticks(range(len(names)), [n.replace("duet-", "duet\n") for n in names], fontsize=8)
+                ax.set_title(f"{label}\n{WORKLOAD_TITLES[wl]}" + (f" @ {rate} req/s" if rate else ""), fontsize=9)
+                ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        written.append(_save(fig, out / "per_config.png"))
+
+    # 4. routing: computed vs cached prompt tokens and TTFT, cache_aware vs round_robin
+    rt = report.get("routing")
+    if rt:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        pols = list(rt)
+        computed = [sum((w.get("prompt_tokens") or 0) - (w.get("cached_tokens") or 0) for w in rt[p]["prefill"]) for p in pols]
+        cached = [sum(w.get("cached_tokens") or 0 for w in rt[p]["prefill"]) for p in pols]
+        axes[0].bar(pols, computed, label="computed", color="#1f77b4")
+        axes[0].bar(pols, cached, bottom=computed, label="cache hits", color="#aec7e8")
+        axes[0].set_ylabel("prompt tokens on the prefill workers")
+        axes[0].legend()
+        axes[0].set_title("prefill work")
+        for k, q in enumerate(("p50", "p90")):
+            axes[1].bar([x + 0.38 * k for x in range(len(pols))], [rt[p]["summary"]["ttft_s"][q] for p in pols],
+                        width=0.38, label=f"TTFT {q}")
+        axes[1].set_xticks([x + 0.19 for x in range(len(pols))], pols)
+        axes[1].set_ylabel("seconds")
+        axes[1].legend()
+        axes[1].set_title("time to first token")
+        fig.suptitle("duet 2 prefill + 1 decode, shared-prefix workload: prefill routing policy")
+        fig.tight_layout()
+        written.append(_save(fig, out / "routing.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
