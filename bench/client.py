@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import workloads
+from bench import metrics, workloads
 from bench.workloads import BenchRequest
 
 
@@ -53,35 +53,13 @@ class RequestResult:
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
     """mean, p50, p90, p99 (linear interpolation, numpy's default); None for no values."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    xs = sorted(values)
-
-    def q(p: float) -> float:
-        pos = (len(xs) - 1) * p / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return {"mean": sum(xs) / len(xs), "p50": q(50), "p90": q(90), "p99": q(99)}
+    return metrics.stats(values)
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    done = [r for r in results if r.ok]
-    good = [r for r in done
-            if r.ttft_s is not None and r.ttft_s <= slo_ttft_s and (r.tpot_s is None or r.tpot_s <= slo_tpot_s)]
-    out_tokens = sum(r.output_tokens for r in done)
-    dur = max(duration_s, 1e-9)
-    return {
-        "completed": len(done), "failed": len(results) - len(done),
-        "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens or 0 for r in done),
-        "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,
-        "goodput": len(good) / dur, "good_fraction": len(good) / len(results) if results else 0.0,
-        "ttft_s": percentiles([r.ttft_s for r in done if r.ttft_s is not None]),
-        "tpot_s": percentiles([r.tpot_s for r in done if r.tpot_s is not None]),
-        "itl_s": percentiles([x for r in done for x in r.itl_s]),
-        "e2e_s": percentiles([r.e2e_s for r in done if r.e2e_s is not None]),
-    }
+    """bench/metrics.py's summary (shared with the simulator) of this run's results."""
+    return metrics.summarize([asdict(r) for r in results], duration_s, {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
+                             itl_s=[x for r in results if r.ok for x in r.itl_s])
 
 
 class BenchError(Exception):

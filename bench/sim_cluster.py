@@ -1,0 +1,406 @@
+"""A discrete-event simulation of a duet cluster: the real router pieces and block pools, simulated time.
+
+    result = ClusterSim(deployment, hardware, workload, autoscaler=None).run()
+
+What is real (duet's own code, called as the serving path calls it): ``router.policy.route`` with the
+``PrefixIndex`` fed by every worker's ``BlockPool`` events and the ``LoadTracker`` fed by dispatches,
+finishes and the workers' load reports; per worker the engine's ``Scheduler`` + ``BlockPool``
+(bench/sim_engine.py: continuous batching, chunked prefill under ``max_num_batched_tokens``, prefix hits,
+preemption); ``cluster.autoscaler.decide`` on observations built as cluster/pools.py builds them.
+
+What is modelled: the forward pass (``Hardware.step_model``), the KV handoff (``Hardware.transfer``: one
+transfer thread per decode worker, pulls run one after another), a one-way router↔worker message delay
+(``net_s``), a new worker's start-up (``startup_s``). Events and load reports reach the router at once.
+
+The request path is router/dispatch.py's: route D; if D would compute at most ``local_prefill_max_tokens``
+of the prompt (or there is no prefill worker: colocated), D runs it all; else route P, P prefills and
+samples the first token (TTFT), its blocks stay pinned under a lease; D reserves blocks (or waits for
+them), pulls what it lacks, P's blocks are released, D decodes. A lease that expires before the pull
+started makes D recompute the prompt (counted). Workers run their engine loop as AsyncEngine does:
+inbox, tick (decode: retry handoffs waiting for blocks), one step, repeat while there is work.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from cluster.autoscaler import AutoscalerConfig
+from engine.hashing import BlockHasher
+from router.index import PrefixIndex
+from router.load import LoadTracker
+from router.policy import DEFAULT_ALPHA, POLICIES, CacheAwarePolicy, Role, route
+
+from bench.sim_autoscale import Autoscaling
+from bench.sim_engine import Sampled, SimEngine
+from bench.stepmodel import StepModel, TransferModel
+
+HORIZON_S = 1e5  # a run that has not finished this long after its last arrival has stalled: stop it
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What runs: pool sizes and routing (the benchmark JSON's ``config``)."""
+
+    name: str
+    prefill: int
+    decode: int
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "cache_aware"
+    local_prefill_max_tokens: int = 0  # `make run`'s setting: every prompt with an uncached part is disaggregated
+    alpha: float = DEFAULT_ALPHA
+
+    @property
+    def kind(self) -> str:
+        return "duet-colocated" if self.prefill == 0 else "duet-disagg"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "prefill": self.prefill, "decode": self.decode,
+                "prefill_policy": self.prefill_policy, "decode_policy": self.decode_policy,
+                "local_prefill_max_tokens": self.local_prefill_max_tokens, "alpha": self.alpha, "simulated": True}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """How one worker runs (every worker alike) and what moving KV and starting a worker cost."""
+
+    name: str
+    step_model: StepModel
+    transfer: TransferModel
+    block_size: int
+    num_blocks: int  # KV blocks per worker
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    net_s: float = 0.0005  # one-way router <-> worker message
+    startup_s: float = 20.0  # a worker the autoscaler adds is ready this long after it was asked for
+    lease_timeout_s: float = 60.0
+
+    def describe(self) -> dict:
+        return {"name": self.name, "step_model": self.step_model.describe(), "transfer": self.transfer.describe(),
+                "block_size": self.block_size, "num_blocks": self.num_blocks, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "net_s": self.net_s,
+                "startup_s": self.startup_s, "lease_timeout_s": self.lease_timeout_s}
+
+
+@dataclass
+class Flight:
+    """One request's way through the simulated cluster."""
+
+    index: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    output_len: int
+    hashes: list[int]
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    first_s: float | None = None
+    last_s: float | None = None
+    done_s: float | None = None
+    lease_expired: bool = False
+    recomputed: bool = False
+    error: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return f"r{self.index}"
+
+
+@dataclass
+class SimWorker:
+    name: str
+    role: Role
+    engine: SimEngine
+    state: str = "ready"  # starting | ready | draining | dead
+    ready_s: float = float("-inf")
+    busy: bool = False
+    inbox: list = field(default_factory=list)
+    waiting_handoffs: list = field(default_factory=list)  # decode: flights waiting for blocks
+    handoff_retry_sig: tuple | None = None  # decode: the pool when they last failed
+    xfer_free_s: float = 0.0  # decode: when its transfer thread is free
+
+
+@dataclass
+class SimResult:
+    flights: list[Flight]
+    itl_s: list[float]
+    engines: list[SimEngine]
+    counters: dict[str, int]
+    autoscaling: Autoscaling | None
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache of the worker that computes the prompt / prompt tokens,
+        at each request's first admission there (a preempted request finding its own blocks again is not
+        a hit; the engine's own counters include those)."""
+        hit = sum(e.prompt_tokens_hit for e in self.engines)
+        total = sum(e.prompt_tokens_computed for e in self.engines)
+        return hit / total if total else 0.0
+
+
+class ClusterSim:
+    def __init__(self, deployment: Deployment, hardware: Hardware, workload, autoscaler: AutoscalerConfig | None = None):
+        self.dep, self.hw = deployment, hardware
+        self.index, self.tracker = PrefixIndex(), LoadTracker()
+        self.policies = {Role.PREFILL: _policy(deployment.prefill_policy, hardware.block_size, deployment.alpha),
+                         Role.DECODE: _policy(deployment.decode_policy, hardware.block_size, deployment.alpha)}
+        self.workers: dict[str, SimWorker] = {}  # registry order = the routing tie-break order
+        self.engines: list[SimEngine] = []
+        self.inflight: dict[str, int] = {}
+        self.next_index = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.itl_s: list[float] = []
+        self.counters = {"disaggregated": 0, "local_prefill": 0, "lease_expired": 0, "handoff_waits": 0,
+                         "transferred_blocks": 0, "decode_hit_blocks": 0, "preemptions": 0}
+        hasher = BlockHasher(hardware.block_size)  # the router's: the engine's exact hash chain
+        self.flights = [Flight(i, r.arrival_s or 0.0, r.prompt, r.output_len, hasher(r.prompt))
+                        for i, r in enumerate(workload)]
+        self.by_rid = {f.rid: f for f in self.flights}
+        for role, n in ((Role.PREFILL, deployment.prefill), (Role.DECODE, deployment.decode)):
+            for _ in range(n):
+                self.add_worker(role, float("-inf"))
+        self.autoscaling = Autoscaling(self, autoscaler) if autoscaler is not None else None
+        self._open = len(self.flights)
+
+    # ---- the event loop -----------------------------------------------------------------------------
+    def at(self, t_s: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t_s, next(self._seq), fn, args))
+
+    def run(self) -> SimResult:
+        for f in self.flights:
+            self.at(f.arrival_s, self._arrive, f)
+        if self.autoscaling is not None:
+            self.autoscaling.start(min((f.arrival_s for f in self.flights), default=0.0))
+        horizon = max((f.arrival_s for f in self.flights), default=0.0) + HORIZON_S
+        while self._events and self._open:
+            t, _, fn, args = heapq.heappop(self._events)
+            if t > horizon:
+                break
+            fn(t, *args)
+        for f in self.flights:
+            if f.done_s is None and f.error is None:
+                f.error = "not finished (the simulated cluster stalled)"
+        self.counters["preemptions"] = sum(e.scheduler.num_preemptions for e in self.engines)
+        return SimResult(self.flights, self.itl_s, self.engines, self.counters, self.autoscaling)
+
+    # ---- workers -------------------------------------------------------------------------------------
+    def add_worker(self, role: Role, ready_s: float, state: str = "ready") -> SimWorker:
+        name = f"{role.value}-{self.next_index[role]}"
+        self.next_index[role] += 1
+        hw = self.hw
+        engine = SimEngine(name, block_size=hw.block_size, num_blocks=hw.num_blocks, max_num_seqs=hw.max_num_seqs,
+                           max_num_batched_tokens=hw.max_num_batched_tokens)
+        w = self.workers[name] = SimWorker(name, role, engine, state, ready_s)
+        self.engines.append(engine)
+        self.inflight[name] = 0
+        if state == "ready":
+            self.activate(w, ready_s)
+        return w
+
+    def activate(self, w: SimWorker, now: float) -> None:
+        w.state, w.ready_s = "ready", now
+        self.tracker.add_worker(w.name)
+        self.index.add_worker(w.name)
+
+    def retire(self, w: SimWorker) -> None:
+        w.state = "dead"
+        self.index.remove_worker(w.name)
+        self.tracker.remove_worker(w.name)
+
+    def ready(self, role: Role) -> list[str]:
+        return [w.name for w in self.workers.values() if w.role == role and w.state == "ready"]
+
+    def send(self, now: float, w: SimWorker, fn) -> None:
+        """A message to the worker's engine thread, arriving ``net_s`` later."""
+        self.at(now + self.hw.net_s, self._deliver, w, fn)
+
+    def _deliver(self, now: float, w: SimWorker, fn) -> None:
+        w.inbox.append(fn)
+        if not w.busy:
+            self._iterate(now, w)
+
+    def _iterate(self, now: float, w: SimWorker) -> None:
+        """One pass of the engine thread's loop: inbox, tick, and a step if there is work."""
+        inbox, w.inbox = w.inbox, []
+        for fn in inbox:
+            fn(now)
+        if w.waiting_handoffs and w.handoff_retry_sig != self._pool_sig(w):
+            waiting, w.waiting_handoffs = w.waiting_handoffs, []
+            for f in waiting:
+                self._admit(now, w, f)
+            w.handoff_retry_sig = self._pool_sig(w) if w.waiting_handoffs else None
+        engine = w.engine
+        sched = None
+        if engine.has_work():
+            sched, shape = engine.begin_step(now)
+            if sched.is_empty:
+                sched = None
+        self._publish(w)
+        if sched is None:
+            w.busy = False
+            self._check_drained(now, w)
+            return
+        w.busy = True
+        self.at(now + self.hw.step_model.step_time_s(shape), self._step_done, w, sched)
+
+    @staticmethod
+    def _pool_sig(w: SimWorker) -> tuple[int, int]:
+        """Handoffs waiting for blocks are retried every loop (as DecodeWorker's tick does) but only when the
+        pool changed since they last failed: free and cached block counts (a cheap stand-in that misses
+        only a simultaneous evict-and-store of equal size)."""
+        return w.engine.pool.num_free_blocks, w.engine.pool.num_cached_blocks
+
+    def _step_done(self, now: float, w: SimWorker, sched) -> None:
+        outputs = w.engine.end_step(sched)
+        for out in outputs:
+            self._on_output(now, w, out)
+        self._iterate(now, w)
+
+    def _publish(self, w: SimWorker) -> None:
+        events = w.engine.take_events()
+        if w.state in ("ready", "draining"):
+            self.index.apply_all(events)
+            self.tracker.report(w.engine.load(w.role.value))
+
+    def _check_drained(self, now: float, w: SimWorker) -> None:
+        if w.state == "draining" and not w.busy and not self.inflight[w.name] and w.engine.is_idle() \
+                and not w.waiting_handoffs and not w.inbox:
+            self.retire(w)
+            if self.autoscaling is not None:
+                self.autoscaling.reconcile(now)
+
+    # ---- the router ---------------------------------------------------------------------------------
+    def _arrive(self, now: float, f: Flight) -> None:
+        B, n = self.hw.block_size, len(f.prompt)
+        decode, prefill = self.ready(Role.DECODE), self.ready(Role.PREFILL)
+        if not decode:
+            f.error = "no decode worker"
+            self._close(now, f)
+            return
+        d = route(self.policies[Role.DECODE], self.index, self.tracker, Role.DECODE, decode, f.hashes, n)
+        uncached_d = n - d.overlap_blocks * B
+        total_blocks = -(-(n + f.output_len) // B)
+        f.decode_worker = d.worker
+        self.inflight[d.worker] += 1
+        wd = self.workers[d.worker]
+        if not prefill or uncached_d <= self.dep.local_prefill_max_tokens:
+            self.counters["local_prefill"] += 1
+            self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=uncached_d, num_kv_blocks=total_blocks)
+            self.send(now, wd, lambda t: self._start(t, wd, f, remote_decode=False))
+            return
+        self.counters["disaggregated"] += 1
+        p = route(self.policies[Role.PREFILL], self.index, self.tracker, Role.PREFILL, prefill, f.hashes, n)
+        f.prefill_worker = p.worker
+        self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=0, num_kv_blocks=total_blocks)
+        self.tracker.dispatch(f.rid, p.worker, num_prefill_tokens=n - p.overlap_blocks * B, num_kv_blocks=-(-n // B))
+        self.inflight[p.worker] += 1
+        wp = self.workers[p.worker]
+        self.send(now, wp, lambda t: self._start(t, wp, f, remote_decode=True))
+
+    def _start(self, now: float, w: SimWorker, f: Flight, remote_decode: bool) -> None:
+        """Engine thread: the request enters the engine, or is refused (it could never fit the KV cache)."""
+        try:
+            w.engine.add(f.rid, f.prompt, f.output_len, now, remote_decode=remote_decode)
+        except ValueError as e:
+            self._fail(now, f, str(e))
+
+    def _fail(self, now: float, f: Flight, error: str) -> None:
+        f.error = error
+        for name in (f.prefill_worker, f.decode_worker):
+            if name is not None and self.tracker.finish(f.rid, name):
+                self._leave(now, self.workers[name])
+        self._close(now, f)
+
+    def _on_output(self, now: float, w: SimWorker, out: Sampled) -> None:
+        """A token reached the router (``net_s`` after the step that made it ended)."""
+        f = self.by_rid[out.request_id]
+        t = now + self.hw.net_s
+        if out.num_output_tokens == 1 and f.first_s is None:
+            f.first_s = f.last_s = t
+            if self.autoscaling is not None:
+                self.autoscaling.sample("ttft", t, w.name, t - f.arrival_s)
+            if w.name == f.prefill_worker:  # the prefill call returned
+                self.tracker.finish(f.rid, w.name)
+                self._leave(now, w)
+                if out.handoff:
+                    self.at(now + self.hw.lease_timeout_s, self._expire_lease, w, f)
+                    wd = self.workers[f.decode_worker]
+                    self.send(t, wd, lambda t2: self._admit(t2, wd, f))
+                    return
+                w = self.workers[f.decode_worker]  # ended at its first token: D is done with it too
+            else:
+                self.tracker.prefill_done(f.rid, w.name)
+        else:
+            self.itl_s.append(t - f.last_s)
+            if self.autoscaling is not None:
+                self.autoscaling.sample("itl", t, w.name, t - f.last_s)
+            f.last_s = t
+        if out.finished:
+            self.tracker.finish(f.rid, w.name)
+            f.done_s = t
+            self._leave(now, w)
+            self._close(now, f)
+
+    def _leave(self, now: float, w: SimWorker) -> None:
+        self.inflight[w.name] -= 1
+        self._check_drained(now, w)
+
+    def _close(self, now: float, f: Flight) -> None:
+        self._open -= 1
+
+    # ---- the KV handoff -------------------------------------------------------------------------------
+    def _admit(self, now: float, wd: SimWorker, f: Flight) -> None:
+        """Decode engine thread: reserve blocks for the handoff (or wait for them), then start the pull."""
+        try:
+            plan = wd.engine.reserve_remote(f.rid, f.prompt, f.output_len, f.hashes)
+        except ValueError as e:
+            self._release(now, self.workers[f.prefill_worker], f)
+            self._fail(now, f, str(e))
+            return
+        if plan is None:
+            self.counters["handoff_waits"] += 1
+            wd.waiting_handoffs.append(f)
+            return
+        self.counters["decode_hit_blocks"] += plan.num_hit_blocks
+        wp = self.workers[f.prefill_worker]
+        if f.lease_expired:  # the prefill worker let the blocks go: the pull fails, D recomputes
+            f.recomputed = True
+            wd.engine.fail_remote(f.rid, now)
+            return
+        if not plan.num_missing_blocks:  # a full prefix hit: nothing to pull, just release the lease
+            wd.engine.commit_remote(f.rid, now)
+            self._release(now, wp, f)
+            return
+        self.counters["transferred_blocks"] += plan.num_missing_blocks
+        start = max(now, wd.xfer_free_s)
+        wd.xfer_free_s = end = start + self.hw.transfer.time_s(plan.num_missing_blocks)
+        self.at(end, self._pulled, wd, wp, f)
+
+    def _pulled(self, now: float, wd: SimWorker, wp: SimWorker, f: Flight) -> None:
+        wd.inbox.append(lambda t: wd.engine.commit_remote(f.rid, t))
+        if not wd.busy:
+            self._iterate(now, wd)
+        self._release(now, wp, f)
+
+    def _release(self, now: float, wp: SimWorker, f: Flight) -> None:
+        """The NIXL notification reached the prefill worker: its tick releases the lease."""
+        def release(t: float) -> None:
+            wp.engine.release_held(f.rid)
+
+        wp.inbox.append(release)
+        if not wp.busy:
+            self._iterate(now, wp)
+
+    def _expire_lease(self, now: float, wp: SimWorker, f: Flight) -> None:
+        if f.rid in wp.engine.held and f.rid not in self.workers[f.decode_worker].engine.remote_pending:
+            f.lease_expired = True
+            self.counters["lease_expired"] += 1
+            wp.engine.release_held(f.rid)
+            self._publish(wp)
+            if not wp.busy:
+                self._iterate(now, wp)
+
+
+def _policy(name: str, block_size: int, alpha: float):
+    if name == "cache_aware":
+        return CacheAwarePolicy(block_size, alpha)
+    return POLICIES[name](block_size)

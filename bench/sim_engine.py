@@ -1,0 +1,179 @@
+"""One simulated engine: duet's real ``Scheduler``, ``BlockPool``, ``BlockHasher`` and ``Request``, with the model
+replaced by a step-time model (bench/stepmodel.py). No torch.
+
+It mirrors ``engine.engine.Engine`` for everything that decides *when* tokens appear — ``step`` (schedule →
+[model] → ``on_step_computed`` → one token per finished sequence → stop on length, as with ``ignore_eos``),
+the prefill role's handoff (``_hand_off``: the request leaves the batch, its blocks stay pinned until
+``release_held``) and the decode role's ``reserve_remote`` / ``commit_remote`` / ``fail_remote`` — and
+leaves out what does not (sampling, detokenizing, logprobs, stop strings). Sampled tokens are the fixed id
+``SAMPLED_TOKEN``; outputs never become anyone's prefix in the trace, so their value does not matter.
+
+A step is split in two as time passes in the simulator: ``begin_step(now_s)`` schedules it (blocks are
+allocated, preemptions happen) and returns its shape; ``end_step(sched)`` is the state after the forward
+pass, when the step's tokens exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.hashing import BlockHasher
+from engine.kv_events import KVEvent, WorkerLoad
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+from bench.stepmodel import StepShape, step_shape
+
+SAMPLED_TOKEN = 1
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One token a step produced for a request."""
+
+    request_id: str
+    num_output_tokens: int  # after this token
+    finished: bool  # the request is done (length reached)
+    handoff: bool  # prefill role: the request left the batch with its blocks pinned
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    num_hit_blocks: int  # blocks this engine already had cached (not transferred)
+    num_missing_blocks: int  # blocks to read from the prefill worker
+
+
+class SimEngine:
+    def __init__(self, worker_id: str, *, block_size: int, num_blocks: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, worker_id)
+        self.hasher = BlockHasher(block_size)
+        self.scheduler = Scheduler(self.pool, self.hasher, max_num_seqs, max_num_batched_tokens, True)
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefill role: handed off, blocks pinned until released
+        self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
+        self.added_s: dict[str, float] = {}  # request -> when it entered the engine (for queue time)
+        self.queue_times: list[tuple[float, float]] = []  # (t_s, queue_s) at each first scheduling
+        self._computes_prompt: set[str] = set()  # entered without its KV: its prompt runs here
+        self.prompt_tokens_computed = 0  # prompts admitted to be computed here (first admission only) ...
+        self.prompt_tokens_hit = 0  # ... and their tokens found in the prefix cache
+
+    # ---- queries -------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.scheduler.num_unfinished)
+
+    def is_idle(self) -> bool:
+        """Holds nothing a drain must wait for: no request, no pinned handoff, no KV in flight."""
+        return not (self.requests or self.held or self.remote_pending)
+
+    def load(self, role: str) -> WorkerLoad:
+        s = self.scheduler
+        return WorkerLoad(self.worker_id, role, len(s.running), len(s.waiting), self.pool.num_used_blocks,
+                          self.pool.num_blocks, s.queued_prefill_tokens())
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, now_s: float,
+            remote_decode: bool = False) -> Request:
+        if self.blocks_needed(len(prompt) + max_tokens) > self.pool.num_blocks:
+            raise ValueError(f"{request_id} needs {self.blocks_needed(len(prompt) + max_tokens)} KV blocks; "
+                             f"{self.worker_id} has {self.pool.num_blocks}")  # the engine refuses it up front
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
+        request.remote_decode = remote_decode
+        self.requests[request_id] = request
+        self.added_s[request_id] = now_s
+        self._computes_prompt.add(request_id)
+        self.scheduler.add(request)
+        return request
+
+    # ---- the step --------------------------------------------------------------------------------
+    def begin_step(self, now_s: float) -> tuple[SchedulerOutput, StepShape]:
+        sched = self.scheduler.schedule()
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            added = self.added_s.pop(rid, None)
+            if added is not None:
+                self.queue_times.append((now_s, now_s - added))
+            if rid in self._computes_prompt:  # first admission: num_computed_tokens = its prefix hit
+                self._computes_prompt.discard(rid)
+                self.prompt_tokens_computed += s.request.num_prompt_tokens
+                self.prompt_tokens_hit += s.request.num_computed_tokens
+        return sched, step_shape(sched)
+
+    def end_step(self, sched: SchedulerOutput) -> list[Sampled]:
+        completed = [s.request for s in sched.scheduled if s.completes_sequence]  # before the counts advance
+        self.scheduler.on_step_computed(sched)
+        out = []
+        for request in completed:
+            request.append_output_token(SAMPLED_TOKEN)
+            self.scheduler.on_tokens_appended(request)
+            n_out = len(request.output_token_ids)
+            if n_out >= request.params.max_tokens:
+                self.scheduler.remove(request, RequestStatus.FINISHED_LENGTH)
+                del self.requests[request.request_id]
+                out.append(Sampled(request.request_id, n_out, True, False))
+            elif request.remote_decode:
+                self.scheduler.detach(request, RequestStatus.FINISHED_REMOTE)
+                del self.requests[request.request_id]
+                self.held[request.request_id] = request
+                out.append(Sampled(request.request_id, n_out, False, True))
+            else:
+                out.append(Sampled(request.request_id, n_out, False, False))
+        return out
+
+    # ---- disaggregation ------------------------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.free(request)
+        return True
+
+    def reserve_remote(self, request_id: str, prompt: tuple[int, ...], max_tokens: int,
+                       prompt_hashes: list[int]) -> RemotePlan | None:
+        """As ``Engine.reserve_remote``: reuse our own leading full-block hits, allocate the rest of the
+        handoff's blocks; None when the pool cannot take it now. ``prompt_hashes`` are the prompt's block
+        hashes (the router's: the same chain), so a handoff that does not fit costs no hashing."""
+        n_prompt = len(prompt)
+        if self.blocks_needed(n_prompt + max_tokens) > self.pool.num_blocks:
+            raise ValueError(f"{request_id} needs {self.blocks_needed(n_prompt + max_tokens)} KV blocks; "
+                             f"{self.worker_id} has {self.pool.num_blocks}")
+        hits = self.pool.match_prefix(prompt_hashes[: n_prompt // self.block_size], prompt, self.block_size)
+        need = self.blocks_needed(n_prompt) - len(hits)
+        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0)):
+            return None
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
+        request.append_output_token(SAMPLED_TOKEN)  # the first token, sampled by the prefill worker
+        request.block_hashes = list(prompt_hashes)
+        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        self.pool.touch(hits)
+        request.blocks = hits + self.pool.allocate(need)
+        request.num_registered_blocks = len(hits)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request_id] = request
+        self.remote_pending[request_id] = request
+        return RemotePlan(len(hits), need)
+
+    def commit_remote(self, request_id: str, now_s: float) -> None:
+        request = self.remote_pending.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.scheduler.register_full_blocks(request)
+        self.scheduler.waiting.append(request)
+        request.status = RequestStatus.WAITING
+        self.added_s[request_id] = now_s
+
+    def fail_remote(self, request_id: str, now_s: float) -> None:
+        """The transfer failed (its lease expired): recompute the prompt here, as ``recompute_on_failure``."""
+        request = self.remote_pending.pop(request_id)
+        self.scheduler.free(request)
+        request.status = RequestStatus.WAITING
+        self.scheduler.waiting.append(request)
+        self.added_s[request_id] = now_s
+        self._computes_prompt.add(request_id)

@@ -1,0 +1,259 @@
+"""Disaggregated goodput, simulated: duet's real router, prefix index, block pools, scheduler and autoscaler
+policy replay the Mooncake trace with the model replaced by a calibrated step-time model.
+
+    python -m bench.simulate all [--hardware cpu,gpu]            # studies a-c on both scenarios (~2-3 min)
+    python -m bench.simulate disagg    [--hardware cpu|gpu]      # a. disaggregated vs colocated, rate sweep
+    python -m bench.simulate autoscale [--hardware cpu|gpu]      # b. autoscaler vs every fixed P:D split
+    python -m bench.simulate routing   [--hardware cpu|gpu]      # c. cache_aware vs least_loaded vs round_robin
+    python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
+    python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
+
+Scenarios (bench/sim_scenarios.py): ``cpu`` = this machine's engine (bench/calibration/cpu-smollm2.json)
+on the CPU-scaled trace; ``gpu`` = Llama-3.1-8B on H100s from a roofline, on the full-size trace. Goodput
+counts requests meeting both the TTFT and the TPOT target per second (DistServe). Each study prints a
+table and writes JSON under build/bench/sim/ (per run: the benchmark document ``duet bench`` writes, so a
+simulated run and a real run compare field by field). docs/simulator.md has the model and the results.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from bench.metrics import meets_slo
+from bench.sim_check import calibration_check
+from bench.sim_cluster import Deployment
+from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
+                                 workload_desc)
+
+OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
+POLICY_NAMES = ("cache_aware", "least_loaded", "round_robin")
+
+
+def parse_config(name: str, local_prefill_max_tokens: int, policy: str = "cache_aware") -> Deployment:
+    """``colocated-4`` (4 workers that prefill and decode) or ``2P+2D``."""
+    m = re.fullmatch(r"colocated-(\d+)", name)
+    if m:
+        return Deployment(name, 0, int(m[1]), policy, policy, local_prefill_max_tokens)
+    m = re.fullmatch(r"(\d+)[pP]\+?(\d+)[dD]", name)
+    if m and int(m[2]) >= 1:
+        return Deployment(f"{m[1]}P+{m[2]}D", int(m[1]), int(m[2]), policy, policy, local_prefill_max_tokens)
+    raise ValueError(f"config {name!r}: use colocated-N or NP+MD (M >= 1)")
+
+
+def split_name(p: int, d: int) -> str:
+    return f"colocated-{d}" if p == 0 else f"{p}P+{d}D"
+
+
+_RUNS: dict[tuple, dict] = {}  # studies share runs (same scenario, deployment, rate): simulate each once
+
+
+def run_at(sc: Scenario, dep: Deployment, rate: float, autoscaler=None) -> dict:
+    key = (sc.name, tuple(sorted(sc.workload.items())), sc.hardware.num_blocks, dep, rate, autoscaler)
+    if key not in _RUNS:
+        reqs, scale = at_rate(trace(sc.workload), rate)
+        doc = simulate_run(dep, sc.hardware, reqs, workload_desc(sc.workload, scale, len(reqs)), sc.slo, autoscaler)
+        doc["rate"] = rate
+        _RUNS[key] = doc
+    return _RUNS[key]
+
+
+def goodput_at(doc: dict, slo: dict) -> float:
+    """The run's goodput under other SLOs (from its per-request records)."""
+    good = sum(1 for r in doc["requests"] if meets_slo(r, slo))
+    return good / doc["duration_s"] if doc["duration_s"] > 0 else 0.0
+
+
+def row(doc: dict, sc: Scenario, **extra) -> dict:
+    s = doc["summary"]
+    return {**extra, "config": doc["config"]["name"], "rate": doc.get("rate"), "goodput": s["goodput"],
+            "goodput_strict": goodput_at(doc, sc.slo_strict), "good_fraction": s["good_fraction"],
+            "ttft_mean": s["ttft_s"]["mean"], "ttft_p50": s["ttft_s"]["p50"], "ttft_p90": s["ttft_s"]["p90"],
+            "tpot_p50": s["tpot_s"]["p50"], "tpot_p90": s["tpot_s"]["p90"], "throughput": s["request_throughput"],
+            "hit_rate": doc["sim"]["prefix_hit_rate"], "failed": s["failed"]}
+
+
+def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """Markdown table; ``cols`` = (key, header, format)."""
+    out = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join("-" if r.get(k) is None else format(r[k], f) for k, _, f in cols) + " |")
+    return "\n".join(out)
+
+
+def pivot(rows: list[dict], key: str, fmt: str) -> str:
+    """Configs down, rates across: one metric."""
+    rates = sorted({r["rate"] for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    cells = {(r["config"], r["rate"]): r[key] for r in rows}
+    out = ["| config | " + " | ".join(f"{x:g} req/s" for x in rates) + " |", "|---" * (len(rates) + 1) + "|"]
+    for c in configs:
+        out.append(f"| {c} | " + " | ".join("-" if cells.get((c, x)) is None else format(cells[(c, x)], fmt)
+                                            for x in rates) + " |")
+    return "\n".join(out)
+
+
+def save(name: str, data: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def _slo(slo: dict) -> str:
+    return f"TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s"
+
+
+def study_disagg(sc: Scenario, out_dir: Path) -> dict:
+    """a. Disaggregated vs colocated with the same number of workers (2, and every split of the budget),
+    over the rate sweep."""
+    n = sc.budget
+    configs = [split_name(0, 2), split_name(1, 1)] + [split_name(p, n - p) for p in range(n)]
+    runs, rows = [], []
+    for name in configs:
+        for rate in sc.rates:
+            doc = run_at(sc, parse_config(name, sc.local_prefill_max_tokens), rate)
+            runs.append(doc)
+            rows.append(row(doc, sc))
+    text = "\n\n".join([
+        f"goodput, req/s ({_slo(sc.slo)}):\n" + pivot(rows, "goodput", ".3f"),
+        "requests meeting both SLOs:\n" + pivot(rows, "good_fraction", ".0%"),
+        f"goodput, req/s, strict TPOT ({_slo(sc.slo_strict)}):\n" + pivot(rows, "goodput_strict", ".3f"),
+        "TTFT p90, s:\n" + pivot(rows, "ttft_p90", ".2f"),
+        "TPOT p90, s:\n" + pivot(rows, "tpot_p90", ".3f")])
+    print(f"\n## a. disaggregated vs colocated ({sc.name})\n{text}")
+    save(f"{sc.name}-disagg", {"study": "disagg", "scenario": sc.describe(), "rows": rows, "table": text,
+                               "runs": runs}, out_dir)
+    return {"rows": rows, "table": text}
+
+
+def study_autoscale(sc: Scenario, out_dir: Path, rates: tuple[float, ...] | None = None) -> dict:
+    """b. The autoscaler (starting at 1P+1D, budget ``autoscaler.budget``) vs every fixed split of the budget."""
+    budget = sc.autoscaler.budget
+    rates = rates or sc.autoscale_rates
+    runs, rows = [], []
+    for rate in rates:
+        for p in range(0, budget):
+            doc = run_at(sc, parse_config(split_name(p, budget - p), sc.local_prefill_max_tokens), rate)
+            runs.append(doc)
+            rows.append(row(doc, sc, mean_prefill=p, mean_decode=budget - p, workers=budget))
+        best = max(rows[-budget:], key=lambda r: r["goodput"])
+        best["best_fixed"] = True
+        doc = run_at(sc, Deployment("autoscaler", 1, 1, local_prefill_max_tokens=sc.local_prefill_max_tokens), rate,
+                     autoscaler=sc.autoscaler)
+        runs.append(doc)
+        a = doc["sim"]["autoscaler"]
+        rows.append(row(doc, sc, mean_prefill=a["mean_prefill_ready"], mean_decode=a["mean_decode_ready"],
+                        workers=a["mean_workers_provisioned"], decisions=len(a["decisions"]),
+                        path=_path(a["decisions"]), final=a["final"]))
+    cols = [("rate", "rate req/s", ".2f"), ("config", "config", ""), ("goodput", "goodput req/s", ".3f"),
+            ("good_fraction", "met SLO", ".0%"), ("mean_prefill", "P (mean)", ".2f"),
+            ("mean_decode", "D (mean)", ".2f"), ("workers", "workers (mean)", ".2f"), ("ttft_p90", "TTFT p90 s", ".2f"),
+            ("tpot_p90", "TPOT p90 s", ".3f")]
+    text = table([dict(r, config=r["config"] + (" (best fixed)" if r.get("best_fixed") else "")) for r in rows], cols)
+    paths = [f"autoscaler at {r['rate']:g} req/s: {r['path']}" for r in rows if r.get("path")]
+    text += "\n\n" + "\n".join(paths)
+    print(f"\n## b. autoscaler vs fixed P:D splits of {budget} workers ({sc.name}; {_slo(sc.slo)}; "
+          f"autoscaler starts at 1P+1D, workers start in {sc.hardware.startup_s:g} s)\n{text}")
+    save(f"{sc.name}-autoscale", {"study": "autoscale", "scenario": sc.describe(), "rows": rows, "table": text,
+                                  "runs": runs}, out_dir)
+    return {"rows": rows, "table": text}
+
+
+def _path(decisions: list[dict]) -> str:
+    """The pool sizes the autoscaler moved through: ``t=40s P2 (code), t=90s D2 (code), ...``."""
+    return ", ".join(f"t={d['t_s']:.0f}s {d['role'][0].upper()}{d['target']} ({d['code']})" for d in decisions) or "none"
+
+
+def study_routing(sc: Scenario, out_dir: Path, rate: float | None = None, kv_factor: int = 8) -> dict:
+    """c. Routing policies on the same workers (prefill and decode pools use the same policy), with the
+    default KV cache per worker and with ``kv_factor`` times as many blocks."""
+    rate = rate or sc.rates[len(sc.rates) // 2]
+    n = sc.budget
+    runs, rows = [], []
+    big = dataclasses.replace(sc, hardware=dataclasses.replace(sc.hardware,
+                                                               num_blocks=sc.hardware.num_blocks * kv_factor))
+    for kv, scen in ((1, sc), (kv_factor, big)):
+        for name in (split_name(n // 2, n - n // 2), split_name(0, n)):
+            for policy in POLICY_NAMES:
+                doc = run_at(scen, parse_config(name, sc.local_prefill_max_tokens, policy), rate)
+                runs.append(doc)
+                c = doc["sim"]["counters"]
+                rows.append(row(doc, sc, policy=policy, kv=f"x{kv} ({scen.hardware.num_blocks})",
+                                transferred=c["transferred_blocks"]))
+    cols = [("kv", "KV blocks/worker", ""), ("config", "config", ""), ("policy", "policy", ""),
+            ("hit_rate", "prefix hit rate", ".1%"), ("ttft_mean", "TTFT mean s", ".2f"),
+            ("ttft_p90", "TTFT p90 s", ".2f"), ("tpot_p90", "TPOT p90 s", ".3f"), ("goodput", "goodput req/s", ".3f"),
+            ("good_fraction", "met SLO", ".0%"), ("transferred", "KV blocks moved", "d")]
+    text = table(rows, cols)
+    print(f"\n## c. routing policies at {rate:g} req/s ({sc.name}; {_slo(sc.slo)})\n{text}")
+    save(f"{sc.name}-routing", {"study": "routing", "scenario": sc.describe(), "rate": rate, "rows": rows,
+                                "table": text, "runs": runs}, out_dir)
+    return {"rows": rows, "table": text}
+
+
+def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
+    out = []
+    for name in names.split(","):
+        if name == "cpu":
+            out.append(cpu_scenario(args.calibration, limit=args.limit or 1000))
+        elif name == "gpu":
+            out.append(gpu_scenario(limit=args.limit or 1000, link=args.link))
+        else:
+            raise SystemExit(f"unknown hardware {name!r} (cpu, gpu)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "run", "calibration-check"])
+    ap.add_argument("--hardware", default=None, help="cpu, gpu or cpu,gpu (default: both for all, else cpu)")
+    ap.add_argument("--limit", type=int, help="trace window (requests; default 1000)")
+    ap.add_argument("--link", default="rdma", choices=["rdma", "nvlink"], help="GPU KV transfer link")
+    ap.add_argument("--calibration", type=Path, default=CALIBRATION)
+    ap.add_argument("--out-dir", type=Path, default=OUT)
+    ap.add_argument("--config", default="2P+2D", help="run: colocated-N or NP+MD")
+    ap.add_argument("--rate", type=float, help="run: request rate (req/s); default the scenario's middle rate")
+    ap.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
+    ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
+    ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
+    ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
+                    "workload parameters cannot rebuild it")
+    ap.add_argument("--threads", type=int, help="calibration-check: which fit of the calibration JSON (torch threads "
+                    "per worker; default 1, see bench/sim_check.py)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.study == "calibration-check":
+        if args.real is None:
+            ap.error("calibration-check needs --real")
+        calibration_check(args.real, args.workload, args.threads, args.calibration, args.out_dir)
+        return
+    hw = args.hardware or ("cpu,gpu" if args.study == "all" else "cpu")
+    for sc in scenarios(hw, args):
+        if args.study == "run":
+            doc = run_at(sc, parse_config(args.config, sc.local_prefill_max_tokens, args.policy),
+                         args.rate or sc.rates[len(sc.rates) // 2])
+            from bench.client import format_summary  # duet bench's own report of a result document
+
+            print(format_summary(doc))
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(doc, indent=1) + "\n")
+            continue
+        t1 = time.perf_counter()
+        if args.study in ("all", "disagg"):
+            study_disagg(sc, args.out_dir)
+        if args.study in ("all", "autoscale"):
+            study_autoscale(sc, args.out_dir)
+        if args.study in ("all", "routing"):
+            study_routing(sc, args.out_dir)
+        print(f"({sc.name}: {time.perf_counter() - t1:.0f} s)")
+    print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
