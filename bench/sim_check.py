@@ -121,6 +121,9 @@ def calibration_check(real_path: Path, workload_file: Path | None, threads: int 
     dep, in_process = deployment_of(real["config"])
     threads = threads or 1  # in-process too: module docstring
     hw = cpu_hardware(calibration, threads)
+    kv_bytes = real["config"].get("kv_cache_bytes_per_engine")
+    if kv_bytes:  # bench_serve gives every engine the same KV budget: simulate that many blocks
+        hw = dataclasses.replace(hw, num_blocks=max(2, kv_bytes // hw.transfer.bytes_per_block))
     if in_process:  # no Ray between router and engine: an asyncio hop
         hw = dataclasses.replace(hw, net_s=1e-4)
     reqs, how = workload_of(real, workload_file)
