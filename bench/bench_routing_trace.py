@@ -42,10 +42,7 @@ from router.index import PrefixIndex
 from router.load import LoadTracker
 from router.policy import DEFAULT_ALPHA, POLICIES, CacheAwarePolicy, Role, RoutingPolicy, route
 
-_REPO = Path(__file__).resolve().parents[1]
-TRACE = next((p for p in (_REPO / "shared", _REPO.parent / "shared") if p.is_dir()), _REPO.parent / "shared") \
-    / "traces" / "conversation_trace.jsonl"
-TRACE_BLOCK_TOKENS = 512
+from bench.workloads import TRACE, TRACE_BLOCK_TOKENS  # noqa: F401  (TRACE: re-exported for the tests)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import workloads
-from bench.client import RequestResult, format_summary, percentiles, run as duet_bench_run, summarize
+from bench.calibrate import cpu_model_name
+from bench.client import RequestResult, format_summary, run as duet_bench_run, summarize
+from bench.metrics import percentile, tpot_of
 from bench.hf_model import DEFAULT_DIR as HF_DIR, ensure_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,11 +196,9 @@ def from_vllm_result(raw: dict, slo: dict, workload: dict, rate: float) -> dict:
     for i, (ttft, itl, lat, out, inp, err) in enumerate(zip(raw["ttfts"], raw["itls"], raw["latencies"],
                                                           raw["output_lens"], raw["input_lens"], raw["errors"])):
         ok = not err and ttft is not None and ttft > 0
-        r = RequestResult(i, starts[i] - t0, inp, out if ok else 0, ttft if ok else None, None,
-                          lat if ok else None, list(itl) if ok else [], ok, err or None)
-        if ok and out > 1:
-            r.tpot_s = (lat - ttft) / (out - 1)
-        results.append(r)
+        results.append(RequestResult(i, starts[i] - t0, inp, out if ok else 0, ttft if ok else None,
+                                     tpot_of(lat, ttft, out) if ok else None, lat if ok else None,
+                                     list(itl) if ok else [], ok, err or None))
     doc = {"client": "vllm.benchmarks.serve", "slo": slo, "duration_s": raw["duration"],
            "schedule": {"request_rate": "inf" if math.isinf(rate) else rate},
            "summary": summarize(results, raw["duration"], slo["ttft_s"], slo["tpot_s"]),
@@ -285,7 +285,7 @@ def compare_clients(docs: dict[str, list[dict]]) -> dict:
 
 
 def _median(xs: list[float]) -> float:
-    return percentiles(xs)["p50"]
+    return percentile(xs, 50)
 
 
 class Bench:
@@ -514,12 +514,7 @@ def prefill_stats(server: Server) -> list[dict]:
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "gpu": None}
+    return {"cpu": cpu_model_name(), "cores": os.cpu_count(), "python": platform.python_version(), "gpu": None}
 
 
 def _ms(x) -> str:
@@ -560,10 +555,7 @@ def markdown(report: dict) -> str:
                      f"{m(s['itl_s']['p50'])} | {_s1(s['e2e_s']['p50'])} |")
     lines += ["", "Best goodput per workload (req/s): " + "; ".join(
         f"{wl}: " + ", ".join(f"{c} {g:.3f}" for c, g in by.items()) for wl, by in report["best_goodput"].items())]
-    ags = report.get("agreement") or {}
-    if "gap" in ags:  # a report from before agreement ran at several concurrencies
-        ags = {str(report.get("plan", {}).get("agreement_concurrency", "?")): ags}
-    for conc, ag in ags.items():
+    for conc, ag in (report.get("agreement") or {}).items():
         lines += ["", f"Client agreement at concurrency {conc} (duet bench vs vLLM's client, same workload and server; gap = "
                   "(duet bench - vLLM) / vLLM of the medians of 3 runs each, alternating which client goes first; "
                   "noise = the larger (max - min) / median of one client's own 3 runs):", "", "| metric | duet bench | vLLM client | gap | noise |", "|---|---|---|---|---|"]

@@ -51,11 +51,6 @@ class RequestResult:
     error: str | None = None
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 (linear interpolation, numpy's default); None for no values."""
-    return metrics.stats(values)
-
-
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     """bench/metrics.py's summary (shared with the simulator) of this run's results."""
     return metrics.summarize([asdict(r) for r in results], duration_s, {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
@@ -112,8 +107,7 @@ async def _one(client, url: str, model: str, req: BenchRequest, res: RequestResu
     res.ok = True
     res.e2e_s = last - st
     res.output_tokens = res.output_tokens or 1
-    if res.output_tokens > 1:
-        res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)
+    res.tpot_s = metrics.tpot_of(res.e2e_s, res.ttft_s, res.output_tokens)
 
 
 def _send_offsets(requests: list[BenchRequest], rate: float, burstiness: float, seed: int,

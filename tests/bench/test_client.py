@@ -11,7 +11,8 @@ import pytest
 
 from bench import workloads
 from bench.bench_serve import compare_clients, from_vllm_result
-from bench.client import RequestResult, percentiles, run, summarize
+from bench.client import RequestResult, run, summarize
+from bench.metrics import stats as percentiles
 from bench.workloads import BenchRequest
 
 
