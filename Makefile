@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -104,6 +104,12 @@ bench-calibrate: install
 
 bench-router-decision: install
 	$(PY) -m bench.bench_router_decision
+
+# lm-evaluation-harness (local-completions, several prompts per request) against duet serve (1 prefill + 1 decode)
+# vs lm-eval's own hf backend on the same fp32 SmolLM2 directory: a multiple-choice and a generation task from
+# bench/lm_eval_tasks/ (no hub); the last line is `agreement: <equal>/<metrics>`. SMALL=1: 8 documents per task.
+eval-compare: install
+	$(PY) -m bench.lm_eval_compare $(if $(SMALL),--limit 8,)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -131,7 +131,10 @@ class Server:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, *, stop_ray: bool = True) -> None:
+        """SIGINT (SIGKILL after 40 s) to the server's process group; then, unless ``stop_ray`` is false,
+        ``ray stop --force``, which ends every Ray on this machine: pass false where another Ray may be
+        running (a test session's, another bench's); `duet serve` shuts down the Ray it started on SIGINT."""
         if self.proc.poll() is None:
             for sig, wait_s in ((signal.SIGINT, 40), (signal.SIGKILL, 10)):
                 try:
@@ -144,7 +147,8 @@ class Server:
                 except subprocess.TimeoutExpired:
                     continue
         self._log.close()
-        if self.spec.kind != "vllm":  # a Ray started by `duet serve` runs its daemons in their own sessions
+        # a Ray started by `duet serve` runs its daemons in their own sessions
+        if stop_ray and self.spec.kind != "vllm":
             subprocess.run([str(REPO / ".venv" / "bin" / "ray"), "stop", "--force"], capture_output=True)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
@@ -62,6 +63,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._grammars = None  # engine.structured.GrammarBackend, built on the first structured request
+        self._grammar_lock = threading.Lock()  # make_request may run on any thread
         self.held: dict[str, Request] = {}  # prefill role: handed-off requests whose blocks stay pinned
         self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
 
@@ -93,7 +96,26 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        return Request(request_id, ids, params, seed=seed, eos_token_ids=eos)
+        request = Request(request_id, ids, params, seed=seed, eos_token_ids=eos)
+        if params.structured is not None:
+            request.grammar = self._grammar_matcher(request)
+        return request
+
+    def _grammar_matcher(self, request: Request):
+        """The request's grammar matcher, advanced over what it generated before a migration."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from engine.structured import GrammarBackend  # the grammar library loads on first use
+                self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                self.tokenizer.eos_token_ids)
+            matcher = self._grammars.matcher(request.params.structured)
+        resume = request.params.resume
+        for token_id in request.prompt_token_ids[-resume.num_output_tokens:] if resume else ():
+            try:
+                matcher.accept(token_id)
+            except RuntimeError as e:
+                raise InvalidRequestError(f"resume: the generated tokens do not follow the grammar: {e}") from None
+        return matcher
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -171,6 +193,12 @@ class Engine:
         if not sampled:
             return outputs
         requests = [s.request for s in sampled]
+        if any(r.params.max_tokens == 0 for r in requests):  # prompt only (echo / prompt logprobs): no sample
+            outputs += [self._finish_unsampled(r) for r in requests if r.params.max_tokens == 0]
+            keep = [i for i, r in enumerate(requests) if r.params.max_tokens != 0]
+            requests, logits = [requests[i] for i in keep], logits[keep]
+            if not requests:
+                return outputs
         result = sample(logits, requests)
         for i, request in enumerate(requests):
             n_before = len(request.text) - request.num_stop_held_chars
@@ -180,7 +208,7 @@ class Engine:
                 request.output_top_logprobs.append(result.top_logprobs[i])
             self.stats.num_generated_tokens += 1
             self.scheduler.on_tokens_appended(request)
-            status = apply_stop_conditions(request, self.max_model_len)
+            status = self._advance_grammar(request) or apply_stop_conditions(request, self.max_model_len)
             handoff = None
             if status is not None:
                 self.scheduler.remove(request, status)
@@ -193,6 +221,27 @@ class Engine:
             out.handoff = handoff
             outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _advance_grammar(request: Request) -> RequestStatus | None:
+        """Feed the sampled token to the request's grammar; a refusal (the mask makes it impossible, short of
+        a bug) ends this request with an error rather than failing the whole step."""
+        if request.grammar is None:
+            return None
+        try:
+            request.grammar.accept(request.output_token_ids[-1])
+        except RuntimeError as e:
+            request.error = f"structured output: {e}"
+            return RequestStatus.FINISHED_ERROR
+        return None
+
+    def _finish_unsampled(self, request: Request) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is computed: it ends here with reason "length"."""
+        request.stop_reason = None
+        self.scheduler.remove(request, RequestStatus.FINISHED_LENGTH)
+        del self.requests[request.request_id]
+        self.stats.num_finished += 1
+        return self._output(request, [], "", 0)
 
     # ---- disaggregation: prefill role ------------------------------------------------------------
     def _hand_off(self, request: Request) -> KVHandoff:
@@ -231,6 +280,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         request.seed = handoff.seed
         request.append_output_token(handoff.first_token_id)
+        if request.grammar is not None:
+            request.grammar.accept(handoff.first_token_id)
         if handoff.first_logprob is not None:
             request.output_logprobs.append(handoff.first_logprob)
             request.output_top_logprobs.append(handoff.first_top_logprobs or {})
@@ -301,7 +352,17 @@ class Engine:
             num_cached_tokens=request.num_cached_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             error=request.error,
+            **self._prompt_logprobs_once(request),
         )
+
+    @staticmethod
+    def _prompt_logprobs_once(request: Request) -> dict:
+        """The prompt logprobs, on the first output after they are complete (and never again)."""
+        if (request.params.prompt_logprobs is None or request.prompt_logprobs_sent
+                or len(request.prompt_logprobs) < request.num_prompt_tokens):
+            return {}
+        request.prompt_logprobs_sent = True
+        return {"prompt_logprobs": request.prompt_logprobs, "prompt_top_logprobs": request.prompt_top_logprobs}
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]):
         """Run a batch to completion; returns {request_id: (token_ids, text, finish_reason)} in input order."""

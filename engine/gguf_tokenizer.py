@@ -15,7 +15,6 @@ added to encoded text only when ``add_bos_token`` / ``add_eos_token`` say so. Ch
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +23,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from engine.errors import ModelLoadError
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, byte_alphabet
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -46,14 +45,6 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "qwen2": ((_QWEN2_SPLIT,), False),
     "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
 }
-
-
-@functools.lru_cache(maxsize=1)
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte → printable character map (the spelling of every byte-level BPE vocabulary)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    others = (b for b in range(256) if b not in printable)
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:

@@ -79,7 +79,37 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_cache, meta)
+        row = 0
+        for s in ordered:
+            if s.request.needs_prompt_logprobs:
+                self._prompt_logprobs(s.request, hidden[row: row + s.num_new_tokens])
+            row += s.num_new_tokens
         if not sample_rows:
             return torch.empty(0, self.model_cfg.vocab_size), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         return logits.cpu(), sampled
+
+    def _prompt_logprobs(self, request, hidden: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens this chunk predicts (``hidden`` holds the chunk's rows,
+        positions num_computed_tokens ...): row j predicts token j + 1. Vocabulary-sized logits are made a
+        slice of rows at a time, so a long prompt does not hold [prompt, vocab] at once."""
+        start = request.num_computed_tokens
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)
+            request.prompt_top_logprobs.append(None)
+        first = len(request.prompt_logprobs) - 1 - start  # the first row whose target is still missing
+        last = min(hidden.shape[0], request.num_prompt_tokens - 1 - start)  # rows with a prompt target
+        k = request.params.prompt_logprobs
+        for lo in range(max(first, 0), last, _PROMPT_LOGPROB_ROWS):
+            hi = min(lo + _PROMPT_LOGPROB_ROWS, last)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[lo:hi]), dim=-1).cpu()
+            targets = torch.tensor(request.all_token_ids[start + lo + 1: start + hi + 1])
+            request.prompt_logprobs += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            if k:
+                top_v, top_i = lp.topk(k, dim=-1)
+                request.prompt_top_logprobs += [dict(zip(i.tolist(), v.tolist())) for i, v in zip(top_i, top_v)]
+            else:
+                request.prompt_top_logprobs += [{} for _ in range(hi - lo)]
+
+
+_PROMPT_LOGPROB_ROWS = 256

@@ -20,4 +20,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    # prompt logprobs (params.prompt_logprobs), once, on the request's first output: one per prompt token,
+    # the first None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     handoff: KVHandoff | None = None  # prefill role: set on the output that ends with reason "remote"

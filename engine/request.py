@@ -35,6 +35,8 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_REMOTE}
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI does not state a bound; one is needed)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,23 @@ class ResumeState:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """Constrained decoding: the output must be JSON (``json_object``) or JSON valid against ``schema``
+    (``json_schema``; the schema as JSON text, so the params stay hashable and picklable).
+    engine/structured.py compiles it into a token mask; the mask is rebuilt from the output tokens on
+    whichever worker samples (after a handoff or a migration)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise InvalidRequestError(f"structured output kind must be json_object or json_schema, got {self.kind!r}")
+        if (self.kind == "json_schema") != isinstance(self.schema, str):
+            raise InvalidRequestError("a json_schema structured output needs its schema as JSON text (and only it)")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -63,6 +82,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
     min_tokens: int = 0
+    # penalties (engine/sampler.py has the formulas): OpenAI's presence/frequency over the generated tokens,
+    # transformers'/vLLM's multiplicative repetition penalty over prompt + generated tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (+ the k most likely)
+    structured: StructuredOutput | None = None
     resume: ResumeState | None = None  # set by the router when it migrates a request, never by clients
 
     def __post_init__(self) -> None:
@@ -70,14 +97,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         self.validate()
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise bad(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
@@ -94,6 +123,30 @@ class SamplingParams:
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2 <= value <= 2:
+                raise bad(f"{name} must be in [-2, 2], got {value!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token_id, value in self.logit_bias:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not _finite(value) or not -100 <= value <= 100:
+                raise bad(f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias names a token more than once")
+        if self.prompt_logprobs is not None and not (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad(f"structured must be a StructuredOutput, got {self.structured!r}")
+            if self.ignore_eos or self.min_tokens:
+                raise bad("ignore_eos and min_tokens cannot be combined with structured output (the grammar "
+                          "decides where the output ends)")
         r = self.resume
         if r is not None and not (isinstance(r, ResumeState) and isinstance(r.num_output_tokens, int)
                                   and r.num_output_tokens >= 1 and isinstance(r.num_emitted_chars, int)
@@ -103,6 +156,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, max_model_len: int) -> list[int]:
@@ -114,6 +171,9 @@ def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, m
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}")
     total = len(ids) + params.max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
@@ -139,6 +199,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    grammar: object | None = None  # engine.structured.GrammarMatcher for params.structured
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the first scheduling
     blocks: list = field(default_factory=list)  # engine.block_pool.Block, in sequence order
@@ -162,6 +227,20 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token this request generated, including those before a migration (the prompt's tail)."""
+        n = self.num_prior_output_tokens
+        return (self.prompt_token_ids[-n:] + self.output_token_ids) if n else self.output_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed (a prefix-cache hit would skip their logits)."""
+        # not after a token was sampled: a decode worker recomputing a handed-off prompt (the prefill
+        # worker sent them) or a migrated request (sent before the move)
+        return (self.params.prompt_logprobs is not None and self.params.resume is None
+                and not self.output_token_ids and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,21 @@ seeded with ``mix(seed, n)``. So a request samples the same tokens whatever batc
 preemption, when its first token is sampled on one worker and the rest on another (disaggregation), or
 when it is resumed elsewhere after its worker died (n counts the tokens generated before the move too).
 Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from p.
-Logprobs are those of the model's distribution (raw logits), as OpenAI reports them.
+
+Logits are processed in vLLM's order before temperature / top-k / top-p (greedy takes the argmax of the
+processed logits): min_tokens bans EOS and stop ids; ``logit_bias`` adds its values; then the penalties
+(vLLM's and OpenAI's formulas, with c[t] = how often t was generated so far, generated tokens before a
+migration included):
+
+    repetition:  l[t] = l[t] / r if l[t] > 0 else l[t] * r     for t in prompt or generated (transformers'
+                                                               RepetitionPenaltyLogitsProcessor)
+    frequency:   l[t] -= frequency_penalty * c[t]
+    presence:    l[t] -= presence_penalty * (c[t] > 0)
+
+and last the structured-output grammar's mask (engine/structured.py). Every input is the request's own
+token history, so a request sampled on a prefill worker and then a decode worker is processed exactly as
+one that stays on one worker. Logprobs are those of the model's distribution (raw logits, before any of
+this), as vLLM reports them by default.
 """
 from __future__ import annotations
 
@@ -32,14 +46,14 @@ class SampleResult:
 def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
     """``logits[i]`` ([num_rows, vocab], fp32) holds request i's next-token logits."""
     n, vocab = logits.shape
-    logits = _apply_min_tokens(logits, requests)
+    processed = process_logits(logits, requests)
     token_ids = torch.empty(n, dtype=torch.long)
     greedy = [i for i, r in enumerate(requests) if r.params.greedy]
     random = [i for i, r in enumerate(requests) if not r.params.greedy]
     if greedy:
-        token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        token_ids[greedy] = processed[greedy].argmax(dim=-1)
     if random:
-        x = logits[random] / torch.tensor([requests[i].params.temperature for i in random]).unsqueeze(1)
+        x = processed[random] / torch.tensor([requests[i].params.temperature for i in random]).unsqueeze(1)
         x = _top_k(x, [requests[i].params.top_k for i in random])
         x = _top_p(x, [requests[i].params.top_p for i in random])
         probs = torch.softmax(x, dim=-1)
@@ -65,16 +79,40 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
     return SampleResult(ids, logprobs, tops)
 
 
-def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    rows = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The logits sampling draws from (a copy when anything changes them; ``logits`` stays the model's)."""
+    rows = [(i, r) for i, r in enumerate(requests)
+            if len(r.output_token_ids) < r.params.min_tokens or r.params.logit_bias or r.params.has_penalties
+            or r.grammar is not None]
     if not rows:
         return logits
-    logits = logits.clone()
+    x = logits.clone()
     for i, r in rows:
-        banned = [t for t in (set(r.eos_token_ids) | set(r.params.stop_token_ids)) if t < logits.shape[1]]
+        _process_row(x[i], r)
+    return x
+
+
+def _process_row(x: torch.Tensor, r: Request) -> None:
+    """One request's row, in place, in the order of the module docstring."""
+    p, vocab = r.params, x.shape[0]
+    if len(r.output_token_ids) < p.min_tokens:
+        banned = [t for t in (set(r.eos_token_ids) | set(p.stop_token_ids)) if t < vocab]
         if banned:
-            logits[i, banned] = float("-inf")
-    return logits
+            x[banned] = float("-inf")
+    if p.logit_bias:
+        ids, values = zip(*p.logit_bias)
+        x[list(ids)] += torch.tensor(values, dtype=x.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        generated = r.generated_token_ids
+        if generated:
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(x.dtype)
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    if r.grammar is not None:
+        r.grammar.mask_logits(x)
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:

@@ -43,7 +43,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as _Backend
 
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -141,6 +141,31 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (``<|im_end|>``, ...): matched whole, dropped by skip_special_tokens."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    def token_bytes(self) -> list[bytes]:
+        """Every id's raw bytes (index = id), for grammar masks (engine/structured.py). Byte-level BPE spellings
+        are mapped back through GPT-2's byte alphabet; SentencePiece pieces get ``▁`` as a space and
+        ``<0xNN>`` as that byte; added tokens are their text. Ids the vocabulary skips are ``b""``."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        added_ids = set(self._backend.get_added_tokens_decoder())
+        byte_of = {c: b for b, c in byte_alphabet().items()}
+        byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
+        out = [b""] * (max(vocab.values()) + 1)
+        for text, i in vocab.items():
+            if i in added_ids:
+                out[i] = text.encode("utf-8")
+            elif byte_level and all(c in byte_of for c in text):
+                out[i] = bytes(byte_of[c] for c in text)
+            elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                out[i] = bytes([int(text[3:5], 16)])
+            else:
+                out[i] = text.replace("\u2581", " ").encode("utf-8")
+        return out
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -262,6 +287,14 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------------------------------------- loading
+
+
+@functools.lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte → printable character map (the spelling of every byte-level BPE vocabulary)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def _read_json(path: Path) -> dict:

@@ -47,6 +47,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import DuetError, InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from engine.structured import structured_output
 from engine.tokenizer import Tokenizer
 from proto.build import ensure_generated
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
@@ -63,7 +64,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name  # "duet.v1.
 MAX_REQUEST_ID_CHARS = 256
 # GenerateRequest fields with presence that map one to one onto SamplingParams keywords
 _SCALAR_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos",
-                           "min_tokens")
+                           "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -73,7 +74,15 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def sampling_params_from_pb(request: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams from the set fields; raises InvalidRequestError for bad values."""
     kw = {name: getattr(request, name) for name in _SCALAR_SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids), **kw)
+    if kw.get("max_tokens", 1) < 1:  # no prompt logprobs here: a request that generates nothing is a mistake
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {kw['max_tokens']}")
+    fmt = request.WhichOneof("response_format")
+    if fmt == "json_schema":
+        kw["structured"] = structured_output("json_schema", request.json_schema)
+    elif fmt == "json_object" and request.json_object:
+        kw["structured"] = structured_output("json_object")
+    return SamplingParams(stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+                          logit_bias=dict(request.logit_bias), **kw)
 
 
 def prompt_token_ids_from_pb(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

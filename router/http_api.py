@@ -119,16 +119,18 @@ class _OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body = await _parse_body(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
-        prompt = body.single_prompt()
-        prompt_ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await self._generate(request, body, prompt_ids, CompletionResponses, echo=prompt if body.echo else None)
+        tokenizer = self.backend.tokenizer
+        prompts = body.prompts()
+        prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None  # None: decode ids
+        return await self._generate(request, body, prompt_ids, CompletionResponses, echo=echo)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse_body(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         # the rendered template holds its own BOS: encode without adding special tokens
         prompt_ids = self.backend.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True)
-        return await self._generate(request, body, prompt_ids, ChatResponses)
+        return await self._generate(request, body, [prompt_ids], ChatResponses)
 
     async def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_entry(name) for name in self.model_names]}
@@ -155,15 +157,23 @@ class _OpenAIServer:
         return JSONResponse(_health_error("the backend is not healthy", health.detail), status_code=503)
 
     # ---- the one generation path -----------------------------------------------------------------
-    async def _generate(self, request: Request, body: GenerationRequest, prompt_ids: list[int],
-                        builder_class: type[ResponseBuilder], echo: str | list[int] | None = None) -> Response:
-        params = body.sampling_params(len(prompt_ids), self.backend.card.max_model_len)
-        self.backend.check_request(prompt_ids, params[0])  # choices differ only in their seeds
-        builder = builder_class(self.backend.tokenizer, body.model, len(prompt_ids),
+    async def _generate(self, request: Request, body: GenerationRequest, prompts: list[list[int]],
+                        builder_class: type[ResponseBuilder], echo: list[str | None] | None = None) -> Response:
+        """``prompts``: one, or a completions batch; choice ``p * n + i`` is prompt p's i-th choice.
+        ``echo``: each prompt's text (None: the decoded ids), returned before its completions."""
+        # a batch is completions only, whose max_tokens does not depend on the prompt: one params list
+        params = body.sampling_params(len(prompts[0]), self.backend.card.max_model_len)
+        for ids in prompts:
+            self.backend.check_request(ids, params[0])  # choices differ only in their seeds
+        if echo:  # ids are known to be in the vocabulary now
+            echo = [self.backend.tokenizer.decode(ids) if text is None else text for text, ids in zip(echo, prompts)]
+        builder = builder_class(self.backend.tokenizer, body.model, sum(len(ids) for ids in prompts),
                                 with_logprobs=params[0].logprobs is not None, include_usage=body.include_usage)
-        echo_text = echo if isinstance(echo, str) else self.backend.tokenizer.decode(echo) if echo else ""
-        choices = [ChoiceState(i, echo_text) for i in range(len(params))]
-        run = _ChoiceRun(self.backend, builder.id, prompt_ids, params, request)
+        echo_logprobs = params[0].prompt_logprobs is not None
+        choices = [ChoiceState(p * len(params) + i, echo[p] if echo else "",
+                               prefix_token_ids=ids if echo_logprobs else [], first_of_prompt=i == 0)
+                   for p, ids in enumerate(prompts) for i in range(len(params))]
+        run = _ChoiceRun(self.backend, builder.id, [(ids, sp) for ids in prompts for sp in params], request)
         try:
             await run.wait_first()
         except BaseException:
@@ -190,14 +200,15 @@ class _ChoiceRun:
 
     _DISCONNECTED = object()
 
-    def __init__(self, backend: Backend, response_id: str, prompt_ids: list[int], params: list[SamplingParams],
+    def __init__(self, backend: Backend, response_id: str, runs: list[tuple[list[int], SamplingParams]],
                  request: Request) -> None:
+        """``runs``: (prompt ids, params) per choice, in choice-index order."""
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffered: list = []
-        self._num_open = len(params)
+        self._num_open = len(runs)
         self._overflowed = False
-        self._tasks = [asyncio.create_task(self._pump(i, backend, f"{response_id}-{i}", prompt_ids, p))
-                       for i, p in enumerate(params)]
+        self._tasks = [asyncio.create_task(self._pump(i, backend, f"{response_id}-{i}", ids, p))
+                       for i, (ids, p) in enumerate(runs)]
         self._tasks.append(asyncio.create_task(self._watch(request)))
 
     async def wait_first(self) -> None:

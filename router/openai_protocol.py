@@ -1,10 +1,17 @@
 """The OpenAI wire format of /v1/completions and /v1/chat/completions: request bodies in, bodies out.
 
 Requests are pydantic models parsed in strict JSON mode (``"max_tokens": "5"`` is a 400, not a 5);
-an explicit null means the field's default; fields we do not know are ignored, fields we know but cannot honour (penalties, logit_bias, a
-non-text response_format, tools, suffix, echo with logprobs) are refused with a 400 rather than
-silently dropped. ``n`` choices run as n engine requests; with a seed, choice i gets ``seed + i`` so
-the choices differ and the response is still reproducible.
+an explicit null means the field's default; fields we do not know are ignored, fields we know but cannot
+honour (tools, suffix, best_of != n) are refused with a 400 rather than silently dropped. ``n`` choices
+run as n engine requests; with a seed, choice i gets ``seed + i`` so the choices differ and the response
+is still reproducible. /v1/completions takes a list of prompts (strings or token-id lists, at most
+``MAX_PROMPTS``, and at most ``MAX_CHOICES`` prompts × n): choice ``index = prompt_index * n + i``, as
+OpenAI numbers them, each prompt with its own echo and prompt logprobs.
+
+Penalties, ``logit_bias`` and ``response_format`` (json_object / json_schema) become engine
+SamplingParams (engine/sampler.py, engine/structured.py apply them on whichever worker samples).
+``echo`` with ``logprobs`` asks the engine for prompt logprobs: the prompt's tokens lead the choice's
+logprobs with the first one null, as OpenAI sends them.
 
 Responses are built the same way for both endpoints and for both delivery modes: each choice keeps a
 :class:`ChoiceState` that turns engine outputs into :class:`Delta` s; a streamed chunk formats one
@@ -18,6 +25,7 @@ byte. ``-inf`` logprobs are sent as -9999.0 (JSON has no infinity).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from abc import ABC, abstractmethod
 import time
@@ -29,10 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.request import MAX_LOGPROBS, SamplingParams
+from engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
+from engine.structured import structured_output
 from engine.tokenizer import Tokenizer
 
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+MAX_CHOICES = 256  # prompts × n: what one request may fan out into
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 _LOGPROB_FLOOR = -9999.0
@@ -68,8 +79,32 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Model):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (constrained decoding), strict or not
+
+
 class ResponseFormat(_Model):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self):
+        """engine StructuredOutput, or None for text; BadRequest naming what is wrong with the schema."""
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise BadRequest(f"response_format.json_schema is only for type 'json_schema', not {self.type!r}",
+                             "response_format")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return structured_output("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise BadRequest("response_format type 'json_schema' needs json_schema.schema", "response_format")
+        try:
+            return structured_output("json_schema", json.dumps(self.json_schema.schema_))
+        except InvalidRequestError as e:
+            raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
 
 
 class TextPart(_Model):
@@ -109,9 +144,11 @@ class GenerationRequest(_Model):
     ignore_eos: bool = False  # extension (vLLM)
     min_tokens: int = 0  # extension (vLLM)
     user: str | None = None  # accepted, unused
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)  # extension (vLLM)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (a string) -> bias
     response_format: ResponseFormat | None = None
 
     @property
@@ -132,20 +169,33 @@ class GenerationRequest(_Model):
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_bias(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
+            structured=self.response_format.structured() if self.response_format else None,
         )
         if self.seed is None:
             return [base] * self.n
         return [dataclasses.replace(base, seed=self.seed + i) for i in range(self.n)]
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise BadRequest(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                             "response_format")
+        if self.response_format is not None and self.response_format.type != "text" and self.ignore_eos:
+            raise BadRequest("ignore_eos cannot be combined with a JSON response_format (the grammar ends "
+                             "with EOS)", "ignore_eos")
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (OpenAI sends them as strings)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
 
     @abstractmethod
     def requested_max_tokens(self, rest_of_context: int) -> int:
@@ -158,21 +208,24 @@ class GenerationRequest(_Model):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: nothing generated (echo: the prompt's logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a string or token ids); a batch of prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (strings or token-id lists), one or a batch; BadRequest when empty or over the bounds."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise BadRequest("batched prompts are not supported; send one prompt per request", "prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise BadRequest("the prompt is empty", "prompt")
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise BadRequest(f"prompts × n may be at most {MAX_CHOICES}, got {len(batch)} × {self.n}", "prompt")
+        for i, p in enumerate(batch):
+            if not p:
+                raise BadRequest("the prompt is empty" if len(batch) == 1 else f"prompt {i} is empty", "prompt")
+        return batch
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -180,8 +233,6 @@ class CompletionRequest(GenerationRequest):
             raise BadRequest("suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise BadRequest("best_of is not supported (only best_of == n)", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
 
     def requested_max_tokens(self, rest_of_context: int) -> int:
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
@@ -189,10 +240,14 @@ class CompletionRequest(GenerationRequest):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -227,8 +282,8 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
+    logprobs: list[float | None]  # None: the echoed prompt's first token (nothing precedes it)
+    top_logprobs: list[dict[int, float] | None]
     finish_reason: str | None = None
 
 
@@ -238,30 +293,39 @@ class ChoiceState:
 
     index: int
     prefix_text: str = ""  # echo: the prompt text, sent before the first generated text
+    prefix_token_ids: list[int] = field(default_factory=list)  # echo with logprobs: the prompt's tokens
+    first_of_prompt: bool = True  # the prompt's cached tokens count once in usage, with its first choice
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     num_output_tokens: int = 0
+    num_generated_ids: int = 0  # token ids received (token_ids also holds an echoed prompt's)
     num_cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> Delta:
-        text = ("" if self.text_parts else self.prefix_text) + out.new_text
+        first = not self.text_parts
+        text = (self.prefix_text if first else "") + out.new_text
         self.text_parts.append(text)
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.new_logprobs
-        tops = out.new_top_logprobs or [{} for _ in out.new_logprobs]
+        token_ids, logprobs = list(out.new_token_ids), list(out.new_logprobs)
+        tops = list(out.new_top_logprobs or [{} for _ in out.new_logprobs])
+        if first and self.prefix_token_ids and out.prompt_logprobs is not None:
+            token_ids = self.prefix_token_ids + token_ids
+            logprobs = list(out.prompt_logprobs) + logprobs
+            tops = [None if t is None else t or {} for t in out.prompt_top_logprobs or ()] + tops
+        self.token_ids += token_ids
+        self.logprobs += logprobs
         self.top_logprobs += tops
-        self.num_output_tokens = out.num_output_tokens or len(self.token_ids)
+        self.num_generated_ids += len(out.new_token_ids)
+        self.num_output_tokens = out.num_output_tokens or self.num_generated_ids
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             if out.finish_reason not in ("stop", "length"):
                 self.error = out.error or f"the request ended with {out.finish_reason!r}"
-        return Delta(self.index, text, list(out.new_token_ids), list(out.new_logprobs), tops,
-                     self.finish_reason if out.finished else None)
+        return Delta(self.index, text, token_ids, logprobs, tops, self.finish_reason if out.finished else None)
 
     def total(self) -> Delta:
         text = "".join(self.text_parts) or self.prefix_text
@@ -305,9 +369,10 @@ class ResponseBuilder(ABC):
 
     def usage(self, choices: list[ChoiceState]) -> dict[str, Any]:
         completion_tokens = sum(c.num_output_tokens for c in choices)
+        cached_tokens = sum(c.num_cached_tokens for c in choices if c.first_of_prompt)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.num_prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": choices[0].num_cached_tokens if choices else 0}}
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -349,15 +414,18 @@ class CompletionResponses(ResponseBuilder):
         if not self.with_logprobs:
             return None
         tokens = [self._token(t) for t in delta.token_ids]
-        tops = []
+        tops: list[dict[str, float] | None] = []
         for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs):
+            if logprob is None:  # an echoed prompt's first token
+                tops.append(None)
+                continue
             # OpenAI: the n most likely tokens, plus the chosen one when it is not among them. Ids whose
             # strings collide (U+FFFD) keep the likeliest one's logprob.
             entries: dict[str, float] = {}
             for t, lp in _by_logprob({token_id: logprob} | top):
                 entries.setdefault(self._token(t), _finite(lp))
             tops.append(entries)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in delta.logprobs],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for lp in delta.logprobs],
                 "top_logprobs": tops, "text_offset": self._next_text_offsets(delta, tokens)}
 
 

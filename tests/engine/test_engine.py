@@ -195,7 +195,7 @@ def test_bad_input_is_refused_and_engine_keeps_serving(model_dir, kwargs, match)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_k=-2), "top_k"), (dict(logprobs=99), "logprobs"),
 ])

@@ -86,6 +86,27 @@ def test_token_facts_match_transformers(pair):
     assert ours.eos_token == hf.eos_token and hf.eos_token_id in ours.eos_token_ids
 
 
+def test_token_bytes_spell_the_text(pair):
+    """token_bytes (grammar masks, engine/structured.py): a text's ids spell its (normalized) UTF-8 bytes."""
+    ours, hf = pair
+    token_bytes = ours.token_bytes()
+    assert len(token_bytes) == ours.vocab_size
+    assert {hf.bos_token_id, hf.eos_token_id} - {None} <= ours.special_token_ids
+    for text in TEXTS:
+        if "<" not in text:  # no special tokens (they are their text, matched whole)
+            ids = ours.encode(text, add_special_tokens=False)
+            assert b"".join(token_bytes[i] for i in ids) == ours.decode(ids).encode()
+
+
+def test_token_bytes_of_sentencepiece_style_pieces(tmp_path):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    vocab = {"<unk>": 0, "\u2581world": 1, "<0x0A>": 2, "hé": 3}
+    Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    assert Tokenizer.from_dir(tmp_path).token_bytes()[1:] == [b" world", b"\n", "hé".encode()]
+
+
 def test_eos_ids_are_union_of_generation_config_and_tokenizer(tiny_dirs):
     expected = {
         "llama": {"</s>", "<|eot_id|>"},  # generation_config: <|eot_id|>, tokenizer: </s>
