@@ -2,7 +2,12 @@
 the tokenizer index, of compiling a JSON schema, and per generated token of (next-token mask + applying it to
 a [vocab] fp32 logits row + accepting the token) while replaying a valid compact JSON document token by token.
 
-    python -m bench.grammar_overhead [--reps N] [--compile-reps N]
+    python -m bench.grammar_overhead [--reps N] [--compile-reps N] [--engine]
+
+``--engine`` adds the end-to-end cost inside duet's engine on the real model: 8 concurrent chat requests with a
+json_schema, then the same prompts unconstrained with each request's output length fixed to the constrained
+one's (ignore_eos, max_tokens), so both runs generate the same number of tokens in the same batch shapes;
+the ratio of their per-token times is the overhead (the grammar + everything around it in the sampler).
 
 Benchmarks whichever of llguidance (what engine/structured.py uses), xgrammar and outlines-core are installed
 and says which are missing. Every library's mask goes through the same apply (engine.structured's
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20, help="replays of each document (fresh matcher each)")
     ap.add_argument("--compile-reps", type=int, default=3)
+    ap.add_argument("--engine", action="store_true", help="also measure end to end in duet's engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_checkpoint(default_model_path())
@@ -281,6 +287,37 @@ def main(argv: list[str] | None = None) -> None:
                   f"| {r['mask']:.0f} | {r['apply']:.0f} | {r['accept']:.0f} | {r['wall']:.0f} |")
     if "llguidance" in adapters:
         print("\n" + batch_line(adapters["llguidance"], docs["person"], vocab_size))
+    if args.engine:
+        engine_overhead()
+
+
+def engine_overhead(num_requests: int = 8, reps: int = 3) -> None:
+    """Per generated token, json_schema vs unconstrained, same lengths, in duet's engine (SmolLM2 fp32)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    torch.set_num_threads(2)
+    engine = Engine(EngineConfig(model=str(default_model_path()), dtype="float32"))
+    schema = CASES[0][1]
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": f"Describe person number {i} as JSON."}],
+                                            add_generation_prompt=True) for i in range(num_requests)]
+    constrained = [SamplingParams(max_tokens=200, temperature=0.7, seed=i, structured=_spec(schema))
+                   for i in range(num_requests)]
+    engine.generate(prompts, constrained)  # warm-up: compiles the grammar, builds the token table
+    lengths = [len(r["token_ids"]) for r in engine.generate(prompts, constrained)]
+    plain = [SamplingParams(max_tokens=n, temperature=0.7, seed=i, ignore_eos=True) for i, n in enumerate(lengths)]
+    times: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
+    for _ in range(reps):  # interleaved, so drift hits both alike
+        for label, params in (("json_schema", constrained), ("unconstrained", plain)):
+            engine.pool.reset_prefix_cache()  # both runs prefill their prompts
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, params)
+            times[label].append((time.perf_counter() - t0) / sum(len(r["token_ids"]) for r in out))
+    js, un = min(times["json_schema"]), min(times["unconstrained"])
+    print(f"\nengine, SmolLM2 fp32, {num_requests} concurrent chat requests, {sum(lengths)} tokens "
+          f"(schema 'person', best of {reps}): json_schema {js * 1e3:.2f} ms/token, unconstrained "
+          f"{un * 1e3:.2f} ms/token, overhead {(js - un) * 1e6:.0f} µs/token ({(js / un - 1) * 100:+.1f} %)")
 
 
 if __name__ == "__main__":

@@ -72,3 +72,58 @@ def test_served_greedy_equals_transformers(case, ray_session, tmp_path, request)
         assert stats["decode-0"]["num_remote_kv_received"] == n_requests  # ... and its KV pulled by the decoder
         assert stats["decode-0"]["num_remote_recomputes"] == 0
     assert not serve_worker_stats(ray_session), "workers left behind after the server stopped"
+
+
+JSON_SCHEMAS = {
+    "city": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                              "country": {"type": "string", "maxLength": 40},
+                                              "population_millions": {"type": "number"}},
+             "required": ["city", "country", "population_millions"], "additionalProperties": False},
+    "colors": {"type": "object", "properties": {"colors": {"type": "array", "minItems": 3, "maxItems": 3,
+                                                           "items": {"enum": ["red", "green", "blue", "yellow"]}}},
+               "required": ["colors"], "additionalProperties": False},
+}
+
+
+def test_served_smollm2_api_features_equal_transformers(ray_session, tmp_path, smollm2_gguf, smollm2_reference):
+    """Issue 14 on the real model, disaggregated: prompt logprobs (echo) equal transformers' log_softmax,
+    greedy with repetition_penalty equals transformers' generate, json_schema outputs parse and validate."""
+    import json
+
+    import jsonschema
+    import torch
+
+    reference, name = smollm2_reference, "SmolLM2-135M-Instruct"
+    port = free_port()
+    address = ray_session.get_runtime_context().gcs_address
+    with serving(serve_argv("gguf", smollm2_gguf, address, port), tmp_path / "serve.log", port, signal.SIGINT):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+        ids = [reference.prompt_ids(p) for p in RAW_PROMPTS]
+        out = client.completions.create(model=name, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+        for prompt, choice in zip(ids, out.choices):
+            with torch.no_grad():
+                lp = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            want = [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)] + [float(lp[-1].max())]
+            got = choice.logprobs.token_logprobs
+            assert got[0] is None and got[1:] == pytest.approx(want, abs=1e-4)
+        for prompt in RAW_PROMPTS[:2]:
+            p_ids = reference.prompt_ids(prompt)
+            want = reference.model.generate(torch.tensor([p_ids]), attention_mask=torch.ones(1, len(p_ids), dtype=torch.long),
+                                            max_new_tokens=24, min_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                                            pad_token_id=0)[0, len(p_ids):].tolist()
+            got = client.completions.create(model=name, prompt=p_ids, max_tokens=24, temperature=0, logprobs=0,
+                                            extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+            assert got.choices[0].text == reference.text(want), prompt
+        for schema_name, schema in JSON_SCHEMAS.items():
+            for stream in (False, True):
+                kw = dict(model=name, max_tokens=120, temperature=0.7, seed=1, response_format={
+                    "type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}},
+                    messages=[{"role": "user", "content": f"Answer in JSON: {schema_name} facts, please."}])
+                if stream:
+                    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                        stream=True, **kw) if c.choices)
+                else:
+                    text = client.chat.completions.create(**kw).choices[0].message.content
+                jsonschema.validate(json.loads(text), schema)
+        stats = serve_worker_stats(ray_session)
+        assert stats["prefill-0"]["num_handoffs"] >= 4 + 2  # json and penalty requests went through the handoff
