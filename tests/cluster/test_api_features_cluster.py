@@ -13,7 +13,7 @@ import pytest
 from engine.request import SamplingParams, StructuredOutput
 from tests.cluster.test_disagg_cluster import stats
 from tests.cluster.test_front_doors_cluster import doors, reference  # noqa: F401  (module fixtures)
-from tests.router.test_http_features import SCHEMAS
+from tests.router.test_http_features import SCHEMAS, chat_text
 
 pytestmark = pytest.mark.slow
 
@@ -85,11 +85,7 @@ def test_json_schema_outputs_are_valid_through_the_disaggregated_path(doors, ref
             kw = dict(model=cluster.config.model_name, messages=messages, max_tokens=200, temperature=1.0,
                       seed=seed, response_format={"type": "json_schema",
                                                   "json_schema": {"name": name, "schema": schema}})
-            if stream:
-                text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                    stream=True, **kw) if c.choices)
-            else:
-                text = client.chat.completions.create(**kw).choices[0].message.content
+            text = chat_text(client, stream, **kw)
             jsonschema.validate(json.loads(text), schema)
             # the grammar state crossed the handoff: the same tokens as one engine
             want = run(engine.tokenizer.encode_chat(messages), max_tokens=200, temperature=1.0, seed=seed,

@@ -93,6 +93,8 @@ def test_served_smollm2_api_features_equal_transformers(ray_session, tmp_path, s
     import jsonschema
     import torch
 
+    from tests.router.test_http_features import chat_text
+
     reference, name = smollm2_reference, "SmolLM2-135M-Instruct"
     port = free_port()
     address = ray_session.get_runtime_context().gcs_address
@@ -119,11 +121,7 @@ def test_served_smollm2_api_features_equal_transformers(ray_session, tmp_path, s
                 kw = dict(model=name, max_tokens=120, temperature=0.7, seed=1, response_format={
                     "type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}},
                     messages=[{"role": "user", "content": f"Answer in JSON: {schema_name} facts, please."}])
-                if stream:
-                    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                        stream=True, **kw) if c.choices)
-                else:
-                    text = client.chat.completions.create(**kw).choices[0].message.content
+                text = chat_text(client, stream, **kw)
                 jsonschema.validate(json.loads(text), schema)
         stats = serve_worker_stats(ray_session)
         assert stats["prefill-0"]["num_handoffs"] >= 4 + 2  # json and penalty requests went through the handoff

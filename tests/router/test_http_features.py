@@ -27,6 +27,14 @@ SCHEMAS = {
 }
 
 
+def chat_text(client, stream: bool, **kw) -> str:
+    """The assistant's text of one chat completion, streamed (the deltas joined) or not."""
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    return client.chat.completions.create(**kw).choices[0].message.content
+
+
 def prompt_logprobs_of(served, ids: list[int], k: int):
     """The engine's own prompt logprobs (tests/engine checks those against transformers)."""
     engine = served.reference_engine
@@ -164,13 +172,7 @@ def test_json_schema_outputs_parse_and_validate(served, name, stream):
     for seed in range(3):
         kw = dict(model="tiny", messages=[{"role": "user", "content": "give me json"}], max_tokens=200,
                   temperature=1.0, seed=seed, response_format=fmt)
-        if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in served.client.chat.completions.create(
-                stream=True, **kw) if c.choices)
-        else:
-            out = served.client.chat.completions.create(**kw)
-            assert out.choices[0].finish_reason == "stop"
-            text = out.choices[0].message.content
+        text = chat_text(served.client, stream, **kw)
         jsonschema.validate(json.loads(text), SCHEMAS[name])
         texts.append(text)
     if name == "person":  # free strings: sampling still samples inside the grammar
