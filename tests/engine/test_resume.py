@@ -12,7 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.request import ResumeState, SamplingParams
+from engine.request import ResumeState, SamplingParams, StructuredOutput
 from tests.engine.test_disagg import copy_blocks
 
 
@@ -47,6 +47,14 @@ CASES = {
     "greedy": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
     "seeded-sampling": SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True),
     "min-tokens": SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_tokens=20),
+    # frequency/presence count the tokens generated before the cut (now the prompt's tail)
+    "penalties-and-bias": SamplingParams(max_tokens=40, temperature=0.9, seed=5, frequency_penalty=1.5,
+                                         presence_penalty=0.5, repetition_penalty=1.2, logit_bias={9: 2.0},
+                                         ignore_eos=True),
+    # the grammar is advanced over the prompt's tail: the resumed request completes the same JSON
+    "json-schema": SamplingParams(max_tokens=120, temperature=1.0, seed=3, structured=StructuredOutput(
+        "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},'
+                       ' "required": ["a", "b"], "additionalProperties": false}')),
 }
 
 
