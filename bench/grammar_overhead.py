@@ -33,7 +33,7 @@ import torch
 
 from engine.default_model import default_model_path
 from engine.request import StructuredOutput
-from engine.structured import COMPACT_JSON, GrammarBackend, apply_token_bitmask_
+from engine.structured import COMPACT_JSON, GrammarBackend, apply_token_bitmask_, mask_logits_batch
 from engine.tokenizer import Tokenizer
 
 PERSON = {
@@ -231,7 +231,7 @@ def batch_line(adapter: LLGuidance, token_ids: list[int], vocab_size: int, batch
         for row, matcher in zip(rows, matchers):
             matcher.mask_logits(logits[row])
         t1 = time.perf_counter()
-        adapter.backend.mask_logits_batch(matchers, logits, rows)
+        mask_logits_batch(matchers, logits, rows)
         t2 = time.perf_counter()
         per_row.append(t1 - t0)
         batched.append(t2 - t1)

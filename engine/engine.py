@@ -108,14 +108,13 @@ class Engine:
                 from engine.structured import GrammarBackend  # the grammar library loads on first use
                 self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                 self.tokenizer.eos_token_ids)
-            matcher = self._grammars.matcher(request.params.structured)
+            grammars = self._grammars
         resume = request.params.resume
-        for token_id in request.prompt_token_ids[-resume.num_output_tokens:] if resume else ():
-            try:
-                matcher.accept(token_id)
-            except RuntimeError as e:
-                raise InvalidRequestError(f"resume: the generated tokens do not follow the grammar: {e}") from None
-        return matcher
+        generated = request.prompt_token_ids[-resume.num_output_tokens:] if resume else ()
+        try:
+            return grammars.matcher(request.params.structured, generated)
+        except RuntimeError as e:
+            raise InvalidRequestError(f"resume: the generated tokens do not follow the grammar: {e}") from None
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -89,11 +89,17 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     x = logits.clone()
     for i, r in rows:
         _process_row(x[i], r)
+    grammar_rows = [i for i, r in rows if r.grammar is not None]
+    if grammar_rows:  # last: the mask sees the biased, penalised row; one call masks every such row
+        from engine.structured import mask_logits_batch
+
+        mask_logits_batch([requests[i].grammar for i in grammar_rows], x, grammar_rows)
     return x
 
 
 def _process_row(x: torch.Tensor, r: Request) -> None:
-    """One request's row, in place, in the order of the module docstring."""
+    """One request's row, in place, in the order of the module docstring (the grammar mask comes after, for
+    all rows at once)."""
     p, vocab = r.params, x.shape[0]
     if len(r.output_token_ids) < p.min_tokens:
         banned = [t for t in (set(r.eos_token_ids) | set(p.stop_token_ids)) if t < vocab]
@@ -111,8 +117,6 @@ def _process_row(x: torch.Tensor, r: Request) -> None:
         if generated:
             counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(x.dtype)
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-    if r.grammar is not None:
-        r.grammar.mask_logits(x)
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:

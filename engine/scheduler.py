@@ -147,10 +147,11 @@ class Scheduler:
                 continue
             if blocked:
                 continue
-            hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
-            hits = hits[: (request.num_tokens - 1) // self.block_size]
             if request.needs_prompt_logprobs:
                 hits = []  # every prompt position's logits are needed; a cached block has none
+            else:
+                hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
+                hits = hits[: (request.num_tokens - 1) // self.block_size]
             num_cached = len(hits) * self.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:

@@ -31,7 +31,7 @@ cheaper but it imports torch and compiled a pattern-heavy schema in 0.6 s (docs/
   spec and hands out deep copies (~0.06 ms). Per token ~30 µs: the mask 6-10 µs (median; up to ~80 µs
   inside long free strings, where most of the vocabulary is allowed), applying it ~19 µs (a 0 / -inf bias
   looked up per mask byte and added: constant time, unlike ``masked_fill_``), accepting 1-2 µs.
-  :meth:`GrammarBackend.mask_logits_batch` does several rows at once.
+  :func:`mask_logits_batch` (what the sampler calls) does several rows at once.
 - **Threads**: one matcher is used by one thread at a time (the engine thread); the backend's cache is
   locked, so matchers may be created from any thread.
 """
@@ -126,7 +126,6 @@ class GrammarBackend:
         self._num_mask_words = (vocab_size + 31) // 32
         self._fresh: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor: llguidance.LLExecutor | None = None
 
     def matcher(self, spec: StructuredOutput, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A matcher at the start of the output, or after ``output_token_ids`` (rebuilding one after a
@@ -151,26 +150,6 @@ class GrammarBackend:
         if ll_matcher.is_error():
             raise InvalidRequestError(f"the JSON schema cannot be enforced: {ll_matcher.get_error()}")
         return ll_matcher
-
-    def mask_logits_batch(self, matchers: Sequence[GrammarMatcher], logits: torch.Tensor,
-                          rows: Sequence[int]) -> None:
-        """``matchers[i].mask_logits(logits[rows[i]])`` for all i: the masks are computed on llguidance's
-        thread pool (GIL released) where there are cores for it, and applied together (one host-to-device
-        copy and one ``index_add_`` on a GPU). ``logits``: [num_rows, vocab_size]."""
-        if not matchers:
-            return
-        bitmask = np.empty((len(matchers), self._num_mask_words), dtype=np.int32)
-        if len(matchers) > 1 and (os.cpu_count() or 1) >= _MIN_CPUS_FOR_PARALLEL_MASKS:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr([(m._ll, i) for i, m in enumerate(matchers)],
-                                                   bitmask.ctypes.data, bitmask.shape[1] * 4, len(matchers))
-            for m in matchers:
-                m._raise_if_error()
-        else:
-            for m, row in zip(matchers, bitmask):
-                m.fill_bitmask(row)
-        apply_token_bitmask_(logits, bitmask, rows)
 
 
 class GrammarMatcher:
@@ -214,6 +193,29 @@ class GrammarMatcher:
     def _raise_if_error(self) -> None:
         if self._ll.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._ll.get_error()}")
+
+
+def mask_logits_batch(matchers: Sequence[GrammarMatcher], logits: torch.Tensor, rows: Sequence[int]) -> None:
+    """``matchers[i].mask_logits(logits[rows[i]])`` for all i: the masks are computed on llguidance's thread
+    pool (GIL released) where there are cores for it, and applied together (one host-to-device copy and one
+    ``index_add_`` on a GPU). ``logits``: [num_rows, vocab_size]."""
+    if not matchers:
+        return
+    bitmask = np.empty((len(matchers), matchers[0]._bitmask.shape[1]), dtype=np.int32)
+    if len(matchers) > 1 and (os.cpu_count() or 1) >= _MIN_CPUS_FOR_PARALLEL_MASKS:
+        _executor().unsafe_compute_mask_ptr([(m._ll, i) for i, m in enumerate(matchers)],
+                                            bitmask.ctypes.data, bitmask.shape[1] * 4, len(matchers))
+        for m in matchers:
+            m._raise_if_error()
+    else:
+        for m, row in zip(matchers, bitmask):
+            m.fill_bitmask(row)
+    apply_token_bitmask_(logits, bitmask, rows)
+
+
+@functools.lru_cache(maxsize=1)
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequence[int]) -> None:

@@ -13,7 +13,9 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.request import StructuredOutput
-from engine.structured import GrammarBackend, apply_token_bitmask_, check_structured_output, structured_output
+from engine.structured import (
+    GrammarBackend, apply_token_bitmask_, check_structured_output, mask_logits_batch, structured_output,
+)
 from engine.tokenizer import Tokenizer
 
 NUM_PADDING_IDS = 64  # lm_head rows past the tokenizer's vocabulary: never allowed
@@ -198,7 +200,7 @@ def test_batch_masks_equal_row_by_row(tokenizer, backend, monkeypatch, parallel)
     rows = [4, 0, 2]
     for matcher, row in zip(matchers, rows):
         matcher.mask_logits(expected[row])
-    backend.mask_logits_batch(matchers, logits, rows)
+    mask_logits_batch(matchers, logits, rows)
     assert torch.equal(logits, expected)
 
 
