@@ -25,7 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or GGUF file")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--quantization", default=None, choices=["w8a16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)

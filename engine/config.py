@@ -355,7 +355,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     dtype: str = "auto"
     device: str = "cpu"
-    kernels: str = "auto"  # auto | torch | triton
+    kernels: str = "auto"  # auto | torch | cpu | triton (engine/ops.py)
     quantization: str | None = None  # None | "w8a16"
     hash_seed: int = 0
     hash_namespace: str = ""
@@ -371,8 +371,8 @@ class EngineConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.kernels not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
         if self.quantization not in (None, "w8a16"):
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:

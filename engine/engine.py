@@ -44,6 +44,7 @@ class EngineStats:
     num_remote_prefix_hit_blocks: int = 0  # decode role: blocks not transferred because we had them
     num_remote_recomputes: int = 0  # decode role: failed transfers recomputed locally
     num_remote_failures: int = 0  # decode role: failed transfers ended with an error
+    kernel_fallbacks: int = 0  # 1 if this engine runs the torch reference kernels because the C ones failed
 
 
 class Engine:
@@ -60,6 +61,7 @@ class Engine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.stats.kernel_fallbacks = int(self.runner.kernel_fallback is not None)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)

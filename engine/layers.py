@@ -1,6 +1,8 @@
 """Building blocks of the Llama family, written to match Hugging Face's arithmetic step for step (so fp32
 greedy outputs are token-exact): RMSNorm in fp32, rotate-half RoPE with fp32 frequencies, SwiGLU.
-Linear layers call the kernel backend (``KernelOps.linear`` / ``w8a16_linear``) — the GEMM seam."""
+Linear layers call the kernel backend (``KernelOps.linear`` / ``w8a16_linear``) — the GEMM seam. A backend with
+fused per-token ops (``KernelOps.rms_norm`` / ``rotary_`` / ``silu_mul``: the CPU path's C kernels) runs those
+instead of the torch code here, with the same arithmetic."""
 from __future__ import annotations
 
 import math
@@ -13,12 +15,25 @@ from engine.ops import KernelOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """``norm(x)``, or with the residual stream ``norm(x, residual)`` → ``(norm(residual + x), residual + x)``
+    (the fused backend updates ``residual`` in place)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fused = ops.rms_norm if ops is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            out = self.fused(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -32,11 +32,15 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row
+            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        if self.ops.rotary_ is None:
+            q, k = rope(positions, q, k)
         o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -47,23 +51,35 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, ops)
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, ops)
+        self.silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul is not None:
+            return self.down_proj(self.silu_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, ops, cfg.layer_sliding_window(index))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, h, positions, rope, key_cache, value_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, key_cache, value_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, positions, rope, key_cache, value_cache, meta):
+        """x: the previous layer's MLP output (the embeddings for layer 0, residual None); residual: the stream
+        before it. Returns (this layer's MLP output, the stream before it): the add of one layer happens in the
+        next one's input norm (fused there), the last one in the final norm."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, key_cache, value_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -80,7 +96,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -88,10 +104,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -21,7 +21,7 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
-        self.backend = resolve_backend(cfg.kernels, cfg.device)
+        self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
         self.ops = get_ops(self.backend)
         self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len)
         if cfg.quantization == "w8a16":

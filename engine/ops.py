@@ -1,16 +1,27 @@
 """The kernel backend seam: which implementation of each op the model calls.
 
-``torch``: the plain-torch references in kernels/ (the CPU path). ``triton``: the Triton launchers (CUDA, or
-the Triton interpreter on CPU when forced, as the tests do). ``auto``: triton on CUDA, torch on CPU.
-``DUET_KERNELS`` in the environment overrides ``auto``.
+``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: the references for GEMMs and KV
+stores, attention from kernels/cpu_native.py (C and GEMM-shaped torch; float32 only). ``triton``: the Triton launchers (CUDA, or the
+Triton interpreter on CPU when forced, as the tests do). ``auto``: triton on CUDA; on a CPU, ``cpu`` for
+float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the environment overrides ``auto``.
+
+If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
+instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
+(``duet_kernel_fallbacks``). Asking for ``cpu`` by name makes the same failure a ConfigError.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+BACKENDS = ("torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -21,23 +32,70 @@ class KernelOps:
     decode_attention: Callable
     linear: Callable
     w8a16_linear: Callable
+    # fused per-token ops (kernels/cpu_native.py); None: the layers' own torch code (engine/layers.py)
+    rms_norm: Callable | None = None
+    rotary_: Callable | None = None
+    silu_mul: Callable | None = None
 
 
-def resolve_backend(requested: str, device: str) -> str:
+def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
+    """(backend, fallback reason or None). A fallback is ``auto`` settling for ``torch`` on a CPU because the C
+    kernels would not build or load."""
     env = os.environ.get("DUET_KERNELS", "").strip().lower()
     choice = requested if requested != "auto" else (env or "auto")
+    if choice not in ("auto", *BACKENDS):
+        raise ConfigError(f"unknown kernel backend {choice!r} (DUET_KERNELS / kernels: {' | '.join(BACKENDS)} | auto)")
+    on_cuda = device.startswith("cuda")
     if choice == "auto":
-        choice = "triton" if device.startswith("cuda") else "torch"
-    if choice not in ("torch", "triton"):
-        raise ConfigError(f"unknown kernel backend {choice!r} (DUET_KERNELS / kernels: torch | triton | auto)")
-    if choice == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        if on_cuda:
+            return "triton", None
+        if dtype != torch.float32:
+            log.info("kernels: torch references (the C attention kernels take float32, the model is %s)", dtype)
+            return "torch", None
+        try:
+            _load_native()
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: run the references, said loudly
+            log.warning("kernels: the C attention kernels are unavailable, running the torch references "
+                        "(slower): %s", e)
+            return "torch", f"{type(e).__name__}: {e}"
+        return "cpu", None
+    if choice == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("the triton backend on CPU needs TRITON_INTERPRET=1 in the environment before start-up")
-    return choice
+    if choice == "cpu":
+        if on_cuda:
+            raise ConfigError("the cpu kernel backend runs on a CPU device only")
+        if dtype != torch.float32:
+            raise ConfigError(f"the cpu kernel backend takes float32 models, this one is {dtype}")
+        try:
+            _load_native()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"the cpu kernel backend is unavailable: {e}") from e
+    return choice, None
+
+
+def _load_native() -> None:
+    from kernels import cpu_native
+
+    cpu_native.load()
 
 
 def get_ops(backend: str) -> KernelOps:
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
+    if backend == "cpu":
+        from kernels import cpu_native
+
+        return KernelOps(
+            name="cpu",
+            store_kv=store_kv.store_kv_ref,
+            prefill_attention=cpu_native.prefill_attention,
+            decode_attention=cpu_native.paged_decode_attention,
+            linear=gemm.gemm_ref,
+            w8a16_linear=gemm.w8a16_gemm_ref,
+            rms_norm=cpu_native.rms_norm,
+            rotary_=cpu_native.rotary_,
+            silu_mul=cpu_native.silu_mul,
+        )
     if backend == "torch":
         return KernelOps(
             name="torch",

@@ -1,0 +1,333 @@
+"""The CPU path's kernels in C (kernels/cpu/*.c): built on first use, loaded with ctypes.
+
+The engine's CPU path (backend ``cpu``) runs the GEMMs in torch (MKL/oneDNN) and, from here: paged decode
+attention (C: reads each K/V row once, straight from the cache), prefill attention (K/V copied out of the cache
+in C, then GEMM-shaped torch), and the fused per-token ops (RMSNorm with its residual add, in-place rotary,
+SwiGLU: one C pass each instead of several torch ops and temporaries). Attention has the signatures of the torch
+references in decode_attention.py / prefill_attention.py; fp32 tensors on the CPU only.
+
+Build: ``cc -O3 -march=native -fopenmp -shared`` into ``$DUET_CACHE_DIR/kernels`` (default
+``~/.cache/duet/kernels``), named by a hash of the source, the flags, the compiler's version and this CPU's
+model and feature flags, so a library built for another machine is never loaded. It is written to a temporary
+name and renamed, so concurrent workers building at once are safe. A build takes about a second and needs
+a C compiler; without one ``load()`` raises ``NativeKernelError`` with the compiler's message, and the engine
+(engine/ops.py) logs it, counts it, and runs the torch references instead.
+
+torch must be imported first: the library's OpenMP runtime is then torch's libgomp (the same soname is
+already loaded), so its threads are torch's threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("attention.c", "elementwise.c")]
+# -ffp-contract=off: a * b + c stays two roundings, as torch's elementwise ops compute it
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
+          "-shared", "-fPIC", "-std=gnu11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+_I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class NativeKernelError(RuntimeError):
+    """The C kernels could not be built or loaded on this machine (the message says why)."""
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _cpu_identity() -> str:
+    ident = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                ident += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        ident += platform.processor()
+    return ident
+
+
+def library_path() -> Path:
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeKernelError(f"no C compiler ({_compiler()}): {e}") from e
+    parts = [src.read_text() for src in _SOURCES] + [" ".join(_FLAGS), version, _cpu_identity()]
+    key = hashlib.sha256("\0".join(parts).encode())
+    root = Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duet") / "kernels"
+    return root / f"duet_cpu_{key.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([_compiler(), *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise NativeKernelError(f"building the CPU kernels failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeKernelError(f"building the CPU kernels failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (built first if this machine has none yet)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            if not path.exists():
+                _build(path)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise NativeKernelError(f"loading {path} failed: {e}") from e
+            lib.duet_decode_attention_f32.restype = _INT
+            lib.duet_decode_attention_f32.argtypes = [
+                _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
+                _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+            lib.duet_gather_kv_f32.restype = None
+            lib.duet_gather_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _INT, _INT, _I64, _PTR, _PTR]
+            lib.duet_rms_norm_f32.restype = None
+            lib.duet_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT]
+            lib.duet_rotary_f32.restype = None
+            lib.duet_rotary_f32.argtypes = [_PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _INT]
+            lib.duet_silu_mul_f32.restype = None
+            lib.duet_silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT, _INT]
+            _lib = lib
+        return _lib
+
+
+def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: the C kernels take CPU tensors")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, the C kernels take {dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens) -> None:
+    _check("q", q, 3, torch.float32)
+    _check("key_cache", key_cache, 4, torch.float32)
+    _check("value_cache", value_cache, 4, torch.float32)
+    _check("block_tables", block_tables, 2, torch.int32)
+    _check("seq_lens", seq_lens, 1, torch.int32)
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    if q.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {key_cache.shape[3]}")
+    if q.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {key_cache.shape[2]} KV heads")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+    # the C code trusts every length and block id: check them here (host values, no sync on a CPU)
+    if seq_lens.numel():
+        width, block_size = block_tables.shape[1], key_cache.shape[1]
+        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > width * block_size:
+            raise ValueError(f"seq_lens must be in [1, {width * block_size}] (block table width × block size)")
+        needed = (seq_lens.long() + block_size - 1) // block_size
+        used = torch.arange(width).unsqueeze(0) < needed.unsqueeze(1)
+        ids = block_tables[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= key_cache.shape[0]):
+            raise ValueError(f"block_tables name blocks outside [0, {key_cache.shape[0]})")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 (strided view)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens)
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}, "
+                         f"seq_lens {seq_lens.shape[0]}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    rc = load().duet_decode_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        num_seqs, num_q_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
+        sliding_window or 0, torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"duet_decode_attention_f32 failed (code {rc})")
+    return out
+
+
+def _gather_kv(lib, key_cache, value_cache, table_row, num_tokens):
+    """One sequence's first ``num_tokens`` K and V rows as contiguous ``[num_tokens, num_kv_heads, head_dim]``."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    k = torch.empty(num_tokens, num_kv_heads, head_dim)
+    v = torch.empty(num_tokens, num_kv_heads, head_dim)
+    lib.duet_gather_kv_f32(key_cache.data_ptr(), key_cache.stride(0), value_cache.data_ptr(), value_cache.stride(0),
+                           table_row.data_ptr(), num_tokens, block_size, num_kv_heads * head_dim, k.data_ptr(),
+                           v.data_ptr())
+    return k, v
+
+
+def _visible_bias(q_len: int, kv_len: int, window: int | None, group: int) -> torch.Tensor:
+    """Additive mask [group * q_len, kv_len] (``group`` copies of [q_len, kv_len] stacked): 0 where query row
+    i (position kv_len - q_len + i) may attend, -inf elsewhere (causal, and the last ``window`` positions with a
+    sliding window). Cached: every layer of a step asks for the same few."""
+    key = (q_len, kv_len, window, group)
+    bias = _bias_cache.get(key)
+    if bias is None:
+        pos_q = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+        pos_k = torch.arange(kv_len).unsqueeze(0)
+        hidden = pos_k > pos_q
+        if window is not None:
+            hidden |= pos_k <= pos_q - window
+        bias = torch.zeros(q_len, kv_len).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        if len(_bias_cache) >= _BIAS_CACHE_SIZE:
+            _bias_cache.pop(next(iter(_bias_cache)))
+        _bias_cache[key] = bias
+    return bias
+
+
+_bias_cache: dict[tuple[int, int, int | None, int], torch.Tensor] = {}
+_PREFILL_ROWS = 128  # query rows per GEMM pair in prefill_attention
+_BIAS_CACHE_SIZE = 256
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_q_heads, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 (strided view)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, K/V length incl. the new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim]
+    """Each sequence's new tokens against its whole cached context (prefix included), causal.
+
+    The K/V rows come out of the cache with one memcpy per block (C); the attention itself is GEMMs: a KV
+    head's query heads are stacked into one [group * q_len, head_dim] matrix, so QKᵀ and PV are one batched
+    GEMM each over the KV heads (no K/V repeat for GQA), with an additive causal mask and an fp32 softmax in
+    between. On a CPU this beats SDPA's kernels 2-3x at prompt lengths (the scores of one sequence fit in
+    cache)."""
+    _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    if len(cu) != len(lens) + 1 or cu[-1] != q.shape[0] or block_tables.shape[0] != len(lens):
+        raise ValueError(f"cu_seqlens_q {cu} does not split {q.shape[0]} query tokens into {len(lens)} sequences")
+    lib = load()
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for s, kv_len in enumerate(lens):
+        q0, q1 = cu[s], cu[s + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        if n > kv_len:
+            raise ValueError(f"sequence {s} has {n} new tokens but a context of {kv_len}")
+        k, v = _gather_kv(lib, key_cache, value_cache, block_tables[s], kv_len)
+        kt, vt = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, D, kv_len], [Hkv, kv_len, D]
+        for c0 in range(0, n, _PREFILL_ROWS):  # row slices see only keys up to their last position: causal
+            c1 = min(c0 + _PREFILL_ROWS, n)  # work is about halved for long prompts
+            m, kv_end = c1 - c0, kv_len - n + c1
+            # [m, Hkv, group, D] -> [Hkv, group * m, D]: row (j, i) = query head h * group + j at token c0 + i
+            qg = q[q0 + c0:q0 + c1].reshape(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+                num_kv_heads, group * m, head_dim)
+            bias = _visible_bias(m, kv_end, sliding_window, group)  # [group * m, kv_end]
+            scores = torch.baddbmm(bias.expand(num_kv_heads, -1, -1), qg, kt[:, :, :kv_end], alpha=scale)
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.bmm(probs, vt[:, :kv_end])  # [Hkv, group * m, D]
+            out[q0 + c0:q0 + c1] = o.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(
+                m, num_q_heads, head_dim)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ per-token ops
+
+
+def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
+    _check(name, t, 2, torch.float32)
+    if t.shape[1] != width:
+        raise ValueError(f"{name} must have {width} columns, got shape {tuple(t.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x²) + eps)`` per row of ``x [T, n]``; with ``residual`` the row normalized is
+    ``residual + x``, and ``residual`` is updated in place to it (the residual stream of a decoder layer)."""
+    n = weight.shape[0]
+    _check_rows("x", x, n)
+    _check("weight", weight, 1, torch.float32)
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if residual is not None:
+        _check_rows("residual", residual, n)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    load().duet_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+                             residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+                             out.stride(0), x.shape[0], n, eps, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> None:
+    """Rotate-half RoPE, in place, on the first ``num_heads`` heads of every row of ``x [T, >= num_heads *
+    head_dim]`` (the q and k heads at the front of the fused qkv output), row t at ``positions[t]``;
+    ``cos``/``sin``: [max_positions, head_dim] tables."""
+    _check("x", x, 2, torch.float32)
+    if x.shape[1] < num_heads * head_dim or head_dim % 2:
+        raise ValueError(f"x {tuple(x.shape)} has no room for {num_heads} heads of an even head_dim {head_dim}")
+    _check("positions", positions, 1, torch.int64)
+    if positions.shape[0] != x.shape[0] or not positions.is_contiguous():
+        raise ValueError(f"positions must be contiguous with {x.shape[0]} entries, got {tuple(positions.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(name, table, 2, torch.float32)
+        if table.shape[1] != head_dim or not table.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [max_positions, {head_dim}] table")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(f"positions must be in [0, {cos.shape[0]})")
+    load().duet_rotary_f32(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, positions.data_ptr(),
+                           cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) * up`` for ``x [T, 2n]`` holding gate then up in each row → ``[T, n]``."""
+    _check("x", x, 2, torch.float32)
+    if x.shape[1] % 2:
+        raise ValueError(f"x must hold gate and up halves, got shape {tuple(x.shape)}")
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    load().duet_silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], n,
+                             torch.get_num_threads())
+    return out

@@ -1,0 +1,171 @@
+"""The CPU path's C kernels (kernels/cpu_native.py) against the torch references, and the engine with them.
+
+Attention is checked through the strided layer views of a real 6-D cache with scattered block tables, ragged
+lengths, GQA ratios 1/3/4 and MQA, head dims with and without the 8-wide vector path, sliding windows, and
+prefills that continue a cached prefix or run past the kernel's 128-row slices. Tolerances are the fp32 ones of
+the other kernel tests (tests/kernels/paged.py): reordered fp32 sums, while a wrong mask, block or head mapping
+gives errors of order 1e-1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention_ref
+from tests.kernels.paged import assert_close, block_tables, kv_cache, layer_views, lens_tensor
+
+
+HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2)]  # (head_dim, q_heads, kv_heads)
+
+
+def _cache(head_dim, kv_heads, block_size, seq_lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = len(seq_lens) * (max(seq_lens) // block_size + 2)
+    cache = kv_cache(num_blocks, block_size, kv_heads, head_dim, torch.float32, gen).cpu()
+    key_cache, value_cache = layer_views(cache)
+    return gen, key_cache, value_cache, block_tables(seq_lens, block_size, num_blocks, gen).cpu()
+
+
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_size, window):
+    seq_lens = [1, 7, 33, 100, 16, 257]
+    gen, key_cache, value_cache, tables = _cache(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + block_size)
+    # q as the model passes it: a strided view into a fused projection's output
+    qkv = torch.randn(len(seq_lens), (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : q_heads * head_dim].reshape(len(seq_lens), q_heads, head_dim)
+    assert not q.is_contiguous()
+    lens = lens_tensor(seq_lens).cpu()
+    out = cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
+    ref = paged_decode_attention_ref(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+@pytest.mark.parametrize("window", [None, 3, 50])
+def test_prefill_attention_matches_reference(head_dim, q_heads, kv_heads, window):
+    # (new tokens, context incl. them): fresh prompts, continuations of a cached prefix, one past 2 row slices
+    shapes = [(5, 5), (1, 9), (40, 100), (300, 300), (130, 260), (17, 17)]
+    block_size = 16
+    q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
+    gen, key_cache, value_cache, tables = _cache(head_dim, kv_heads, block_size, seq_lens, seed=head_dim)
+    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = lens_tensor(seq_lens).cpu()
+    out = cpu_native.prefill_attention(q, key_cache, value_cache, tables, cu, lens, head_dim ** -0.5, window)
+    ref = prefill_attention_ref(q, key_cache, value_cache, tables, cu, lens, head_dim ** -0.5, window)
+    assert_close(out, ref)
+
+
+def test_attention_rejects_bad_tables_and_lengths():
+    gen, key_cache, value_cache, tables = _cache(64, 2, 16, [20, 30], seed=1)
+    q = torch.randn(2, 4, 64)
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    bad = tables.clone()
+    bad[1, 0] = key_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="outside"):
+        cpu_native.paged_decode_attention(q, key_cache, value_cache, bad, lens, 0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_native.paged_decode_attention(q, key_cache, value_cache, tables,
+                                          torch.tensor([20, 16 * tables.shape[1] + 1], dtype=torch.int32), 0.125)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_native.paged_decode_attention(q.half(), key_cache, value_cache, tables, lens, 0.125)
+    cu = torch.tensor([0, 25, 30], dtype=torch.int32)  # 25 new tokens in a context of 20
+    with pytest.raises(ValueError, match="new tokens"):
+        cpu_native.prefill_attention(torch.randn(30, 4, 64), key_cache, value_cache, tables, cu, lens, 0.125)
+
+
+def test_fused_token_ops_match_the_torch_layers():
+    from engine.config import ModelConfig
+    from engine.layers import RMSNorm, RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen) + 0.5
+    x = torch.randn(37, 576, generator=gen) * 3
+    res = torch.randn(37, 576, generator=gen)
+    torch.testing.assert_close(cpu_native.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-6, rtol=1e-6)
+    ref_out, ref_res = norm(x, res)
+    res_c = res.clone()
+    out = cpu_native.rms_norm(x, norm.weight, 1e-5, res_c)  # updates res_c in place
+    torch.testing.assert_close(res_c, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 1,
+                                 "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 64,
+                                 "vocab_size": 100, "max_position_embeddings": 4096, "rope_theta": 100000.0,
+                                 "rms_norm_eps": 1e-5})
+    rope = RotaryEmbedding(cfg, 4096)
+    positions = torch.randint(0, 4096, (37,), generator=gen)
+    qkv = torch.randn(37, 15 * 64, generator=gen)
+    q_ref, k_ref = rope(positions, qkv[:, :576].reshape(37, 9, 64), qkv[:, 576:768].reshape(37, 3, 64))
+    v_before = qkv[:, 768:].clone()
+    cpu_native.rotary_(qkv, 12, 64, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(qkv[:, :576].reshape(37, 9, 64), q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv[:, 576:768].reshape(37, 3, 64), k_ref, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 768:], v_before)  # v is not a rotated head
+    with pytest.raises(ValueError, match="positions"):
+        cpu_native.rotary_(qkv, 12, 64, torch.full((37,), 4096), rope.cos, rope.sin)
+
+    gate_up = torch.randn(37, 2 * 1536, generator=gen) * 4
+    ref = torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    model_dir = tiny_model("llama")
+    prompts = [[5, 6, 7], list(range(10, 43)), list(range(60, 80)) * 3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(kernels):
+        e = Engine(EngineConfig(model=str(model_dir), num_blocks=64, kernels=kernels, max_num_batched_tokens=32))
+        return e, [r["token_ids"] for r in e.generate(prompts, params)]
+
+    cpu_engine, cpu_tokens = run("auto")
+    assert cpu_engine.runner.ops.name == "cpu" and cpu_engine.stats.kernel_fallbacks == 0
+    torch_engine, torch_tokens = run("torch")
+    assert torch_engine.runner.ops.name == "torch"
+    assert cpu_tokens == torch_tokens
+
+
+_FALLBACK_SCRIPT = """
+import json, sys
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import ConfigError
+e = Engine(EngineConfig(model=sys.argv[1], num_blocks=16))
+try:
+    Engine(EngineConfig(model=sys.argv[1], num_blocks=16, kernels="cpu"))
+    named = "accepted"
+except ConfigError as err:
+    named = str(err)
+print(json.dumps({"backend": e.runner.backend, "fallbacks": e.stats.kernel_fallbacks,
+                  "reason": e.runner.kernel_fallback, "named": named}))
+"""
+
+
+def test_no_compiler_falls_back_to_torch_loudly(tiny_model, tmp_path):
+    """A machine without a C compiler: ``auto`` runs the torch references, logs why and counts it; asking for
+    ``cpu`` by name is a ConfigError. A fresh process, an empty kernel cache and CC naming a failing program."""
+    env = {**os.environ, "CC": "false", "DUET_CACHE_DIR": str(tmp_path), "DUET_KERNELS": ""}
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, str(tiny_model("llama"))], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["backend"] == "torch" and got["fallbacks"] == 1
+    assert "NativeKernelError" in got["reason"]
+    assert "cpu kernel backend is unavailable" in got["named"]
+    assert "C attention kernels are unavailable" in proc.stderr  # the warning in the log
