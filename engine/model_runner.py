@@ -6,6 +6,10 @@ all layers of a block are contiguous, so one block moves as one descriptor betwe
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -15,11 +19,42 @@ from engine.ops import get_ops, resolve_backend
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
+log = logging.getLogger(__name__)
+
+
+def keep_freed_memory() -> bool:
+    """On a CPU, let glibc's malloc keep and reuse freed memory for the step's large temporaries.
+
+    A prefill step allocates tens of MB of activations per layer (a 2048 x 3072 fp32 projection is 25 MB). By
+    default glibc maps each such block afresh (mmap above its threshold) or trims the heap after a free, so the
+    next step touches new pages: a page fault per 4 KB, which cost this engine ~8 % of a prefill's time.
+    Raising the mmap threshold to its 32 MB maximum and the trim threshold to 2 GB keeps them in the heap for
+    the next allocation. Process-wide and idempotent; True if applied (False off glibc, logged)."""
+    global _malloc_tuned
+    if _malloc_tuned is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _malloc_tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(
+                libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))  # mallopt takes an int
+            if not _malloc_tuned:
+                log.info("malloc tuning refused by mallopt: large temporaries are mapped afresh each step")
+        except (OSError, AttributeError) as e:
+            log.info("malloc tuning unavailable (%s): large temporaries are mapped afresh each step", e)
+            _malloc_tuned = False
+    return _malloc_tuned
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_malloc_tuned: bool | None = None
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int) -> None:
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
         self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
         self.ops = get_ops(self.backend)

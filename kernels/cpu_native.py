@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("attention.c", "elementwise.c")]
-# -ffp-contract=off: a * b + c stays two roundings, as torch's elementwise ops compute it
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
-          "-shared", "-fPIC", "-std=gnu11"]
+# source -> its own flags; elementwise.c: a * b + c stays two roundings (no FMA), as torch's elementwise ops
+# compute it, so the fused ops agree with the layers' torch code to the last bit where the order allows
+_SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
+    ("attention.c", []), ("elementwise.c", ["-ffp-contract=off"]))}
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=gnu11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
@@ -65,7 +66,8 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeKernelError(f"no C compiler ({_compiler()}): {e}") from e
-    parts = [src.read_text() for src in _SOURCES] + [" ".join(_FLAGS), version, _cpu_identity()]
+    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES.items()] + [" ".join(_FLAGS), version,
+                                                                              _cpu_identity()]
     key = hashlib.sha256("\0".join(parts).encode())
     root = Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duet") / "kernels"
     return root / f"duet_cpu_{key.hexdigest()[:16]}.so"
@@ -73,19 +75,24 @@ def library_path() -> Path:
 
 def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([_compiler(), *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            raise NativeKernelError(f"building the CPU kernels failed:\n{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeKernelError(f"building the CPU kernels failed: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        try:
+            objects = []
+            for src, flags in _SOURCES.items():
+                obj = os.path.join(tmp, src.stem + ".o")
+                _run([_compiler(), *_FLAGS, *flags, "-c", str(src), "-o", obj])
+                objects.append(obj)
+            lib = os.path.join(tmp, "lib.so")
+            _run([_compiler(), "-shared", "-fopenmp", *objects, "-o", lib, "-lm"])
+            os.replace(lib, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeKernelError(f"building the CPU kernels failed: {e}") from e
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise NativeKernelError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}")
 
 
 def load() -> ctypes.CDLL:
@@ -331,3 +338,4 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     load().duet_silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], n,
                              torch.get_num_threads())
     return out
+
