@@ -1,8 +1,8 @@
 """The kernel backend seam: which implementation of each op the model calls.
 
-``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: the references for GEMMs and KV
-stores, attention from kernels/cpu_native.py (C and GEMM-shaped torch; float32 only). ``triton``: the Triton launchers (CUDA, or the
-Triton interpreter on CPU when forced, as the tests do). ``auto``: triton on CUDA; on a CPU, ``cpu`` for
+``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: torch's GEMMs, and KV stores,
+attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only).
+``triton``: the Triton launchers (CUDA, or the Triton interpreter on CPU when forced, as the tests do). ``auto``: triton on CUDA; on a CPU, ``cpu`` for
 float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the environment overrides ``auto``.
 
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
@@ -87,7 +87,7 @@ def get_ops(backend: str) -> KernelOps:
 
         return KernelOps(
             name="cpu",
-            store_kv=store_kv.store_kv_ref,
+            store_kv=cpu_native.store_kv,
             prefill_attention=cpu_native.prefill_attention,
             decode_attention=cpu_native.paged_decode_attention,
             linear=gemm.gemm_ref,

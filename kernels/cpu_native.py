@@ -113,6 +113,9 @@ def load() -> ctypes.CDLL:
                 _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
             lib.duet_gather_kv_f32.restype = None
             lib.duet_gather_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _INT, _INT, _I64, _PTR, _PTR]
+            lib.duet_store_kv_f32.restype = None
+            lib.duet_store_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                              _INT, _I64]
             lib.duet_rms_norm_f32.restype = None
             lib.duet_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT]
             lib.duet_rotary_f32.restype = None
@@ -190,6 +193,36 @@ def paged_decode_attention(
     if rc != 0:
         raise NativeKernelError(f"duet_decode_attention_f32 failed (code {rc})")
     return out
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] fp32, each token's heads contiguous
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 (strided view)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; -1 = skip
+) -> None:
+    """The new tokens' K/V into their cache slots: one memcpy per token and tensor (store_kv_ref's contract)."""
+    for name, t in (("key", key), ("value", value)):
+        _check(name, t, 3, torch.float32)
+        if t.shape[1:] != key_cache.shape[2:] or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} {tuple(t.shape)} must hold whole contiguous rows of the cache's heads "
+                             f"{tuple(key_cache.shape[2:])}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, t, 4, torch.float32)
+        if t.stride(2) != t.shape[3]:
+            raise ValueError(f"{name} rows must be contiguous over heads, got strides {t.stride()}")
+    _check("slot_mapping", slot_mapping, 1, torch.int64)
+    n = slot_mapping.shape[0]
+    if key.shape[0] != n or value.shape[0] != n or not slot_mapping.is_contiguous():
+        raise ValueError(f"{n} slots for {key.shape[0]} keys and {value.shape[0]} values")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if n and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
+        raise ValueError(f"slot_mapping must be in [-1, {num_slots})")
+    load().duet_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+                             key_cache.stride(0), key_cache.stride(1), value_cache.data_ptr(), value_cache.stride(0),
+                             value_cache.stride(1), slot_mapping.data_ptr(), n, key_cache.shape[1],
+                             key_cache.shape[2] * key_cache.shape[3])
 
 
 def _gather_kv(lib, key_cache, value_cache, table_row, num_tokens):

@@ -157,3 +157,17 @@ void duet_gather_kv_f32(const float *k, int64_t k_b, const float *v, int64_t v_b
         memcpy(v_out + (int64_t)t * row_elems, v + (int64_t)b * v_b, sizeof(float) * n * row_elems);
     }
 }
+
+// Write each new token's K and V rows (all heads: row_elems floats, contiguous within a row) into its cache slot
+// (block * block_size + offset); slot -1 = skip (a padding token).
+void duet_store_kv_f32(const float *k, int64_t k_s, const float *v, int64_t v_s, float *k_cache, int64_t kc_b,
+                       int64_t kc_t, float *v_cache, int64_t vc_b, int64_t vc_t, const int64_t *slots,
+                       int64_t num_tokens, int block_size, int64_t row_elems) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        int64_t b = slot / block_size, off = slot % block_size;
+        memcpy(k_cache + b * kc_b + off * kc_t, k + t * k_s, sizeof(float) * row_elems);
+        memcpy(v_cache + b * vc_b + off * vc_t, v + t * v_s, sizeof(float) * row_elems);
+    }
+}

@@ -173,3 +173,21 @@ def test_no_compiler_falls_back_to_torch_loudly(tiny_model, tmp_path):
     assert "NativeKernelError" in got["reason"]
     assert "cpu kernel backend is unavailable" in got["named"]
     assert "C attention kernels are unavailable" in proc.stderr  # the warning in the log
+
+
+def test_store_kv_matches_reference():
+    from kernels.store_kv import store_kv_ref
+
+    gen = torch.Generator().manual_seed(3)
+    cache_a = kv_cache(12, 16, 3, 64, torch.float32, gen).cpu()
+    cache_b = cache_a.clone()
+    qkv = torch.randn(40, 15 * 64, generator=gen)  # k and v as the model passes them: views of the fused output
+    k = qkv[:, 576:768].reshape(40, 3, 64)
+    v = qkv[:, 768:].reshape(40, 3, 64)
+    slots = torch.randperm(12 * 16, generator=gen)[:40]
+    slots[[3, 17]] = -1  # padding tokens: not written
+    store_kv_ref(k, v, *layer_views(cache_a), slots)
+    cpu_native.store_kv(k, v, *layer_views(cache_b), slots)
+    assert torch.equal(cache_a, cache_b)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_native.store_kv(k, v, *layer_views(cache_b), torch.full((40,), 12 * 16))
