@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` through the backend; ``quantize_int8`` swaps W for int8 + scales (w8a16)."""
+    """``y = x @ W.T + b`` through the backend; ``quantize_int8`` swaps W for int8 + scales (w8a16), ``pack``
+    for the backend's packed layout (the CPU path: oneDNN)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps) -> None:
         super().__init__()
@@ -50,8 +51,11 @@ class Linear(nn.Module):
         self.ops = ops
         self.qweight: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.ops.linear_packed(x, self.packed, self.bias)
         if self.qweight is not None:
             return self.ops.w8a16_linear(x, self.qweight, self.scales, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
@@ -61,6 +65,13 @@ class Linear(nn.Module):
 
         self.qweight, self.scales = quantize_weight_int8(self.weight.data, group_size)
         self.weight = None  # the float weight is gone: its memory is what quantization saves
+
+    def pack(self, keep_dense: bool = False) -> None:
+        """Reorder the weight once into the backend's packed layout; the dense one is dropped unless it is
+        shared (a tied LM head is the embedding table)."""
+        self.packed = self.ops.pack_linear(self.weight.data)
+        if not keep_dense:
+            self.weight = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -136,5 +136,13 @@ class CausalLM(nn.Module):
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 lin.quantize_int8(group_size)
 
+    def pack_linears(self) -> None:
+        """Every projection and the LM head into the backend's packed GEMM layout (``KernelOps.pack_linear``).
+        A tied LM head keeps the dense table too (the embedding lookup reads it)."""
+        for layer in self.layers:
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.pack()
+        self.lm_head.pack(keep_dense=self.cfg.tie_word_embeddings)
+
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.state_dict(keep_vars=False).items()

@@ -61,6 +61,8 @@ class ModelRunner:
         self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len)
         if cfg.quantization == "w8a16":
             self.model.quantize_int8()
+        elif self.ops.pack_linear is not None:
+            self.model.pack_linears()
         self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
                                 * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
         self.num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.bytes_per_block)

@@ -36,6 +36,9 @@ class KernelOps:
     rms_norm: Callable | None = None
     rotary_: Callable | None = None
     silu_mul: Callable | None = None
+    # GEMMs on weights packed once at load (oneDNN's blocked layout); None: ``linear`` on the dense weight
+    pack_linear: Callable | None = None
+    linear_packed: Callable | None = None
 
 
 def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
@@ -95,6 +98,8 @@ def get_ops(backend: str) -> KernelOps:
             rms_norm=cpu_native.rms_norm,
             rotary_=cpu_native.rotary_,
             silu_mul=cpu_native.silu_mul,
+            pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
+            linear_packed=cpu_native.linear_packed,
         )
     if backend == "torch":
         return KernelOps(

@@ -27,7 +27,9 @@ def edit_config(d, **changes):
 
 
 def load(d, **kw):
-    return Engine(EngineConfig(model=str(d), num_blocks=16, **kw))
+    """The engine on the torch backend: its weights stay dense tensors to compare (the CPU path packs them for
+    oneDNN; tests/kernels/test_cpu_native.py checks that)."""
+    return Engine(EngineConfig(model=str(d), num_blocks=16, **{"kernels": "torch", **kw}))
 
 
 def test_sharded_checkpoint_loads_same_weights(tiny_model):

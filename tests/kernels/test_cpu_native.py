@@ -125,12 +125,13 @@ def test_fused_token_ops_match_the_torch_layers():
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), ref, atol=1e-6, rtol=2e-6, equal_nan=True)
 
 
-def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases and a tied LM head
+def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model(arch)
     prompts = [[5, 6, 7], list(range(10, 43)), list(range(60, 80)) * 3]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -143,6 +144,19 @@ def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model):
     torch_engine, torch_tokens = run("torch")
     assert torch_engine.runner.ops.name == "torch"
     assert cpu_tokens == torch_tokens
+    # the projections were packed for oneDNN and their dense copies dropped; the tied head keeps the table
+    model = cpu_engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.packed is not None
+    tied = model.cfg.tie_word_embeddings
+    assert tied == (arch == "qwen2")
+    assert model.lm_head.packed is not None
+    assert model.lm_head.weight is (model.embed_tokens.weight if tied else None)
+    from tests.engine.test_kernel_backends import prompt_logits
+
+    a = prompt_logits(cpu_engine, prompts[2])
+    b = prompt_logits(torch_engine, prompts[2])
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
 
 
 _FALLBACK_SCRIPT = """
