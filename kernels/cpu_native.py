@@ -66,8 +66,9 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeKernelError(f"no C compiler ({_compiler()}): {e}") from e
-    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES.items()] + [" ".join(_FLAGS), version,
-                                                                              _cpu_identity()]
+    headers = sorted((Path(__file__).parent / "cpu").glob("*.h"))
+    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES.items()] + [h.read_text() for h in headers] + [
+        " ".join(_FLAGS), version, _cpu_identity()]
     key = hashlib.sha256("\0".join(parts).encode())
     root = Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duet") / "kernels"
     return root / f"duet_cpu_{key.hexdigest()[:16]}.so"

@@ -3,7 +3,7 @@
 // Why C: on a CPU the engine's decode step reads every running sequence's whole K/V once per layer. The torch
 // reference gathers the blocks into a padded copy, then SDPA reads the copy again (and masks the padding): about
 // ten bytes moved per byte of K/V. These kernels read each K/V row once, straight from the paged cache, with
-// one OpenMP task per (sequence, KV head). The OpenMP runtime is torch's own libgomp (same soname, loaded
+// one OpenMP task per sequence. The OpenMP runtime is torch's own libgomp (same soname, loaded
 // first), so these threads are torch's threads: no second pool spinning beside torch's GEMMs.
 //
 // Layout (kernels/__init__.py): a layer's cache is the strided view [num_blocks, block_size, num_kv_heads,
@@ -18,10 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 256   // query rows per call of attend_rows
-#define MAX_BLOCK 64   // tokens per cache block
+#define MAX_SCRATCH 8192  // floats of per-task scratch on the stack (32 KB); more is allocated
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  // 8 lanes, unaligned loads allowed
+#define VEC_LANES 8
+#define VEC_F v8
+#define VEC_I vi8
+#define VEC_NAME(f) v8##f
+#include "vexp.h"
 
 static inline float hsum8(v8 x) {
     float s0 = (x[0] + x[4]) + (x[2] + x[6]), s1 = (x[1] + x[5]) + (x[3] + x[7]);
@@ -50,62 +53,84 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-static inline void prefetch_block(const float *base, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)base + i);
-}
-
 // Attention of one sequence's query rows against its paged K/V, all KV heads at once, block by block, in one
 // pass (online softmax): a block's K and then V rows of every head are read once, in address order (with the
 // cache layout [.., layer, K/V, block_size, kv_heads, head_dim] they are one contiguous run), while the next
-// block is prefetched. Query row r belongs to query head head_of[r] (KV head head_of[r] / group) and sees
-// positions [lo_of[r], hi_of[r]) (causal end and sliding window applied by the caller); [lo, hi) covers every
-// row's range. Outputs are accumulated in out_rows. Scratch: m, l (rows floats each), p (rows * block_size).
-static void attend_rows(const float *const *q_rows, float *const *out_rows, const int *head_of, const int *lo_of,
-                        const int *hi_of, int rows, int group, int lo, int hi, const float *k, const float *v,
-                        int64_t k_b, int64_t k_t, int64_t k_h, int64_t v_b, int64_t v_t, int64_t v_h,
-                        const int32_t *table, int block_size, int head_dim, float scale, float *m, float *l,
-                        float *p) {
+// block is prefetched a slice per row (a burst of prefetches would stall the core). Query row r belongs to
+// query head head_of[r] (KV head head_of[r] / group) and sees positions [lo_of[r], hi_of[r]) (causal end and
+// sliding window applied by the caller); [lo, hi) covers every row's range. Outputs are accumulated in
+// out_rows. Scratch: m, l (rows floats each), p (rows * block_size). Inlined per head_dim: with a constant
+// head_dim the row's output accumulator stays in registers over a block and the dots unroll.
+static inline __attribute__((always_inline)) void attend_rows_impl(
+    const float *const *q_rows, float *const *out_rows, const int *head_of, const int *lo_of, const int *hi_of,
+    int rows, int group, int lo, int hi, const float *k, const float *v, int64_t k_b, int64_t k_t, int64_t k_h,
+    int64_t v_b, int64_t v_t, int64_t v_h, const int32_t *table, int block_size, const int head_dim, float scale,
+    float *m, float *l, float *p) {
+    const int vec = head_dim % 8 == 0 && head_dim <= 256, nc = head_dim / 8;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
         memset(out_rows[r], 0, sizeof(float) * head_dim);
     }
+    int64_t k_bytes = (int64_t)block_size * k_t * 4, v_bytes = (int64_t)block_size * v_t * 4;
+    int64_t k_step = ((k_bytes + rows - 1) / rows + 63) / 64 * 64, v_step = ((v_bytes + rows - 1) / rows + 63) / 64 * 64;
     int first_block = lo / block_size, last_block = (hi - 1) / block_size;
     for (int blk = first_block; blk <= last_block; blk++) {
-        if (blk < last_block) {
-            prefetch_block(k + (int64_t)table[blk + 1] * k_b, (int64_t)block_size * k_t * 4);
-            prefetch_block(v + (int64_t)table[blk + 1] * v_b, (int64_t)block_size * v_t * 4);
-        }
+        const char *nk = blk < last_block ? (const char *)(k + (int64_t)table[blk + 1] * k_b) : NULL;
+        const char *nv = blk < last_block ? (const char *)(v + (int64_t)table[blk + 1] * v_b) : NULL;
         const float *kb = k + (int64_t)table[blk] * k_b, *vb = v + (int64_t)table[blk] * v_b;
         int b0 = blk * block_size;
         for (int r = 0; r < rows; r++) {
+            if (nk) {
+                for (int64_t i = r * k_step; i < (r + 1) * k_step && i < k_bytes; i += 64) __builtin_prefetch(nk + i);
+                for (int64_t i = r * v_step; i < (r + 1) * v_step && i < v_bytes; i += 64) __builtin_prefetch(nv + i);
+            }
             int t0 = lo_of[r] > b0 ? lo_of[r] : b0;
             int t1 = hi_of[r] < b0 + block_size ? hi_of[r] : b0 + block_size;
             if (t0 >= t1) continue;
             const float *kh = kb + (int64_t)(head_of[r] / group) * k_h;
-            float *pr = p + (int64_t)r * block_size - b0;
+            float *pr = p + (int64_t)r * block_size;  // pr[t - b0]; hidden positions hold -inf (exp -> 0)
+            for (int i = 0; i < block_size; i++) pr[i] = -INFINITY;
             float bm = -INFINITY;
             for (int t = t0; t < t1; t++) {
-                pr[t] = dot(q_rows[r], kh + (int64_t)(t - b0) * k_t, head_dim) * scale;
-                bm = pr[t] > bm ? pr[t] : bm;
+                float sc = dot(q_rows[r], kh + (int64_t)(t - b0) * k_t, head_dim) * scale;
+                pr[t - b0] = sc;
+                bm = sc > bm ? sc : bm;
             }
+            float *o = out_rows[r];
             if (bm > m[r]) {  // a new running max: rescale what was accumulated under the old one
                 float alpha = expf(m[r] - bm);  // exp(-inf) = 0 on the first block
                 l[r] *= alpha;
-                float *o = out_rows[r];
 #pragma omp simd
                 for (int i = 0; i < head_dim; i++) o[i] *= alpha;
                 m[r] = bm;
             }
             float mr = m[r], sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int t = t0; t < t1; t++) {
-                pr[t] = expf(pr[t] - mr);
-                sum += pr[t];
+            if (block_size % 8 == 0) {
+                v8 acc = {0};
+                for (int i = 0; i < block_size; i += 8) {
+                    v8 e = v8exp(*(v8 *)(pr + i) - mr);
+                    *(v8 *)(pr + i) = e;
+                    acc += e;
+                }
+                sum = hsum8(acc);
+            } else {
+                for (int i = 0; i < block_size; i++) sum += (pr[i] = expf(pr[i] - mr));
             }
             l[r] += sum;
             const float *vh = vb + (int64_t)(head_of[r] / group) * v_h;
-            for (int t = t0; t < t1; t++) axpy(out_rows[r], pr[t], vh + (int64_t)(t - b0) * v_t, head_dim);
+            if (vec) {
+                v8 acc[32];
+                for (int c = 0; c < nc; c++) acc[c] = *(v8 *)(o + 8 * c);
+                for (int t = t0; t < t1; t++) {
+                    float pt = pr[t - b0];
+                    const float *vr = vh + (int64_t)(t - b0) * v_t;
+                    for (int c = 0; c < nc; c++) acc[c] += pt * *(const v8 *)(vr + 8 * c);
+                }
+                for (int c = 0; c < nc; c++) *(v8 *)(o + 8 * c) = acc[c];
+            } else {
+                for (int t = t0; t < t1; t++) axpy(o, pr[t - b0], vh + (int64_t)(t - b0) * v_t, head_dim);
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -116,22 +141,37 @@ static void attend_rows(const float *const *q_rows, float *const *out_rows, cons
     }
 }
 
+static void attend_rows(const float *const *q_rows, float *const *out_rows, const int *head_of, const int *lo_of,
+                        const int *hi_of, int rows, int group, int lo, int hi, const float *k, const float *v,
+                        int64_t k_b, int64_t k_t, int64_t k_h, int64_t v_b, int64_t v_t, int64_t v_h,
+                        const int32_t *table, int block_size, int head_dim, float scale, float *m, float *l,
+                        float *p) {
+#define ATTEND(D) attend_rows_impl(q_rows, out_rows, head_of, lo_of, hi_of, rows, group, lo, hi, k, v, k_b, k_t, \
+                                   k_h, v_b, v_t, v_h, table, block_size, D, scale, m, l, p)
+    switch (head_dim) {  // the common head sizes get their own unrolled copy
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(head_dim);
+    }
+#undef ATTEND
+}
+
 // One query token per sequence at position seq_lens[s] - 1 (its K/V already stored). One task per sequence.
-// Returns 0, or -1 if a scratch allocation failed.
+// Returns 0, or -1 if a scratch allocation failed (only sizes past the stack buffer allocate).
 int duet_decode_attention_f32(const float *q, int64_t q_s, int64_t q_h, const float *k, int64_t k_b,
                               int64_t k_t, int64_t k_h, const float *v, int64_t v_b, int64_t v_t, int64_t v_h,
                               const int32_t *tables, int64_t tab_s, const int32_t *seq_lens, float *out,
                               int64_t o_s, int64_t o_h, int num_seqs, int num_q_heads, int num_kv_heads,
                               int head_dim, int block_size, float scale, int window, int num_threads) {
-    int group = num_q_heads / num_kv_heads;
-    if (num_q_heads > MAX_ROWS || block_size > MAX_BLOCK) return -2;
+    int group = num_q_heads / num_kv_heads, failed = 0;
+    size_t scratch = (size_t)num_q_heads * (2 + block_size);  // m, l, p
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         int len = seq_lens[s];
         int lo = window > 0 && len > window ? len - window : 0;
-        const float *q_rows[MAX_ROWS];
-        float *out_rows[MAX_ROWS];
-        int head_of[MAX_ROWS], lo_of[MAX_ROWS], hi_of[MAX_ROWS];
+        const float *q_rows[num_q_heads];
+        float *out_rows[num_q_heads];
+        int head_of[num_q_heads], lo_of[num_q_heads], hi_of[num_q_heads];
         for (int j = 0; j < num_q_heads; j++) {
             q_rows[j] = q + s * q_s + (int64_t)j * q_h;
             out_rows[j] = out + s * o_s + (int64_t)j * o_h;
@@ -139,11 +179,19 @@ int duet_decode_attention_f32(const float *q, int64_t q_s, int64_t q_h, const fl
             lo_of[j] = lo;
             hi_of[j] = len;
         }
-        float m[MAX_ROWS], l[MAX_ROWS], p[MAX_ROWS * MAX_BLOCK];
+        float stack_buf[MAX_SCRATCH];
+        float *buf = scratch <= MAX_SCRATCH ? stack_buf : malloc(sizeof(float) * scratch);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         attend_rows(q_rows, out_rows, head_of, lo_of, hi_of, num_q_heads, group, lo, len, k, v, k_b, k_t, k_h,
-                    v_b, v_t, v_h, tables + s * tab_s, block_size, head_dim, scale, m, l, p);
+                    v_b, v_t, v_h, tables + s * tab_s, block_size, head_dim, scale, buf, buf + num_q_heads,
+                    buf + 2 * num_q_heads);
+        if (buf != stack_buf) free(buf);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 // Copy the first num_tokens rows of one sequence's K and V out of the paged cache into contiguous

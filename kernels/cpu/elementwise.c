@@ -12,44 +12,11 @@
 #else
 #define VL 8
 #endif
-typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4), aligned(4)));
-
-// exp(x) for 8/16 lanes at once (glibc's expf does not vectorize without -ffast-math): x = n ln2 + r with
-// |r| <= ln2 / 2 (ln2 split in two for exactness), exp(r) by the degree-6 Cephes polynomial, times 2^n built in
-// the exponent bits. Within a few ulp of expf; 0 below -87.34 and inf above 88.38 (where floats run out).
-static inline vf vsel(vi mask, vf a, vf b) {  // mask lanes are all ones (take a) or zero (take b)
-    return (vf)((mask & (vi)a) | (~mask & (vi)b));
-}
-
-static inline vf vexp(vf x) {
-    const vf hi = (vf){0} + 88.3762626647949f, lo = (vf){0} - 87.3365447504f;
-    vi under = x < lo, over = x > hi;
-    x = vsel(x > hi, hi, x);
-    x = vsel(x < lo, lo, x);
-    vf fx = x * 1.44269504088896341f + 0.5f;
-    vi n = __builtin_convertvector(fx, vi);  // truncates toward zero
-    vf nf = __builtin_convertvector(n, vf);
-    vi adjust = nf > fx;  // floor for negative fx
-    n += adjust;  // adjust is -1 where a lane rounded up
-    nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    vf z = r * r;
-    vf y = (vf){0} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    vi bits = (n + 127) << 23;
-    vf scale;
-    __builtin_memcpy(&scale, &bits, sizeof(scale));
-    y = y * scale;
-    y = vsel(over, (vf){0} + INFINITY, y);
-    return vsel(under, (vf){0}, y);
-}
+#define VEC_LANES VL
+#define VEC_F vf
+#define VEC_I vi
+#define VEC_NAME(f) v##f
+#include "vexp.h"
 
 // h = x (+ residual, written back to residual); out = weight * (h / sqrt(mean(h^2) + eps)), row by row.
 void duet_rms_norm_f32(const float *x, int64_t x_s, float *residual, int64_t r_s, const float *weight, float *out,

@@ -35,7 +35,7 @@ def _cache(head_dim, kv_heads, block_size, seq_lens, seed):
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [4, 16, 32])  # 4: the scalar softmax path
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_size, window):
     seq_lens = [1, 7, 33, 100, 16, 257]
@@ -48,6 +48,16 @@ def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_s
     out = cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
     ref = paged_decode_attention_ref(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
     assert_close(out, ref)
+
+
+def test_decode_attention_large_scratch():
+    """64 query heads x 128-token blocks: the per-sequence scratch no longer fits the stack buffer (heap)."""
+    seq_lens = [3, 300, 129]
+    gen, key_cache, value_cache, tables = _cache(16, 8, 128, seq_lens, seed=7)
+    q = torch.randn(len(seq_lens), 64, 16, generator=gen)
+    lens = lens_tensor(seq_lens).cpu()
+    assert_close(cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.25),
+                 paged_decode_attention_ref(q, key_cache, value_cache, tables, lens, 0.25))
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
