@@ -237,28 +237,34 @@ def _gather_kv(lib, key_cache, value_cache, table_row, num_tokens):
     return k, v
 
 
-def _visible_bias(q_len: int, kv_len: int, window: int | None, group: int) -> torch.Tensor:
-    """Additive mask [group * q_len, kv_len] (``group`` copies of [q_len, kv_len] stacked): 0 where query row
-    i (position kv_len - q_len + i) may attend, -inf elsewhere (causal, and the last ``window`` positions with a
-    sliding window). Cached: every layer of a step asks for the same few."""
-    key = (q_len, kv_len, window, group)
-    bias = _bias_cache.get(key)
-    if bias is None:
+def _hidden(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    """[q_len, kv_len] bool: True where query row i (position kv_len - q_len + i) may not attend with a sliding
+    window (a later position, or one ``window`` or more back). Cached (every layer of a step asks for the same)."""
+    key = (q_len, kv_len, window)
+    mask = _hidden_cache.get(key)
+    if mask is None:
         pos_q = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
         pos_k = torch.arange(kv_len).unsqueeze(0)
-        hidden = pos_k > pos_q
-        if window is not None:
-            hidden |= pos_k <= pos_q - window
-        bias = torch.zeros(q_len, kv_len).masked_fill_(hidden, float("-inf")).repeat(group, 1)
-        if len(_bias_cache) >= _BIAS_CACHE_SIZE:
-            _bias_cache.pop(next(iter(_bias_cache)))
-        _bias_cache[key] = bias
+        mask = (pos_k > pos_q) | (pos_k <= pos_q - window)
+        if len(_hidden_cache) >= _HIDDEN_CACHE_SIZE:
+            _hidden_cache.pop(next(iter(_hidden_cache)))
+        _hidden_cache[key] = mask
+    return mask
+
+
+def _future(m: int) -> torch.Tensor:
+    """[m, m] additive mask: -inf above the diagonal (a later position), 0 elsewhere; cached per m."""
+    bias = _future_cache.get(m)
+    if bias is None:
+        bias = _future_cache[m] = torch.zeros(m, m).masked_fill_(torch.ones(m, m, dtype=torch.bool).triu_(1),
+                                                                 float("-inf"))
     return bias
 
 
-_bias_cache: dict[tuple[int, int, int | None, int], torch.Tensor] = {}
+_future_cache: dict[int, torch.Tensor] = {}
+_hidden_cache: dict[tuple[int, int, int], torch.Tensor] = {}
 _PREFILL_ROWS = 128  # query rows per GEMM pair in prefill_attention
-_BIAS_CACHE_SIZE = 256
+_HIDDEN_CACHE_SIZE = 64
 
 
 def prefill_attention(
@@ -275,8 +281,8 @@ def prefill_attention(
 
     The K/V rows come out of the cache with one memcpy per block (C); the attention itself is GEMMs: a KV
     head's query heads are stacked into one [group * q_len, head_dim] matrix, so QKᵀ and PV are one batched
-    GEMM each over the KV heads (no K/V repeat for GQA), with an additive causal mask and an fp32 softmax in
-    between. On a CPU this beats SDPA's kernels 2-3x at prompt lengths (the scores of one sequence fit in
+    GEMM each over the KV heads (no K/V repeat for GQA), the hidden scores set to -inf in place (causal: only
+    the diagonal square; a sliding window: a cached mask) and an fp32 softmax in between. On a CPU this beats SDPA's kernels 2-3x at prompt lengths (the scores of one sequence fit in
     cache)."""
     _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens)
     cu = cu_seqlens_q.tolist()
@@ -303,8 +309,13 @@ def prefill_attention(
             # [m, Hkv, group, D] -> [Hkv, group * m, D]: row (j, i) = query head h * group + j at token c0 + i
             qg = q[q0 + c0:q0 + c1].reshape(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
                 num_kv_heads, group * m, head_dim)
-            bias = _visible_bias(m, kv_end, sliding_window, group)  # [group * m, kv_end]
-            scores = torch.baddbmm(bias.expand(num_kv_heads, -1, -1), qg, kt[:, :, :kv_end], alpha=scale)
+            scores = torch.baddbmm(torch.empty(num_kv_heads, group * m, kv_end), qg, kt[:, :, :kv_end], beta=0,
+                                   alpha=scale)  # [Hkv, group * m, kv_end]
+            per_head = scores.view(num_kv_heads, group, m, kv_end)
+            if sliding_window is None:  # only the slice's own last m columns hold hidden (later) positions
+                per_head[..., kv_end - m:].add_(_future(m))
+            else:
+                per_head.masked_fill_(_hidden(m, kv_end, sliding_window), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             o = torch.bmm(probs, vt[:, :kv_end])  # [Hkv, group * m, D]
             out[q0 + c0:q0 + c1] = o.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(
