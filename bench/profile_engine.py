@@ -4,7 +4,9 @@
 
 One run under ``torch.profiler`` (operators by self CPU time, GEMMs vs everything else) and the same run's
 wall time split into the engine step's parts: schedule, the model forward, sampling, and the bookkeeping
-after it. Same model and workload as bench/bench_engine.py (SmolLM2 fp32 by default).
+after it; then the forward's time by kernel-backend op (``KernelOps``: GEMMs, attention, the fused per-token
+ops — the C kernels of the CPU path are invisible to torch.profiler), for steps with prefill tokens and
+decode-only steps apart. Same model and workload as bench/bench_engine.py (SmolLM2 fp32 by default).
 """
 from __future__ import annotations
 
@@ -16,7 +18,37 @@ import torch
 
 from bench.bench_engine import workload
 
-_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise"}
+
+
+def time_kernel_ops(engine, parts: dict[str, float], kind: list[str]) -> None:
+    """Route every module's KernelOps calls through timers: parts[f"{kind[0]} {op}"] += seconds."""
+    import dataclasses
+
+    ops = engine.runner.ops
+
+    def timed(name, fn):
+        if fn is None:
+            return None
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[f"{kind[0]} {name}"] += time.perf_counter() - t0
+        return wrapper
+
+    names = ("store_kv", "prefill_attention", "decode_attention", "linear", "w8a16_linear", "rms_norm", "rotary_",
+             "silu_mul", "linear_packed")
+    timed_ops = dataclasses.replace(ops, **{n: timed(n, getattr(ops, n)) for n in names})
+    for module in engine.runner.model.modules():
+        if getattr(module, "ops", None) is ops:
+            module.ops = timed_ops
+        if getattr(module, "fused", None) is not None:  # RMSNorm
+            module.fused = timed_ops.rms_norm
+        if getattr(module, "silu_mul", None) is not None:  # MLP
+            module.silu_mul = timed_ops.silu_mul
 
 
 def main() -> None:
@@ -48,7 +80,19 @@ def main() -> None:
                 parts[name] += time.perf_counter() - t0
         return wrapper
 
-    engine.runner.execute = timed("forward (runner.execute)", runner_execute)
+    kind = ["prefill"]
+    op_parts: dict[str, float] = defaultdict(float)
+    time_kernel_ops(engine, op_parts, kind)
+
+    def execute(out):
+        kind[0] = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
+        t0 = time.perf_counter()
+        try:
+            return runner_execute(out)
+        finally:
+            op_parts[f"{kind[0]} (whole forward)"] += time.perf_counter() - t0
+
+    engine.runner.execute = timed("forward (runner.execute)", execute)
     engine_module.sample = timed("sampling", sample_fn)
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     for p, o in reqs:
@@ -66,6 +110,13 @@ def main() -> None:
         print(f"  {name:<28} {t:7.2f} s  {t / total:6.1%}")
     rest = total - sum(parts.values())
     print(f"  {'step bookkeeping (rest)':<28} {rest:7.2f} s  {rest / total:6.1%}")
+    print(f"the forward by kernel op (backend {engine.runner.backend}), seconds:")
+    for k in ("prefill", "decode"):
+        whole = op_parts.get(f"{k} (whole forward)", 0.0)
+        mine = {n.split(" ", 1)[1]: t for n, t in op_parts.items() if n.startswith(k + " ") and "whole" not in n}
+        print(f"  {k} steps: {whole:.2f} s; " + ", ".join(f"{n} {t:.2f}" for n, t in
+                                                         sorted(mine.items(), key=lambda kv: -kv[1]))
+              + f", rest {whole - sum(mine.values()):.2f}")
     events = prof.key_averages()
     cpu_total = sum(e.self_cpu_time_total for e in events)
     gemm = sum(e.self_cpu_time_total for e in events if e.key in _GEMM_OPS)
