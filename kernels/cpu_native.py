@@ -114,6 +114,8 @@ def load() -> ctypes.CDLL:
                 _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
             lib.duet_gather_kv_f32.restype = None
             lib.duet_gather_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _INT, _INT, _I64, _PTR, _PTR]
+            lib.duet_check_paged_f32.restype = _INT
+            lib.duet_check_paged_f32.argtypes = [_PTR, _I64, _PTR, _INT, _INT, _INT, _I64]
             lib.duet_store_kv_f32.restype = None
             lib.duet_store_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
                                               _INT, _I64]
@@ -154,16 +156,17 @@ def _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens) -> None
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {key_cache.shape[2]} KV heads")
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens must be contiguous")
-    # the C code trusts every length and block id: check them here (host values, no sync on a CPU)
-    if seq_lens.numel():
-        width, block_size = block_tables.shape[1], key_cache.shape[1]
-        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > width * block_size:
-            raise ValueError(f"seq_lens must be in [1, {width * block_size}] (block table width × block size)")
-        needed = (seq_lens.long() + block_size - 1) // block_size
-        used = torch.arange(width).unsqueeze(0) < needed.unsqueeze(1)
-        ids = block_tables[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= key_cache.shape[0]):
-            raise ValueError(f"block_tables name blocks outside [0, {key_cache.shape[0]})")
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    # the C code trusts every length and block id: check them here (a C loop over the used entries: every
+    # layer of every step calls this)
+    width, block_size = block_tables.shape[1], key_cache.shape[1]
+    rc = load().duet_check_paged_f32(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                                     seq_lens.shape[0], width, block_size, key_cache.shape[0])
+    if rc == 1:
+        raise ValueError(f"seq_lens must be in [1, {width * block_size}] (block table width × block size)")
+    if rc == 2:
+        raise ValueError(f"block_tables name blocks outside [0, {key_cache.shape[0]})")
 
 
 def paged_decode_attention(

@@ -219,3 +219,18 @@ void duet_store_kv_f32(const float *k, int64_t k_s, const float *v, int64_t v_s,
         memcpy(v_cache + b * vc_b + off * vc_t, v + t * v_s, sizeof(float) * row_elems);
     }
 }
+
+// The launchers' check of what the kernels above trust: 0 if every length is in [1, width * block_size] and
+// every block id a sequence uses is in [0, num_blocks); 1 for a bad length, 2 for a bad block id.
+int duet_check_paged_f32(const int32_t *tables, int64_t tab_s, const int32_t *lens, int n, int width,
+                         int block_size, int64_t num_blocks) {
+    for (int s = 0; s < n; s++) {
+        int len = lens[s];
+        if (len < 1 || (int64_t)len > (int64_t)width * block_size) return 1;
+        for (int j = 0; j < (len + block_size - 1) / block_size; j++) {
+            int32_t b = tables[s * tab_s + j];
+            if (b < 0 || b >= num_blocks) return 2;
+        }
+    }
+    return 0;
+}

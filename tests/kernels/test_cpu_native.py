@@ -215,3 +215,17 @@ def test_store_kv_matches_reference():
     assert torch.equal(cache_a, cache_b)
     with pytest.raises(ValueError, match="slot_mapping"):
         cpu_native.store_kv(k, v, *layer_views(cache_b), torch.full((40,), 12 * 16))
+
+
+def test_validation_sees_tables_changed_in_place():
+    """Every call checks the tables and lengths it is given (the C kernels trust them)."""
+    gen, key_cache, value_cache, tables = _cache(64, 2, 16, [20, 30], seed=2)
+    q = torch.randn(2, 4, 64)
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)  # valid: remembered
+    tables[1, 0] = key_cache.shape[0] + 5
+    with pytest.raises(ValueError, match="outside"):
+        cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
+    lens[0] = 10_000
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
