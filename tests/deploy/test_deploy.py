@@ -158,6 +158,7 @@ def test_image_build_files_reference_only_what_exists():
     assert {d.suffix for d in dockerfiles} == {".cpu", ".cuda"}
     for dockerfile in dockerfiles:
         text = dockerfile.read_text()
+        assert re.search(r"apt-get install[^\n]*\bgcc\b", text), f"{dockerfile.name}: no C compiler for the kernels"
         for line in re.findall(r"^(?:COPY|ADD)\s+(.+)$", text, re.M):
             *sources, _dest = line.split()
             for src in sources:

@@ -229,3 +229,17 @@ def test_validation_sees_tables_changed_in_place():
     lens[0] = 10_000
     with pytest.raises(ValueError, match="seq_lens"):
         cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 130, 256, 300])  # exact row counts, then padded to 128s
+def test_packed_linear_matches_dense(m):
+    if not cpu_native.onednn_available():
+        pytest.fail("this torch build has no oneDNN: the CPU path's GEMMs need it")
+    gen = torch.Generator().manual_seed(m)
+    w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(m, 80, generator=gen)
+    packed = cpu_native.pack_linear(w)
+    out = cpu_native.linear_packed(x, packed, b)
+    assert out.shape == (m, 96)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_native.linear_packed(x, packed), x @ w.T, atol=1e-4, rtol=1e-5)
