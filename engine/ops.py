@@ -88,6 +88,8 @@ def get_ops(backend: str) -> KernelOps:
     if backend == "cpu":
         from kernels import cpu_native
 
+        if not cpu_native.onednn_available():
+            log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
         return KernelOps(
             name="cpu",
             store_kv=cpu_native.store_kv,
