@@ -9,22 +9,16 @@ last line is ``ratio: <MKL / oneDNN>`` at M = 8 (a typical decode batch on this 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from bench.bench_engine import _timed
 from kernels import cpu_native
 
 
 def _best(fn, repeats: int = 4) -> float:
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    fn()  # warm-up: oneDNN creates its primitive for the shape
+    return min(_timed(fn) for _ in range(repeats))
 
 
 def main() -> None:

@@ -33,13 +33,13 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row
-            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.ops.rotary_ is None:
+        if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row (q, k are views)
+            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
+        else:
             q, k = rope(positions, q, k)
         o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -1,9 +1,11 @@
 """The kernel backend seam: which implementation of each op the model calls.
 
-``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: torch's GEMMs, and KV stores,
-attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only).
-``triton``: the Triton launchers (CUDA, or the Triton interpreter on CPU when forced, as the tests do). ``auto``: triton on CUDA; on a CPU, ``cpu`` for
-float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the environment overrides ``auto``.
+``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: KV stores,
+attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only);
+GEMMs by oneDNN on weights packed once at load.
+``triton``: the Triton launchers (CUDA, or the Triton interpreter on CPU when forced, as the tests do).
+``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
+environment overrides ``auto``.
 
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
 instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import _triton_utils as tu
+
 # source -> its own flags; elementwise.c: a * b + c stays two roundings (no FMA), as torch's elementwise ops
 # compute it, so the fused ops agree with the layers' torch code to the last bit where the order allows
 _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
@@ -142,14 +144,10 @@ def load() -> ctypes.CDLL:
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    """The launchers' argument check (kernels/_triton_utils.check_tensor), plus: on the CPU, last dim contiguous."""
+    tu.check_tensor(name, t, ndim, (dtype,))
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: the C kernels take CPU tensors")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} has dtype {t.dtype}, the C kernels take {dtype}")
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
@@ -412,9 +410,10 @@ def onednn_available() -> bool:
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (fp32) reordered once into oneDNN's blocked layout for ``linear_packed``.
 
-    Why: with the few rows of a decode step (M = 1..32) oneDNN's kernels on a packed weight run 20-45 % faster
-    than MKL's sgemm on the dense one (the LM head up to M = 128), and at prefill sizes within 3 % (measured on
-    the dev VM: docs/benchmarks.md). The packed copy replaces the dense weight (same memory)."""
+    Why: with the few rows of a decode step (M = 4..32) oneDNN's kernels on a packed weight run 11-23 % faster
+    than MKL's sgemm on the dense one (the LM head 20-55 %, up to M = 128); one row is 24 % slower and prefill
+    sizes 2-3 % slower (``python -m bench.gemm_backends``, docs/benchmarks.md): a net gain on a serving mix.
+    The packed copy replaces the dense weight (same memory)."""
     _check("weight", weight, 2, torch.float32)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
