@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -72,6 +72,10 @@ soak: install system-deps
 bench-engine: install
 	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)
 	$(PY) -m bench.bench_engine $(if $(SMALL),--small --repeats 1,) $(if $(TINY),--tiny,) $(if $(SKIP_VLLM),--skip-vllm,)
+
+# decode tok/s and memory-bandwidth fraction; baseline: CUDA without graphs (GPU) or the torch kernels (CPU)
+bench-decode: install
+	$(PY) -m bench.bench_decode $(if $(TINY),--tiny,)
 
 # GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
 bench-kernels: install

@@ -31,6 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                   help="CUDA: decode batches up to this size replay CUDA graphs (0: eager)")
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -41,7 +43,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
         quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching)
+        cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:

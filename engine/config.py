@@ -357,6 +357,9 @@ class EngineConfig:
     device: str = "cpu"
     kernels: str = "auto"  # auto | torch | cpu | triton (engine/ops.py)
     quantization: str | None = None  # None | "w8a16"
+    # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
+    # 0 runs every step eagerly. Ignored on a CPU.
+    cuda_graph_max_batch: int = 256
     hash_seed: int = 0
     hash_namespace: str = ""
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -373,6 +376,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch}")
         if self.quantization not in (None, "w8a16"):
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:

@@ -44,7 +44,9 @@ class EngineStats:
     num_remote_prefix_hit_blocks: int = 0  # decode role: blocks not transferred because we had them
     num_remote_recomputes: int = 0  # decode role: failed transfers recomputed locally
     num_remote_failures: int = 0  # decode role: failed transfers ended with an error
-    kernel_fallbacks: int = 0  # 1 if this engine runs the torch reference kernels because the C ones failed
+    # slower paths taken because a faster one failed: the torch reference kernels instead of the C ones (the C
+    # library would not build), eager decode instead of a CUDA graph (a capture failed); the log says which
+    kernel_fallbacks: int = 0
 
 
 class Engine:
@@ -61,7 +63,7 @@ class Engine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self.stats.kernel_fallbacks = int(self.runner.kernel_fallback is not None)
+        self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -188,6 +190,7 @@ class Engine:
         if sched.is_empty:
             return outputs
         logits, sampled = self.runner.execute(sched)
+        self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self.scheduler.on_step_computed(sched)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += sched.num_batched_tokens

@@ -3,6 +3,10 @@ pass and returns the logits of every request that completed its sequence this st
 
 The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md):
 all layers of a block are contiguous, so one block moves as one descriptor between workers.
+
+On CUDA, decode-only steps replay CUDA graphs (``DecodeGraphs``): a decode step of a small model is a few
+hundred kernel launches of microseconds each, so launching them one by one from Python costs more than the
+kernels. Mixed and prefill steps run eagerly (their GEMMs are large enough to hide the launches).
 """
 from __future__ import annotations
 
@@ -71,6 +75,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and cfg.cuda_graph_max_batch:
+            self.decode_graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                                              -(-max_model_len // cfg.block_size))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
@@ -102,22 +111,26 @@ class ModelRunner:
                 sampled.append(s)
         dev = self.device
         n_p = len(prefills)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_prefill_tokens=cu_q[n_p],
-            prefill_block_tables=table[:n_p],
-            prefill_cu_seqlens_q=torch.tensor(cu_q[: n_p + 1], dtype=torch.int32, device=dev),
-            prefill_seq_lens=lens[:n_p],
-            decode_block_tables=table[n_p:],
-            decode_seq_lens=lens[n_p:],
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_cache, meta)
+        graphs = self.decode_graphs
+        if not prefills and graphs is not None and len(decodes) <= graphs.max_batch:
+            hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
+        else:
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                num_prefill_tokens=cu_q[n_p],
+                prefill_block_tables=table[:n_p],
+                prefill_cu_seqlens_q=torch.tensor(cu_q[: n_p + 1], dtype=torch.int32, device=dev),
+                prefill_seq_lens=lens[:n_p],
+                decode_block_tables=table[n_p:],
+                decode_seq_lens=lens[n_p:],
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                self.kv_cache, meta)
         row = 0
         for s in ordered:
             if s.request.needs_prompt_logprobs:
@@ -152,3 +165,107 @@ class ModelRunner:
 
 
 _PROMPT_LOGPROB_ROWS = 256
+
+
+class DecodeGraphs:
+    """Decode-only steps replayed from CUDA graphs, one per batch size bucket (1, 2, 4, 8, 16, 24, ... up to
+    ``max_batch``).
+
+    A graph replays fixed kernels on fixed addresses, so a step's inputs are copied into static buffers sized
+    for ``max_batch`` sequences and a block table as wide as ``max_model_len`` needs; a batch of ``n`` runs the
+    graph of the smallest bucket >= n, its extra rows padding: slot -1 (``store_kv`` skips it), length 1 and
+    block 0 (read, never written; their outputs are dropped). Buckets are captured lazily, the first time a
+    decode batch of their size runs (a prefill-only worker captures none), on a padding-only batch, after one
+    eager warm-up run (Triton compiles there), all in one memory pool.
+
+    The kernels on this path make no host syncs on CUDA (data checks are off there unless
+    ``DUET_KERNEL_CHECKS=1``, which the capture refuses). A capture that fails anyway is logged, counted in
+    the runner's ``fallbacks`` (the worker's ``duet_kernel_fallbacks``) and decode goes on eagerly.
+
+    ``capture=False`` runs the same padded static-buffer path eagerly: the CPU tests check padding and buffer
+    handling with it (a CPU has no graphs).
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+        self.runner = runner
+        self.max_batch = max_batch
+        self.capture = capture
+        self.sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+        dev = runner.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph or None, static output)
+        self.pool = None
+        self.replays = 0
+
+    def bucket(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            seq_lens: list[int]) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only batch of n <= max_batch sequences (a view of the graph's
+        static output: valid until the next step)."""
+        n = len(seq_lens)
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self._fill(b, [], [], [], [], [])
+            self.graphs[b] = self._capture(b) if self.capture else (None, None)
+        self._fill(b, input_ids, positions, slots, tables, seq_lens)
+        graph, out = self.graphs[b]
+        if graph is None:
+            out = self._forward(b)
+        else:
+            graph.replay()
+            self.replays += 1
+        return out[:n]
+
+    def _fill(self, b, input_ids, positions, slots, tables, seq_lens) -> None:
+        """Copy a batch into the first ``b`` rows of the static buffers, the rows after it as padding."""
+        n, width = len(seq_lens), self.tables.shape[1]
+        pad = b - n
+        host_table = torch.zeros(b, width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            host_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.tables[:b].copy_(host_table, non_blocking=True)
+        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.long), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.long), non_blocking=True)
+        self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        dev = self.runner.device
+        empty = torch.zeros(0, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:b], num_prefill_tokens=0,
+            prefill_block_tables=self.tables[:0], prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
+            prefill_seq_lens=empty, decode_block_tables=self.tables[:b], decode_seq_lens=self.seq_lens[:b])
+        return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_cache, meta)
+
+    def _capture(self, b: int) -> tuple[object, torch.Tensor]:
+        import os
+
+        if os.environ.get("DUET_KERNEL_CHECKS") == "1":
+            return self._give_up(b, "DUET_KERNEL_CHECKS=1 makes the kernels read values on the host")
+        try:
+            side = torch.cuda.Stream(self.runner.device)
+            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(side):
+                self._forward(b)  # warm-up: Triton compiles and picks configs outside the capture
+            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: NIXL's threads may use CUDA meanwhile; only this thread's calls must be capture-safe
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._forward(b)
+            self.pool = graph.pool()
+            log.info("captured a CUDA graph for decode batches of %d", b)
+            return graph, out
+        except Exception as e:  # noqa: BLE001 - decode still works eagerly; said and counted
+            return self._give_up(b, f"{type(e).__name__}: {e}")
+
+    def _give_up(self, b: int, reason: str) -> tuple[None, None]:
+        log.warning("CUDA graph capture for decode batches of %d failed, running them eagerly: %s", b, reason)
+        self.runner.fallbacks.append(f"cuda graph b={b}: {reason}")
+        return None, None

@@ -3,7 +3,8 @@
 ``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: KV stores,
 attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only);
 GEMMs by oneDNN on weights packed once at load.
-``triton``: the Triton launchers (CUDA, or the Triton interpreter on CPU when forced, as the tests do).
+``triton``: the Triton launchers, the fused per-token ops of kernels/fused.py included (CUDA, or the Triton
+interpreter on CPU when forced, as the tests do).
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
 
@@ -34,7 +35,8 @@ class KernelOps:
     decode_attention: Callable
     linear: Callable
     w8a16_linear: Callable
-    # fused per-token ops (kernels/cpu_native.py); None: the layers' own torch code (engine/layers.py)
+    # fused per-token ops (kernels/cpu_native.py in C, kernels/fused.py in Triton); None: the layers' own torch
+    # code (engine/layers.py)
     rms_norm: Callable | None = None
     rotary_: Callable | None = None
     silu_mul: Callable | None = None
@@ -114,6 +116,8 @@ def get_ops(backend: str) -> KernelOps:
             linear=gemm.gemm_ref,
             w8a16_linear=gemm.w8a16_gemm_ref,
         )
+    from kernels import fused
+
     return KernelOps(
         name="triton",
         store_kv=store_kv.store_kv,
@@ -121,4 +125,7 @@ def get_ops(backend: str) -> KernelOps:
         decode_attention=decode_attention.paged_decode_attention,
         linear=gemm.gemm,
         w8a16_linear=gemm.w8a16_gemm,
+        rms_norm=fused.rms_norm,
+        rotary_=fused.rotary_,
+        silu_mul=fused.silu_mul,
     )

@@ -7,8 +7,9 @@ of ``kernels.store_kv`` / ``kernels.decode_attention`` / ... (importing ``triton
 Every kernel module imports this one first, so ``INTERPRET`` below is the mode its kernels were built in.
 
 Data-dependent checks (slot ids, block ids and lengths inside the bound tensors) need the values on the host:
-free on CPU, a device sync on CUDA. They run always on CPU tensors and on CUDA only with
-``DUET_KERNEL_CHECKS=1``; elsewhere those values are the caller's contract.
+free on CPU, a device sync on CUDA (and no CUDA graph can hold one). They run on CPU tensors (unless
+``DUET_KERNEL_CHECKS=0``: the tests use it to check that the CUDA path reads no values on the host) and on CUDA
+only with ``DUET_KERNEL_CHECKS=1``; elsewhere those values are the caller's contract.
 """
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def triton_available(device: torch.device | str) -> bool:
 
 
 def value_checks_enabled(device: torch.device) -> bool:
-    return device.type == "cpu" or os.environ.get("DUET_KERNEL_CHECKS") == "1"
+    """On CPU tensors unless ``DUET_KERNEL_CHECKS=0``; on CUDA only with ``DUET_KERNEL_CHECKS=1`` (a sync each)."""
+    setting = os.environ.get("DUET_KERNEL_CHECKS")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return device.type == "cpu"
 
 
 def check_device(**tensors: torch.Tensor | None) -> torch.device:

@@ -171,8 +171,9 @@ _WORKER_COUNTERS = (
      "(transfer.recompute_on_failure: false).", "num_remote_failures"),
     ("duet_kv_transfers_skipped", "Handoffs the decode worker already held completely (nothing pulled).",
      "transfers_skipped_full_hit"),
-    ("duet_kernel_fallbacks", "Engines running the torch reference kernels because the C attention kernels could "
-     "not be built or loaded (the worker's log says why).", "kernel_fallbacks"),
+    ("duet_kernel_fallbacks", "Slower kernel paths an engine took because a faster one failed: the torch reference "
+     "kernels because the C ones could not be built or loaded, or eager decode because a CUDA graph capture "
+     "failed (the worker's log says why).", "kernel_fallbacks"),
     ("duet_event_batches_undelivered", "KV event batches a worker could not publish to every sink (Redis down); "
      "it republishes its full cached set once the sink is back.", "events_undelivered"),
 )

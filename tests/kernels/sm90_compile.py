@@ -73,7 +73,7 @@ def _resource_usage(cubin: bytes) -> dict:
 
 def _cases(full: bool):
     """(label, thunk) for the configs each launcher picks at serving shapes; ``full`` = every combination."""
-    from kernels import decode_attention as da, gemm, prefill_attention as pa, store_kv as sk
+    from kernels import decode_attention as da, fused as fu, gemm, prefill_attention as pa, store_kv as sk
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     if full:
@@ -104,6 +104,12 @@ def _cases(full: bool):
         yield f"prefill {label}", lambda: pa.prefill_attention(q, kc, vc, bt, cu, sl, 0.1, 128)
         k = torch.zeros(5, kv_heads, head_dim, dtype=dtype)
         yield f"store_kv {label}", lambda: sk.store_kv(k, k, kc, vc, torch.arange(5))
+    for dtype in (bf16, fp32):
+        x = torch.zeros(8, 4096, dtype=dtype)
+        yield f"rms_norm {dtype}", lambda: fu.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5, torch.zeros_like(x))
+        qkv, table = torch.zeros(8, 48 * 128, dtype=dtype), torch.zeros(4096, 128)
+        yield f"rotary {dtype}", lambda: fu.rotary_(qkv, 40, 128, torch.zeros(8, dtype=torch.long), table, table)
+        yield f"silu_mul {dtype}", lambda: fu.silu_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
     for dtype, m, groups in gemms:
         x = torch.zeros(m, 4096, dtype=dtype)
         if groups is None:

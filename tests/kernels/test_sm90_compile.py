@@ -24,5 +24,6 @@ def test_every_kernel_compiles_for_h100_without_spills():
     assert done.returncode == 0 and not problems, (problems, done.stderr[-3000:])
     kernels = {r["kernel"] for r in rows if "kernel" in r}
     assert kernels == {"_store_kv_kernel", "_decode_partition_kernel", "_decode_reduce_kernel",
-                       "_prefill_attention_kernel", "_gemm_kernel"}
+                       "_prefill_attention_kernel", "_gemm_kernel", "_rms_norm_kernel", "_rotary_kernel",
+                       "_silu_mul_kernel"}
     assert rows[-1]["compiled"] >= 20

@@ -1,0 +1,111 @@
+"""Decode steps on the CUDA-graph path's static, padded buffers (engine/model_runner.py ``DecodeGraphs``).
+
+A CPU has no CUDA graphs, so these tests run ``DecodeGraphs(capture=False)``: the same static buffers, bucketing
+and padding rows, the forward run eagerly on them. What they check is what a graph would replay: a batch padded
+to its bucket gives the tokens and log-probs of the unpadded eager step, and the padding rows write nothing into
+the KV cache. The capture itself (torch.cuda.CUDAGraph) runs only on a GPU machine.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.model_runner import DecodeGraphs
+from engine.request import SamplingParams
+
+# five prompts of different lengths: decode batches of 5, then fewer as requests finish (max_tokens differ)
+PROMPTS = [[5, 6, 7], list(range(10, 43)), list(range(60, 80)), [9] * 17, list(range(100, 131))]
+MAX_TOKENS = [9, 4, 7, 12, 6]
+
+
+def run(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(
+        max_tokens=m, temperature=0, ignore_eos=True, logprobs=0)).request_id for p, m in zip(PROMPTS, MAX_TOKENS)]
+    got: dict[str, tuple[list[int], list[float]]] = {i: ([], []) for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_logprobs)
+    return {str(k): got[i] for k, i in enumerate(ids)}
+
+
+def make(model_dir, kernels: str, graphs: bool) -> Engine:
+    e = Engine(EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=8, kernels=kernels))
+    assert e.runner.decode_graphs is None  # a CPU engine captures no graphs by default
+    if graphs:
+        r = e.runner
+        r.decode_graphs = DecodeGraphs(r, 6, -(-e.max_model_len // e.config.block_size), capture=False)
+    return e
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_padded_static_decode_matches_eager(tiny_model, kernels):
+    model_dir = tiny_model("llama")
+    eager, padded = make(model_dir, kernels, False), make(model_dir, kernels, True)
+    want, got = run(eager), run(padded)
+    graphs = padded.runner.decode_graphs
+    assert set(graphs.graphs) == {6, 4, 2, 1}  # decode batches of 5, 4, 3, 2, 1 → buckets 6, 4, 4, 2, 1
+    for k in want:
+        assert got[k][0] == want[k][0], k
+        assert len(got[k][0]) == MAX_TOKENS[int(k)]
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(want[k][1]), rtol=0, atol=1e-4)
+    # padding rows (slot -1) wrote nothing: both caches hold the same K/V in every block
+    torch.testing.assert_close(padded.runner.kv_cache, eager.runner.kv_cache, rtol=0, atol=1e-5)
+
+
+def test_buckets_and_padding_rows(tiny_model):
+    e = make(tiny_model("llama"), "torch", False)
+    g = DecodeGraphs(e.runner, 20, 4, capture=False)
+    assert g.sizes == [1, 2, 4, 8, 16, 20]
+    assert [g.bucket(n) for n in (1, 3, 5, 8, 9, 17, 20)] == [1, 4, 8, 8, 16, 20, 20]
+    g._fill(4, [11, 12], [3, 7], [5, 40], [[0], [2, 2, 2]], [4, 8])
+    assert g.input_ids[:4].tolist() == [11, 12, 0, 0]
+    assert g.slots[:4].tolist() == [5, 40, -1, -1]
+    assert g.seq_lens[:4].tolist() == [4, 8, 1, 1]
+    assert g.tables[:4].tolist() == [[0, 0, 0, 0], [2, 2, 2, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert DecodeGraphs(e.runner, 1, 4, capture=False).sizes == [1]
+    assert DecodeGraphs(e.runner, 8, 4, capture=False).sizes == [1, 2, 4, 8]
+
+
+def test_graph_batch_limit_is_validated():
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        EngineConfig(model="m", cuda_graph_max_batch=-1)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the aten ops that read a tensor's values on the host (a device sync on CUDA, which a graph
+    capture refuses)."""
+    SYNCING = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.SYNCING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need the interpreter")
+def test_triton_decode_forward_reads_no_values_on_the_host(tiny_model, monkeypatch):
+    """What a CUDA graph captures: the decode forward of the triton backend, data checks off as on CUDA, must
+    not read tensor values on the host. With the checks on (the CPU default) the probe sees them: it works."""
+    e = Engine(EngineConfig(model=str(tiny_model("llama")), num_blocks=32, kernels="triton"))
+    g = DecodeGraphs(e.runner, 4, 8, capture=False)
+    g._fill(4, [5, 6], [3, 4], [40, 41], [[2], [2]], [4, 5])
+    probes = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("DUET_KERNEL_CHECKS", setting)
+        probes[setting] = _HostReads()
+        with torch.inference_mode(), probes[setting]:
+            out = g._forward(4)
+        assert out.shape == (4, e.model_config.hidden_size) and bool(out.isfinite().all())
+    assert probes["1"].seen, "the probe saw none of the checks' host reads"
+    assert probes["0"].seen == []
