@@ -145,6 +145,10 @@ def _init_ray(config: ClusterConfig) -> bool:
     auto = config.autoscaler
     n_workers = max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode) + 1
     per_worker_cpus = max(config.prefill.num_cpus, config.decode.num_cpus)
+    if not config.engine.device.startswith("cuda"):  # the workers (started by this Ray) inherit it
+        from engine.model_runner import with_huge_page_malloc
+
+        os.environ.update(with_huge_page_malloc(dict(os.environ)))
     ray.init(num_cpus=max(os.cpu_count() or 1, int(n_workers * per_worker_cpus + 0.999)),
              resources={WORKER_RESOURCE: n_workers}, namespace="duet", include_dashboard=False, log_to_driver=True)
     return True
