@@ -243,12 +243,14 @@ class DecodeGraphs:
 
     def _fill(self, b, input_ids, positions, slots, tables, seq_lens) -> None:
         """Copy a batch into the first ``b`` rows of the static buffers, the rows after it as padding."""
-        n, width = len(seq_lens), self.tables.shape[1]
+        n = len(seq_lens)
         pad = b - n
-        host_table = torch.zeros(b, width, dtype=torch.int32)
+        used = max((len(t) for t in tables), default=1)  # columns this batch uses; the rest are zeroed on the device
+        host_table = torch.zeros(b, used, dtype=torch.int32)
         for i, t in enumerate(tables):
             host_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.tables[:b].copy_(host_table, non_blocking=True)
+        self.tables[:b].zero_()
+        self.tables[:b, :used].copy_(host_table, non_blocking=True)
         self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.long), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.long), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)

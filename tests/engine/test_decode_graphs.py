@@ -64,7 +64,8 @@ def test_buckets_and_padding_rows(tiny_model):
     g = DecodeGraphs(e.runner, 20, 4, capture=False)
     assert g.sizes == [1, 2, 4, 8, 16, 20]
     assert [g.bucket(n) for n in (1, 3, 5, 8, 9, 17, 20)] == [1, 4, 8, 8, 16, 20, 20]
-    g._fill(4, [11, 12], [3, 7], [5, 40], [[0], [2, 2, 2]], [4, 8])
+    g._fill(4, [9, 9, 9], [50, 50, 50], [1, 2, 3], [[3, 3, 3, 3]] * 3, [60, 60, 60])  # wider, then narrower:
+    g._fill(4, [11, 12], [3, 7], [5, 40], [[0], [2, 2, 2]], [4, 8])  # nothing of the first batch may remain
     assert g.input_ids[:4].tolist() == [11, 12, 0, 0]
     assert g.slots[:4].tolist() == [5, 40, -1, -1]
     assert g.seq_lens[:4].tolist() == [4, 8, 1, 1]
