@@ -115,3 +115,23 @@ def test_argument_errors():
         fused.rotary_(qkv, 3, 8, torch.tensor([0, 256], device=DEVICE), rope.cos, rope.sin)
     with pytest.raises(TypeError, match="positions has dtype"):
         fused.rotary_(qkv, 3, 8, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_on_an_offset_column_slice_touches_nothing_else(dtype):
+    rope, t, head_dim, heads = _rope(32), 5, 32, 3
+    buf = rows(t, 8 + heads * head_dim + 8, dtype, 6).contiguous()  # the slice starts 8 columns in
+    x = buf[:, 8: 8 + heads * head_dim]
+    positions = torch.tensor([3, 0, 9, 200, 17], device=DEVICE)
+    want = rope(positions, x.reshape(t, heads, head_dim), x.reshape(t, heads, head_dim))[0].reshape(t, -1)
+    before = buf.clone()
+    fused.rotary_(x, heads, head_dim, positions, rope.cos, rope.sin)
+    assert_matches(x, want)
+    assert torch.equal(buf[:, :8], before[:, :8]) and torch.equal(buf[:, -8:], before[:, -8:])
+
+
+def test_rotary_on_no_rows():
+    rope = _rope(32)
+    x = torch.zeros(0, 96, device=DEVICE)
+    fused.rotary_(x, 3, 32, torch.zeros(0, dtype=torch.long, device=DEVICE), rope.cos, rope.sin)
+    assert x.shape == (0, 96)
