@@ -1,7 +1,8 @@
 """Decode steps on the CUDA-graph path's static, padded buffers (engine/model_runner.py ``DecodeGraphs``).
 
 A CPU has no CUDA graphs, so these tests run ``DecodeGraphs(capture=False)``: the same static buffers, bucketing
-and padding rows, the forward run eagerly on them. What they check is what a graph would replay: a batch padded
+and padding rows, the forward run eagerly on them (on the triton backend too: the kernels a GPU would capture, in
+the interpreter). What they check is what a graph would replay: a batch padded
 to its bucket gives the tokens and log-probs of the unpadded eager step, and the padding rows write nothing into
 the KV cache. The capture itself (torch.cuda.CUDAGraph) runs only on a GPU machine.
 """
@@ -44,7 +45,8 @@ def make(model_dir, kernels: str, graphs: bool) -> Engine:
     return e
 
 
-@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("kernels", ["torch", "cpu", pytest.param("triton", marks=[pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need the interpreter")])])
 def test_padded_static_decode_matches_eager(tiny_model, kernels):
     model_dir = tiny_model("llama")
     eager, padded = make(model_dir, kernels, False), make(model_dir, kernels, True)
