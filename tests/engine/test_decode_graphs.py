@@ -1,10 +1,10 @@
 """Decode steps on the CUDA-graph path's static, padded buffers (engine/model_runner.py ``DecodeGraphs``).
 
-A CPU has no CUDA graphs, so these tests run ``DecodeGraphs(capture=False)``: the same static buffers, bucketing
-and padding rows, the forward run eagerly on them (on the triton backend too: the kernels a GPU would capture, in
-the interpreter). What they check is what a graph would replay: a batch padded
-to its bucket gives the tokens and log-probs of the unpadded eager step, and the padding rows write nothing into
-the KV cache. The capture itself (torch.cuda.CUDAGraph) runs only on a GPU machine.
+On a CPU there are no CUDA graphs, so these tests run ``DecodeGraphs(capture=False)``: the same static buffers,
+bucketing and padding rows, the forward run eagerly on them (on the triton backend too: the kernels a GPU would
+capture, in the interpreter). What they check is what a graph would replay: a batch padded to its bucket gives the
+tokens and log-probs of the unpadded eager step, and the padding rows write nothing into the KV cache. On a CUDA
+machine the triton cases run on the GPU with real captured graphs against an engine without them.
 """
 from __future__ import annotations
 
@@ -36,23 +36,34 @@ def run(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
     return {str(k): got[i] for k, i in enumerate(ids)}
 
 
+ON_GPU = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not ON_GPU,
+                                  reason="Triton needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPUs)")
+
+
 def make(model_dir, kernels: str, graphs: bool) -> Engine:
-    e = Engine(EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=8, kernels=kernels))
-    assert e.runner.decode_graphs is None  # a CPU engine captures no graphs by default
-    if graphs:
-        r = e.runner
-        r.decode_graphs = DecodeGraphs(r, 6, -(-e.max_model_len // e.config.block_size), capture=False)
+    """A CPU engine, or for ``triton`` on a CUDA machine a GPU engine with (``graphs``) or without CUDA graphs."""
+    device = "cuda" if kernels == "triton" and ON_GPU else "cpu"
+    e = Engine(EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=8, kernels=kernels, device=device,
+                            cuda_graph_max_batch=6 if graphs else 0))
+    if device == "cpu":
+        assert e.runner.decode_graphs is None  # a CPU engine captures no graphs
+        if graphs:
+            r = e.runner
+            r.decode_graphs = DecodeGraphs(r, 6, -(-e.max_model_len // e.config.block_size), capture=False)
     return e
 
 
-@pytest.mark.parametrize("kernels", ["torch", "cpu", pytest.param("triton", marks=[pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need the interpreter")])])
+@pytest.mark.parametrize("kernels", ["torch", "cpu", pytest.param("triton", marks=[pytest.mark.slow, needs_triton])])
 def test_padded_static_decode_matches_eager(tiny_model, kernels):
     model_dir = tiny_model("llama")
     eager, padded = make(model_dir, kernels, False), make(model_dir, kernels, True)
     want, got = run(eager), run(padded)
     graphs = padded.runner.decode_graphs
     assert set(graphs.graphs) == {6, 4, 2, 1}  # decode batches of 5, 4, 3, 2, 1 → buckets 6, 4, 4, 2, 1
+    if padded.runner.device.type == "cuda":  # real graphs: every bucket captured, every decode step replayed
+        assert padded.runner.fallbacks == [] and all(g is not None for g, _ in graphs.graphs.values())
+        assert graphs.replays > 0 and eager.runner.decode_graphs is None
     for k in want:
         assert got[k][0] == want[k][0], k
         assert len(got[k][0]) == MAX_TOKENS[int(k)]
@@ -96,11 +107,12 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need the interpreter")
+@needs_triton
 def test_triton_decode_forward_reads_no_values_on_the_host(tiny_model, monkeypatch):
     """What a CUDA graph captures: the decode forward of the triton backend, data checks off as on CUDA, must
     not read tensor values on the host. With the checks on (the CPU default) the probe sees them: it works."""
-    e = Engine(EngineConfig(model=str(tiny_model("llama")), num_blocks=32, kernels="triton"))
+    e = Engine(EngineConfig(model=str(tiny_model("llama")), num_blocks=32, kernels="triton",
+                            device="cuda" if ON_GPU else "cpu", cuda_graph_max_batch=0))
     g = DecodeGraphs(e.runner, 4, 8, capture=False)
     g._fill(4, [5, 6], [3, 4], [40, 41], [[2], [2]], [4, 5])
     probes = {}
