@@ -126,6 +126,10 @@ def load() -> ctypes.CDLL:
             lib.duet_decode_attention_f32.argtypes = [
                 _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
                 _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+            lib.duet_prefill_attention_f32.restype = _INT
+            lib.duet_prefill_attention_f32.argtypes = [
+                _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
             lib.duet_gather_kv_f32.restype = None
             lib.duet_gather_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _INT, _INT, _I64, _PTR, _PTR]
             lib.duet_check_paged_f32.restype = _INT
@@ -292,16 +296,47 @@ def prefill_attention(
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim]
     """Each sequence's new tokens against its whole cached context (prefix included), causal.
 
-    The K/V rows come out of the cache with one memcpy per block (C); the attention itself is GEMMs: a KV
-    head's query heads are stacked into one [group * q_len, head_dim] matrix, so QKᵀ and PV are one batched
-    GEMM each over the KV heads (no K/V repeat for GQA), the hidden scores set to -inf in place (causal: only
-    the diagonal square; a sliding window: a cached mask) and an fp32 softmax in between. On a CPU this beats SDPA's kernels 2-3x at prompt lengths (the scores of one sequence fit in
-    cache)."""
+    C (``duet_prefill_attention_f32``): flash attention over the paged cache in one OpenMP region, tasks of
+    (sequence, KV head, 64 new tokens) whose rows are the KV head's query heads (GQA: each K/V row is loaded
+    once for the whole group), register-tiled QKᵀ and PV, 256-key tiles with an online softmax. Head sizes that
+    are not a multiple of 8 take ``_prefill_attention_gemm`` (K/V copied out, torch GEMMs)."""
     _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    if len(cu) != len(lens) + 1 or cu[-1] != q.shape[0] or block_tables.shape[0] != len(lens):
+    if len(cu) != len(lens) + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or block_tables.shape[0] != len(lens):
         raise ValueError(f"cu_seqlens_q {cu} does not split {q.shape[0]} query tokens into {len(lens)} sequences")
+    for s, kv_len in enumerate(lens):
+        if cu[s + 1] < cu[s]:
+            raise ValueError(f"cu_seqlens_q {cu} is not ascending")
+        if cu[s + 1] - cu[s] > kv_len:
+            raise ValueError(f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but a context of {kv_len}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if head_dim % 8:
+        return _prefill_attention_gemm(q, key_cache, value_cache, block_tables, cu, lens, scale, sliding_window)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    rc = load().duet_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), cu_t.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        len(lens), num_q_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
+        sliding_window or 0, torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"duet_prefill_attention_f32 failed (code {rc})")
+    return out
+
+
+def _prefill_attention_gemm(q, key_cache, value_cache, block_tables, cu: list[int], lens: list[int], scale: float,
+                            sliding_window: int | None) -> torch.Tensor:
+    """prefill_attention for any head size (arguments checked by the caller): the K/V rows come out of the cache
+    with one memcpy per block (C); the attention itself is GEMMs: a KV head's query heads are stacked into one
+    [group * q_len, head_dim] matrix, so QKᵀ and PV are one batched GEMM each over the KV heads (no K/V repeat
+    for GQA), the hidden scores set to -inf in place (causal: only the diagonal square; a sliding window: a
+    cached mask) and an fp32 softmax in between."""
     lib = load()
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -312,8 +347,6 @@ def prefill_attention(
         n = q1 - q0
         if n == 0:
             continue
-        if n > kv_len:
-            raise ValueError(f"sequence {s} has {n} new tokens but a context of {kv_len}")
         k, v = _gather_kv(lib, key_cache, value_cache, block_tables[s], kv_len)
         kt, vt = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, D, kv_len], [Hkv, kv_len, D]
         for c0 in range(0, n, _PREFILL_ROWS):  # row slices see only keys up to their last position: causal

@@ -23,7 +23,18 @@ from kernels.prefill_attention import prefill_attention_ref
 from tests.kernels.paged import assert_close, block_tables, kv_cache, layer_views, lens_tensor
 
 
-HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2)]  # (head_dim, q_heads, kv_heads)
+# (head_dim, q_heads, kv_heads): GQA groups of 1, 2, 3, 4, 6 (one chunk of 4 query heads and one of 2) and 8; head
+# dims on the C kernels' 32-column tiles (64, 128), with an 8-column tail (80), and off the vector path (20)
+HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
+
+
+@pytest.fixture
+def two_threads():
+    """torch (and so the C kernels) on 2 threads for the test, whatever this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _cache(head_dim, kv_heads, block_size, seq_lens, seed):
@@ -35,15 +46,17 @@ def _cache(head_dim, kv_heads, block_size, seq_lens, seed):
 
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
-@pytest.mark.parametrize("block_size", [4, 16, 32])  # 4: the scalar softmax path
+@pytest.mark.parametrize("block_size", [4, 16, 32])  # 4: the old kernel's scalar softmax path (head dim 20)
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_size, window):
-    seq_lens = [1, 7, 33, 100, 16, 257]
+# on 2 threads: 6 sequences -> a task per sequence; 1 -> a task per KV head (fewer sequences than 2x the threads)
+@pytest.mark.parametrize("num_seqs", [1, 6])
+def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_size, window, num_seqs, two_threads):
+    seq_lens = [1, 7, 33, 100, 16, 257] if num_seqs == 6 else [95]
     gen, key_cache, value_cache, tables = _cache(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + block_size)
     # q as the model passes it: a strided view into a fused projection's output
     qkv = torch.randn(len(seq_lens), (q_heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, : q_heads * head_dim].reshape(len(seq_lens), q_heads, head_dim)
-    assert not q.is_contiguous()
+    assert num_seqs == 1 or not q.is_contiguous()
     lens = lens_tensor(seq_lens).cpu()
     out = cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
     ref = paged_decode_attention_ref(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
@@ -62,13 +75,16 @@ def test_decode_attention_large_scratch():
 
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
 @pytest.mark.parametrize("window", [None, 3, 50])
-def test_prefill_attention_matches_reference(head_dim, q_heads, kv_heads, window):
-    # (new tokens, context incl. them): fresh prompts, continuations of a cached prefix, one past 2 row slices
-    shapes = [(5, 5), (1, 9), (40, 100), (300, 300), (130, 260), (17, 17)]
-    block_size = 16
+@pytest.mark.parametrize("block_size", [16, 5])  # 5: tiles and chunks that do not line up with blocks
+def test_prefill_attention_matches_reference(head_dim, q_heads, kv_heads, window, block_size):
+    # (new tokens, context incl. them): fresh prompts, continuations of a cached prefix, prompts past several
+    # 64-token chunks and 256-key tiles
+    shapes = [(5, 5), (1, 9), (40, 100), (300, 300), (130, 260), (17, 17), (70, 600)]
     q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
     gen, key_cache, value_cache, tables = _cache(head_dim, kv_heads, block_size, seq_lens, seed=head_dim)
-    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
+    # q as the model passes it: a strided view into a fused projection's output
+    qkv = torch.randn(sum(q_lens), (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : q_heads * head_dim].reshape(sum(q_lens), q_heads, head_dim)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = lens_tensor(seq_lens).cpu()
     out = cpu_native.prefill_attention(q, key_cache, value_cache, tables, cu, lens, head_dim ** -0.5, window)
