@@ -1,10 +1,11 @@
 """The CPU path's kernels in C (kernels/cpu/*.c): built on first use, loaded with ctypes.
 
 The engine's CPU path (backend ``cpu``) runs the GEMMs in torch (MKL/oneDNN) and, from here: paged decode
-attention (C: reads each K/V row once, straight from the cache), prefill attention (K/V copied out of the cache
-in C, then GEMM-shaped torch), and the fused per-token ops (RMSNorm with its residual add, in-place rotary,
-SwiGLU: one C pass each instead of several torch ops and temporaries). Attention has the signatures of the torch
-references in decode_attention.py / prefill_attention.py; fp32 tensors on the CPU only.
+attention (C: reads each K/V row once for the whole query group, straight from the cache), prefill attention
+(C: flash attention over the paged cache, register-tiled QKᵀ and PV), and the fused per-token ops (RMSNorm
+with its residual add, in-place rotary, SwiGLU: one C pass each instead of several torch ops and
+temporaries). Attention has the signatures of the torch references in decode_attention.py /
+prefill_attention.py; fp32 tensors on the CPU only.
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp``, each source with its own flags, linked into
 ``$DUET_CACHE_DIR/kernels`` (default ``~/.cache/duet/kernels``; a private temp dir if that is not writable),

@@ -408,7 +408,8 @@ static int da_decode(const float *q, int64_t q_s, int64_t q_h, const float *k, i
     return failed ? -1 : 0;
 }
 
-// One query token per sequence at position seq_lens[s] - 1 (its K/V already stored). One task per sequence.
+// One query token per sequence at position seq_lens[s] - 1 (its K/V already stored). Head sizes that are a
+// multiple of 8 take da_decode; the rest attend_rows, one task per sequence.
 // Returns 0, or -1 if a scratch allocation failed (only sizes past the stack buffer allocate).
 int duet_decode_attention_f32(const float *q, int64_t q_s, int64_t q_h, const float *k, int64_t k_b,
                               int64_t k_t, int64_t k_h, const float *v, int64_t v_b, int64_t v_t, int64_t v_h,

@@ -1,10 +1,11 @@
 """The CPU path's C kernels (kernels/cpu_native.py) against the torch references, and the engine with them.
 
 Attention is checked through the strided layer views of a real 6-D cache with scattered block tables, ragged
-lengths, GQA ratios 1/3/4 and MQA, head dims with and without the 8-wide vector path, sliding windows, and
-prefills that continue a cached prefix or run past the kernel's 128-row slices. Tolerances are the fp32 ones of
-the other kernel tests (tests/kernels/paged.py): reordered fp32 sums, while a wrong mask, block or head mapping
-gives errors of order 1e-1.
+lengths, GQA groups of 1, 2, 3, 4, 6 and 8, head dims with and without the 8-wide vector path, sliding windows,
+decode with a task per sequence and per KV head, and prefills that continue a cached prefix or run past the
+kernel's 64-token chunks and 256-key tiles, with block sizes that do and do not line up with the tiles.
+Tolerances are the fp32 ones of the other kernel tests (tests/kernels/paged.py): reordered fp32 sums, while a
+wrong mask, block or head mapping gives errors of order 1e-1.
 """
 from __future__ import annotations
 
