@@ -158,11 +158,12 @@ static void attend_rows(const float *const *q_rows, float *const *out_rows, cons
 
 // ------------------------------------------------------------------------------------------ decode attention
 //
-// One task per (sequence, KV head): its group query heads (up to 4 at a time) against the KV head's keys, in
-// tiles of DA_TILE keys with an online softmax between tiles. Each K row is loaded once for all the group's
-// heads (three dots of 8-lane partial sums), eight keys' partial sums are reduced together (a transposing add
-// tree instead of one horizontal sum per dot), and each V row once for all heads' accumulators. head_dim a
-// multiple of 8 (attend_rows above serves the rest).
+// One task per sequence (per KV head of one when there are fewer sequences than twice the threads); keys in
+// tiles of DA_TILE with an online softmax between tiles; per tile QKᵀ of every KV head (K rows in address
+// order), the softmax step, then PV, while the next tile is prefetched. Each K row is loaded once for the KV
+// head's query group (up to 4 heads at a time: three dots of 8-lane partial sums for a group of 3), eight
+// keys' partial sums are reduced together (a transposing add tree instead of one horizontal sum per dot), and
+// each V row once for all the group's accumulators. head_dim a multiple of 8 (attend_rows above serves the rest).
 
 #define DA_TILE 16  // keys per tile (measured best of 8-128 on a 2-core Zen 4: 1.45x the per-block kernel)
 #define DA_PF 1      // prefetch the next tile into L2 (prefetcht2): into L1 it evicts the tile at work
@@ -170,17 +171,20 @@ static void attend_rows(const float *const *q_rows, float *const *out_rows, cons
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
 // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+#ifdef __clang__
+#define DA_SHUF(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define DA_SHUF(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, (vi8){i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
 static inline v8 da_hadd(v8 a, v8 b) {
-    return __builtin_shuffle(a, b, (vi8){0, 2, 8, 10, 4, 6, 12, 14}) +
-           __builtin_shuffle(a, b, (vi8){1, 3, 9, 11, 5, 7, 13, 15});
+    return DA_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + DA_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
 // lane j = the sum of p[j]'s lanes
 static inline v8 da_reduce8(const v8 *p) {
     v8 x = da_hadd(da_hadd(p[0], p[1]), da_hadd(p[2], p[3]));
     v8 y = da_hadd(da_hadd(p[4], p[5]), da_hadd(p[6], p[7]));
-    return __builtin_shuffle(x, y, (vi8){0, 1, 2, 3, 8, 9, 10, 11}) +
-           __builtin_shuffle(x, y, (vi8){4, 5, 6, 7, 12, 13, 14, 15});
+    return DA_SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + DA_SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // S[g][0:nt8] = Q[g] . K_t for G rows (Q: G x D, scaled, contiguous; row t of K at krow[t] + koff): each K
