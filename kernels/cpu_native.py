@@ -317,7 +317,7 @@ def prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cu_t = torch.tensor(cu, dtype=torch.int32)
+    cu_t = cu_seqlens_q.to(torch.int32).contiguous()  # the engine's is already: no copy
     rc = load().duet_prefill_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1),
         key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

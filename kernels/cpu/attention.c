@@ -587,12 +587,12 @@ static inline void pf_pv_4x8(const float *restrict P, int ld_p, const float *con
 }
 
 // One task. Scratch (floats): Q rows8*D, O rows8*D, S rows8*PF_KEYS, KT 16*D, m/l rows8 each; lo/hi rows8 ints;
-// vrow PF_KEYS pointers.
+// krow/vrow PF_KEYS pointers each.
 static void pf_task(const pf_task_t *task, const float *q, int64_t q_s, int64_t q_h, const float *k, int64_t k_b,
                     int64_t k_t, int64_t k_h, const float *v, int64_t v_b, int64_t v_t, int64_t v_h,
                     const int32_t *tables, int64_t tab_s, const int32_t *cu, const int32_t *seq_lens, float *out,
                     int64_t o_s, int64_t o_h, int group, int D, int block_size, float scale, int window, float *buf,
-                    int *ibuf, const float **vrow) {
+                    int *ibuf, const float **krow, const float **vrow) {
     const int s = task->seq, h = task->kv_head, c0 = task->c0, ntok = task->c1 - task->c0;
     const int n = cu[s + 1] - cu[s], kv_len = seq_lens[s], q0 = cu[s];
     const int rows = ntok * group, rows8 = (rows + 7) & ~7;
@@ -620,17 +620,13 @@ static void pf_task(const pf_task_t *task, const float *q, int64_t q_s, int64_t 
     int lo_min = lo_of[0], hi_max = hi_of[rows - 1];  // token-major rows: bounds grow with r
     for (int kt0 = lo_min / 16 * 16; kt0 < hi_max; kt0 += PF_KEYS) {
         int nk = hi_max - kt0 < PF_KEYS ? hi_max - kt0 : PF_KEYS, nk16 = (nk + 15) & ~15;
-        for (int t = 0; t < nk; t++) {
-            int pos = kt0 + t;
-            vrow[t] = v + (int64_t)table[pos / block_size] * v_b + (int64_t)(pos % block_size) * v_t + (int64_t)h * v_h;
-        }
+        da_rows_of(k + (int64_t)h * k_h, k_b, k_t, v + (int64_t)h * v_h, v_b, v_t, table, block_size, kt0, nk, krow,
+                   vrow);
         // S = Q Kᵀ over 16-key slices; a run of 8 rows skips slices wholly after its last visible position
         for (int t16 = 0; t16 < nk16; t16 += 16) {
             for (int t = 0; t < 16; t++) {
-                int pos = kt0 + t16 + t;
                 if (t16 + t < nk) {
-                    const float *kr = k + (int64_t)table[pos / block_size] * k_b + (int64_t)(pos % block_size) * k_t +
-                                      (int64_t)h * k_h;
+                    const float *kr = krow[t16 + t];
                     for (int d = 0; d < D; d++) KT[16 * d + t] = kr[d];
                 } else {
                     for (int d = 0; d < D; d++) KT[16 * d + t] = 0.0f;
@@ -654,28 +650,7 @@ static void pf_task(const pf_task_t *task, const float *q, int64_t q_s, int64_t 
             }
             for (int t = 0; t < a; t++) sr[t] = -INFINITY;
             for (int t = b; t < nk16; t++) sr[t] = -INFINITY;
-            v8 vm = *(v8 *)sr;
-            for (int t = 8; t < nk16; t += 8) {
-                v8 x = *(v8 *)(sr + t);
-                vm = v8sel(x > vm, x, vm);
-            }
-            float bm = vm[0];
-            for (int i = 1; i < 8; i++) bm = vm[i] > bm ? vm[i] : bm;
-            if (bm > m[r]) {
-                float alpha = expf(m[r] - bm);  // 0 on the row's first visible tile
-                l[r] *= alpha;
-                float *o = O + (int64_t)r * D;
-                for (int d = 0; d < D; d++) o[d] *= alpha;
-                m[r] = bm;
-            }
-            v8 acc = {0};
-            float mr = m[r];
-            for (int t = 0; t < nk16; t += 8) {
-                v8 e = v8exp(*(v8 *)(sr + t) - mr);
-                *(v8 *)(sr + t) = e;
-                acc += e;
-            }
-            l[r] += hsum8(acc);
+            da_softmax_row(sr, nk16, m + r, l + r, O + (int64_t)r * D, D);
         }
         // O += P V; a run of 4 rows reads keys only up to its last visible position
         for (int r0 = 0; r0 < rows; r0 += 4) {
@@ -726,8 +701,8 @@ int duet_prefill_attention_f32(const float *q, int64_t q_s, int64_t q_h, const f
     {
         float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         int *ibuf = malloc(sizeof(int) * 2 * rows8);
-        const float **vrow = malloc(sizeof(float *) * PF_KEYS);
-        int ok = buf && ibuf && vrow;
+        const float **ptrs = malloc(sizeof(float *) * 2 * PF_KEYS);
+        int ok = buf && ibuf && ptrs;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -736,10 +711,10 @@ int duet_prefill_attention_f32(const float *q, int64_t q_s, int64_t q_h, const f
         for (int i = 0; i < ntasks; i++)
             if (ok)
                 pf_task(&tasks[i], q, q_s, q_h, k, k_b, k_t, k_h, v, v_b, v_t, v_h, tables, tab_s, cu, seq_lens, out,
-                        o_s, o_h, group, head_dim, block_size, scale, window, buf, ibuf, vrow);
+                        o_s, o_h, group, head_dim, block_size, scale, window, buf, ibuf, ptrs, ptrs + PF_KEYS);
         free(buf);
         free(ibuf);
-        free(vrow);
+        free(ptrs);
     }
     free(tasks);
     return failed ? -1 : 0;
