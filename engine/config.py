@@ -348,6 +348,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20
+    # lower KV tiers (engine/kv_tiers.py; docs/operating.md "Sizing the KV tiers"): 0 turns a tier off
+    kv_host_bytes: int = 0  # host memory for cached blocks (pinned on CUDA hosts); >= the device tier's bytes
+    kv_disk_bytes: int = 0  # files under kv_disk_dir; >= the host tier's bytes
+    kv_disk_dir: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts at it)
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -378,6 +382,12 @@ class EngineConfig:
             raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch}")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ConfigError("kv_host_bytes and kv_disk_bytes must be >= 0 (0: no such tier)")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ConfigError("kv_disk_bytes needs kv_disk_dir (the directory the disk tier writes its files to)")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ConfigError("the disk tier is filled from the host tier: kv_disk_bytes needs kv_host_bytes")
         if self.quantization not in (None, "w8a16"):
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
