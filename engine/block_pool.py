@@ -46,6 +46,8 @@ class BlockPool:
         self._hash_to_block: dict[int, Block] = {}
         self._events: list[KVEvent] = []
         self.num_evictions = 0
+        self.track_new_cached = False  # the lower KV tiers want every newly cached block (write-through)
+        self._new_cached: list[Block] = []
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -144,6 +146,8 @@ class BlockPool:
             block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
             self._hash_to_block[h] = block
             run.append(h)
+            if self.track_new_cached:
+                self._new_cached.append(block)
         if run:
             self._events.append(BlockStored(self.worker_id, tuple(run), run_parent))
 
@@ -170,6 +174,15 @@ class BlockPool:
         self._free_cached.clear()
         self._events.append(AllCleared(self.worker_id))
         return True
+
+    def record(self, event: KVEvent) -> None:
+        """Queue an event recorded elsewhere (the lower tiers), in order with the pool's own."""
+        self._events.append(event)
+
+    def take_new_cached(self) -> list[Block]:
+        """Blocks cached since the last call that are still cached under the same hash (``track_new_cached``)."""
+        blocks, self._new_cached = self._new_cached, []
+        return [b for b in blocks if b.block_hash is not None and self._hash_to_block.get(b.block_hash) is b]
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

@@ -21,6 +21,7 @@ from engine.disagg import KVHandoff, RemoteKVPlan
 from engine.errors import InvalidRequestError
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
+from engine.kv_mover import build_tiers
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams, check_prompt
@@ -59,8 +60,9 @@ class Engine:
         self.runner = ModelRunner(self.model_config, config, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
+        self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool)
         self.scheduler = Scheduler(self.pool, self.hasher, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.tiers)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
@@ -157,8 +159,8 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        if request_id in self.remote_pending:
-            # its KV may still be landing in its blocks: they are freed when the transfer ends
+        if request_id in self.remote_pending or request_id in self.scheduler.loading:
+            # its KV may still be landing in its blocks: they are freed when the transfer / load ends
             request.abort_pending = True
             request.status = RequestStatus.FINISHED_ABORTED
         else:
@@ -171,8 +173,8 @@ class Engine:
         """End every unfinished request with an error (after an unexpected fault), freeing its blocks."""
         outputs, self._pending = self._pending, []
         for request in list(self.requests.values()):
-            if request.request_id in self.remote_pending:
-                continue  # its transfer is in flight; commit_remote / fail_remote settle it
+            if request.request_id in self.remote_pending or request.request_id in self.scheduler.loading:
+                continue  # its KV is in flight; commit_remote / fail_remote / the load's end settle it
             del self.requests[request.request_id]
             request.error = error
             self.scheduler.remove(request, RequestStatus.FINISHED_ERROR)
@@ -185,13 +187,17 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.sync_tiers()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.loading:  # only loads in flight: wait for one rather than spin
+                self.sync_tiers(wait_s=0.005)
             return outputs
         logits, sampled = self.runner.execute(sched)
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self.scheduler.on_step_computed(sched)
+        self.sync_tiers()
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += sched.num_batched_tokens
         if not sampled:
@@ -392,7 +398,32 @@ class Engine:
             worker=self.config.worker_id, role=role, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), kv_blocks_used=self.pool.num_used_blocks,
             kv_blocks_total=self.pool.num_blocks,
-            queued_prefill_tokens=self.scheduler.queued_prefill_tokens())
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            tiers=self.tiers.usage() if self.tiers is not None else ())
 
     def take_events(self) -> list[KVEvent]:
+        self.sync_tiers()
         return self.pool.take_events()
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """Events that rebuild this engine's cached set, every tier, from nothing (a query)."""
+        events = self.pool.snapshot_events()
+        return events + self.tiers.snapshot_events() if self.tiers is not None else events
+
+    # ---- lower KV tiers (engine/kv_tiers.py) --------------------------------------------------------
+    def sync_tiers(self, wait_s: float = 0.0) -> None:
+        """Apply the mover's finished jobs (loaded requests rejoin the queue) and write newly cached blocks
+        through to the host tier. Engine thread only."""
+        if self.tiers is None:
+            return
+        for job in self.tiers.poll(wait_s):
+            self.scheduler.finish_load(job.request_id, job.num_loaded)
+        new = self.pool.take_new_cached()
+        if new:
+            pinned = self.tiers.offload(new, lambda blocks: self.pool.free_blocks(reversed(blocks)))
+            self.pool.touch(pinned)
+
+    def close(self) -> None:
+        """Stop the mover thread and remove the disk tier's files."""
+        if self.tiers is not None:
+            self.tiers.mover.close()

@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode role: blocks allocated, KV in flight
+    WAITING_FOR_TIER_LOAD = "waiting_for_tier_load"  # prefix blocks being loaded from the host / disk tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -12,6 +12,10 @@ One step's budget is ``max_num_batched_tokens`` tokens across at most ``max_num_
    token's logits are needed), so a fully cached prompt recomputes its final token. Requests that must
    compute their prompt are admitted first-come first-served; requests whose KV is already in place
    (received from a prefill worker) never wait behind one of those that does not fit.
+   With lower KV tiers (engine/kv_tiers.py), a prefix that continues past the device hits on the host or
+   disk tier is loaded back: the request gets device blocks for it, leaves the queue while the mover copies
+   (``loading``; no budget spent) and returns to the front with its KV in place. A request whose prefix
+   reaches a block another request is loading waits for that load without holding up anyone behind it.
 3. If nothing runs and nothing waiting fits, the blocks are held by waiting requests with received KV:
    the newest of them gives its blocks back and will recompute (else the engine would wait forever).
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from engine.block_pool import BlockPool
 from engine.hashing import BlockHasher
 from engine.histogram import LATENCY_BUCKETS_S, Histogram
+from engine.kv_tiers import TierManager
 from engine.request import Request, RequestStatus
 
 
@@ -63,6 +68,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        tiers: TierManager | None = None,
     ) -> None:
         self.pool = pool
         self.hasher = hasher
@@ -70,21 +76,25 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.tiers = tiers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # prefix blocks in flight from a lower tier
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+        self.num_tier_hit_tokens = 0  # prompt tokens whose KV was loaded back from a lower tier
         self.queue_time = Histogram(LATENCY_BUCKETS_S)  # arrival → first scheduled, seconds (not after preemption)
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def queued_prefill_tokens(self) -> int:
         """Tokens still to be prefilled: waiting requests whole, running ones' unfinished prompts."""
         total = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        total += sum(r.num_tokens - r.num_computed_tokens for r in self.loading.values())
         return total + sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.running)
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -152,6 +162,12 @@ class Scheduler:
             else:
                 hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
                 hits = hits[: (request.num_tokens - 1) // self.block_size]
+            if self.tiers is not None and not request.needs_prompt_logprobs:
+                load = self._load_from_tiers(request, hits)
+                if load is not None:
+                    if load == "blocked":
+                        blocked = True
+                    continue  # loading, or waiting for another request's load: no budget spent
             num_cached = len(hits) * self.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -181,6 +197,50 @@ class Scheduler:
         if not self.running and not out.scheduled and self.waiting:
             self._break_deadlock(out)
         return out
+
+    def _load_from_tiers(self, request: Request, hits: list) -> str | None:
+        """If the request's prefix continues on a lower tier, start loading it (→ "loading"), or wait for a
+        load of it already in flight (→ "waiting"); "blocked" if the blocks for it are not free; None: no
+        lower-tier hit, admit as usual."""
+        B = self.block_size
+        limit = (request.num_tokens - 1) // B
+        tier_hits, waits = self.tiers.match(
+            request.block_hashes, lambda i: tuple(request.all_token_ids[i * B:(i + 1) * B]), len(hits), limit)
+        if waits:
+            self.tiers.stats.waits_on_load += 1
+            return "waiting"
+        if not tier_hits:
+            return None
+        num_revived = sum(1 for b in hits if b.ref_count == 0)
+        if not self.pool.can_allocate(len(tier_hits) + num_revived):
+            return "blocked"
+        self.waiting.remove(request)
+        self.pool.touch(hits)
+        targets = self.pool.allocate(len(tier_hits))
+        request.blocks = hits + targets
+        request.num_registered_blocks = len(hits)
+        request.num_computed_tokens = len(hits) * B
+        self.num_prefix_hit_tokens += len(hits) * B
+        self.num_prefix_queried_tokens += request.num_tokens
+        request.status = RequestStatus.WAITING_FOR_TIER_LOAD
+        self.loading[request.request_id] = request
+        self.tiers.start_load(request.request_id, tier_hits, [b.block_id for b in targets])
+        return "loading"
+
+    def finish_load(self, request_id: str, num_loaded: int) -> None:
+        """A load job ended with its first ``num_loaded`` blocks in place; the rest (a failed load) are
+        recomputed into the blocks already allocated. The request returns to the front of the queue."""
+        request = self.loading.pop(request_id)
+        if request.abort_pending:
+            self._free(request)
+            return
+        request.num_computed_tokens += num_loaded * self.block_size
+        self.num_tier_hit_tokens += num_loaded * self.block_size
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = request.num_computed_tokens
+        self.register_full_blocks(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _break_deadlock(self, out: SchedulerOutput) -> None:
         """Nothing runs and nothing waiting fits: the blocks are all held by waiting requests whose KV

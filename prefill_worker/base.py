@@ -128,7 +128,7 @@ class WorkerBase(ABC):
         full = (self._full_state_due and all(sink.available() for sink in self._sinks)) or (
             every is not None and now - self._last_full_state_s >= every)
         if full:
-            events = self.engine.pool.snapshot_events()  # subsumes the pending events
+            events = self.engine.snapshot_events()  # subsumes the pending events
             self._last_full_state_s = now
         elif not events and now - self._last_publish_s < self.options.publish_interval_s:
             return
@@ -191,7 +191,7 @@ class WorkerBase(ABC):
         def take(engine: Engine) -> tuple[int, bytes]:
             self._last_publish_s = 0.0
             self._publish()  # pending events first, so the snapshot's seq covers them
-            events = engine.pool.snapshot_events()
+            events = engine.snapshot_events()
             return self._seq, encode_batch(self.options.worker_id, self._seq, events,
                                            engine.load(self.options.role), time.time())
 
@@ -210,7 +210,7 @@ class WorkerBase(ABC):
                     "prefix_cache_queried_tokens": sched.num_prefix_queried_tokens,
                     "prefix_cache_hit_tokens": sched.num_prefix_hit_tokens, "queue_time_s": sched.queue_time.snapshot(),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
-                    "events_full_state_due": self._full_state_due, **self._role_stats()}
+                    "events_full_state_due": self._full_state_due, **tier_stats(engine), **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))
 
@@ -222,6 +222,21 @@ class WorkerBase(ABC):
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
+        self.engine.close()
+
+
+def tier_stats(engine: Engine) -> dict[str, Any]:
+    """The lower KV tiers' figures for stats() (router/metrics.py renders them); empty without tiers."""
+    tiers = engine.tiers
+    if tiers is None:
+        return {}
+    tiers.check()
+    mover = tiers.mover
+    return {"kv_tiers": {
+        "usage": {u.tier.value: {"blocks_total": u.blocks_total, "blocks_used": u.blocks_used} for u in tiers.usage()},
+        **asdict(tiers.stats), "jobs_in_flight": tiers.num_jobs_in_flight, "loading": len(engine.scheduler.loading),
+        "tier_hit_tokens": engine.scheduler.num_tier_hit_tokens, "bytes": dict(mover.bytes_moved),
+        "seconds": dict(mover.seconds), "op_failures": mover.op_failures}}
 
 
 async def _wrap(future):
