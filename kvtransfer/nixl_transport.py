@@ -49,80 +49,37 @@ it publishes the handoff; a READ into VRAM is complete when `read_blocks` return
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import uuid
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
 
-from kvtransfer.errors import KVCompatError, KVConfigError, KVTimeoutError, KVTransferError
+from kvtransfer.errors import KVBlockIdError, KVCompatError, KVConfigError, KVTimeoutError, KVTransferError
 from kvtransfer.layout import VERSION, KVCompat, KVLayout, merge_block_runs, run_byte_ranges, validate_block_ids
+from kvtransfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, _create_agent, _memory_location, _ucx_env_summary
 from kvtransfer.wire import PeerInfo, PeerMessage, ReleaseNotice, TransferRequest, TransferResult
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # keep below the owner's lease timeout (leases.DEFAULT_LEASE_TIMEOUT_S)
-DEFAULT_PROGRESS_DELAY_US = 1000  # NIXL progress thread's poll() timeout; 0 = nixl's default (spin)
 _MAX_POLL_SLEEP_S = 1e-3
-_AGENT_CREATION_LOCK = threading.Lock()  # guards the bindings swap in _create_agent
 
 
-def _memory_location(device: torch.device) -> tuple[str, int]:
-    """NIXL memory type and device id for a tensor on `device`."""
-    if device.type == "cpu":
-        return "DRAM", 0
-    if device.type == "cuda":
-        return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
-    raise KVConfigError(f"NIXL moves host (cpu) or CUDA memory, not {device}")
-
-
-class _BindingsWithProgressDelay:
-    """nixl._api's view of the C++ bindings, except that new agents get `pthrDelay = delay_us`."""
-
-    def __init__(self, bindings, delay_us: int) -> None:
-        self._bindings = bindings
-        self._delay_us = delay_us
-
-    def __getattr__(self, name: str):
-        return getattr(self._bindings, name)
-
-    def nixlAgent(self, name: str, config):  # noqa: N802 - mirrors the binding's name
-        config.pthrDelay = self._delay_us
-        return self._bindings.nixlAgent(name, config)
-
-
-def _create_agent(name: str, backends: list[str], progress_delay_us: int) -> nixl_agent:
-    """A nixl_agent whose progress thread sleeps in poll() instead of spinning.
-
-    nixl 1.5.1's Python wrapper hard-codes the progress thread's delay to 0, and the UCX progress
-    thread then polls with a zero timeout: it burns a whole core per worker even when idle (measured:
-    ~100% of a core idle, 0.5-5% with a 1-10 ms delay). The wrapper has no knob, so during the
-    constructor we show it a bindings object whose nixlAgent() sets the delay first. The thread still
-    wakes on UCX events at once (armed event fd); the delay only bounds a sweep when an event is
-    missed. Over TCP 1 ms keeps a 32 KiB READ at ~0.2 ms median / 0.3 ms p90, 10 ms lets p90 reach
-    ~4 ms, 0 (spinning) ~0.6 ms median / 30 ms p90 on 2 shared cores.
-    """
-    import nixl._api as nixl_api
-
-    bindings = getattr(nixl_api, "nixlBind", None)
-    if progress_delay_us <= 0 or bindings is None or not hasattr(bindings, "nixlAgent"):
-        if progress_delay_us > 0:
-            logger.warning("cannot set the NIXL progress delay on this nixl version; its thread may spin")
-        return nixl_agent(name, nixl_agent_config(backends=backends))
-    with _AGENT_CREATION_LOCK:
-        nixl_api.nixlBind = _BindingsWithProgressDelay(bindings, progress_delay_us)
-        try:
-            return nixl_agent(name, nixl_agent_config(backends=backends))
-        finally:
-            nixl_api.nixlBind = bindings
-
-
-def _ucx_env_summary() -> str:
-    return f"UCX_TLS={os.environ.get('UCX_TLS', '<unset>')}"
+def _split_regions(peer: PeerInfo, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]):
+    """The (remote id, local id) pairs grouped by the peer's memory region they read from: its cache (ids below
+    ``layout.num_blocks``) and its host tier (the ids after, as slot numbers). Each group is
+    ``(base address, mem type, device id, remote ids, local ids)``; empty groups are left out."""
+    n = peer.layout.num_blocks
+    cache = [(r, l) for r, l in zip(remote_block_ids, local_block_ids) if r < n]
+    host = [(r - n, l) for r, l in zip(remote_block_ids, local_block_ids) if r >= n]
+    groups = []
+    for pairs, base, mem, dev in ((cache, peer.base_addr, peer.mem_type, peer.device_id),
+                                  (host, peer.host_base_addr, "DRAM", 0)):
+        if pairs:
+            groups.append((base, mem, dev, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)))
+    return groups
 
 
 class NixlTransport:
@@ -136,8 +93,15 @@ class NixlTransport:
         agent_name: str | None = None,
         backends: Sequence[str] = ("UCX",),
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+        host: torch.Tensor | None = None,
     ) -> None:
         self.layout = KVLayout.from_tensor(kv, compat)
+        self._host = None  # the host KV tier, registered too so peers can READ its slots (never written)
+        if host is not None:
+            host_layout = KVLayout.from_tensor(host, compat)
+            if host.device.type != "cpu" or host_layout.bytes_per_block != self.layout.bytes_per_block:
+                raise KVConfigError("the host tier must be a host tensor with the cache's block size in bytes")
+            self._host = host
         self.agent_name = agent_name or f"duet-kv-{uuid.uuid4().hex[:12]}"
         self._kv = kv  # keeps the registered memory alive
         self._mem_type, self._device_id = _memory_location(kv.device)
@@ -154,6 +118,10 @@ class NixlTransport:
             raise KVConfigError(f"NIXL backends {missing} unavailable; plugins: {self._agent.get_plugin_list()}")
         region = [(self._base_addr, self.layout.total_bytes, self._device_id, "")]
         self._registration = self._agent.register_memory(region, self._mem_type)
+        self._host_registration = None
+        if self._host is not None:
+            host_region = [(self._host.data_ptr(), self._host.numel() * self._host.element_size(), 0, "")]
+            self._host_registration = self._agent.register_memory(host_region, "DRAM")
         self._peers: dict[str, PeerInfo] = {}
         self._stuck_handles: list = []  # timed-out transfers NIXL refused to cancel
         self._closed = False
@@ -173,6 +141,8 @@ class NixlTransport:
             base_addr=self._base_addr,
             mem_type=self._mem_type,
             device_id=self._device_id,
+            host_base_addr=self._host.data_ptr() if self._host is not None else 0,
+            host_num_blocks=int(self._host.shape[0]) if self._host is not None else 0,
         )
 
     def add_peer(self, peer: PeerInfo, *, connect: bool = True) -> str:
@@ -265,11 +235,14 @@ class NixlTransport:
         peer = self._peers.get(peer_name)
         if peer is None:
             raise KVTransferError(f"unknown peer {peer_name!r}: call add_peer(peer_info) first")
-        validate_block_ids(remote_block_ids, peer.layout.num_blocks, f"remote ({peer_name})")
+        if len(remote_block_ids) != len(local_block_ids):
+            raise KVBlockIdError(f"{len(remote_block_ids)} remote block ids but {len(local_block_ids)} local block ids")
+        readable = peer.num_readable_blocks if op == "READ" else peer.layout.num_blocks
+        validate_block_ids(remote_block_ids, readable, f"remote ({peer_name})")
         validate_block_ids(local_block_ids, self.layout.num_blocks, "local")
-        runs = merge_block_runs(remote_block_ids, local_block_ids)
         start_s = time.monotonic()
-        if not runs:  # nothing to move (e.g. all prefix hits): the owner still needs its notice
+        regions = _split_regions(peer, remote_block_ids, local_block_ids)
+        if not regions:  # nothing to move (e.g. all prefix hits): the owner still needs its notice
             if notif:
                 try:
                     self._agent.send_notif(peer_name, notif)
@@ -277,21 +250,31 @@ class NixlTransport:
                     raise KVTransferError(f"cannot notify {peer_name!r}: {exc}") from exc
             return TransferResult(0, 0, 0, time.monotonic() - start_s)
         bpb = self.layout.bytes_per_block
+        num_runs = 0
+        for i, (base_addr, mem_type, device_id, remote_ids, local_ids) in enumerate(regions):
+            runs = merge_block_runs(remote_ids, local_ids)
+            num_runs += len(runs)
+            last = i == len(regions) - 1  # the notice rides on the last READ: sent once everything landed
+            handle, state = self._post(op, peer_name, runs, base_addr, mem_type, device_id, notif if last else b"")
+            self._wait(handle, state, op, peer_name, start_s + timeout_s)
+        num_blocks = len(local_block_ids)
+        return TransferResult(num_blocks, num_runs, num_blocks * bpb, time.monotonic() - start_s)
+
+    def _post(self, op: str, peer_name: str, runs, remote_base: int, remote_mem: str, remote_device: int,
+              notif: bytes):
+        """Prepare and post one transfer of ``runs``; returns (handle, state)."""
+        bpb = self.layout.bytes_per_block
         local = self._descs(run_byte_ranges(runs, self._base_addr, bpb, remote=False), self._mem_type, self._device_id)
-        remote = self._descs(run_byte_ranges(runs, peer.base_addr, bpb, remote=True), peer.mem_type, peer.device_id)
+        remote = self._descs(run_byte_ranges(runs, remote_base, bpb, remote=True), remote_mem, remote_device)
         try:
             handle = self._agent.initialize_xfer(op, local, remote, peer_name, notif)
         except Exception as exc:  # NIXL rejects descriptors outside registered memory, unknown agents, ...
             raise KVTransferError(f"{op} with {peer_name!r} could not be prepared: {exc}") from exc
         try:
-            state = self._agent.transfer(handle)
+            return handle, self._agent.transfer(handle)
         except Exception as exc:  # e.g. NIXL_ERR_REMOTE_DISCONNECT when the peer died
             safe = self._abort(handle)
-            message = f"{op} with {peer_name!r} could not be posted: {exc}"
-            raise KVTransferError(message, local_blocks_safe=safe) from exc
-        self._wait(handle, state, op, peer_name, start_s + timeout_s)
-        num_blocks = len(local_block_ids)
-        return TransferResult(num_blocks, len(runs), num_blocks * bpb, time.monotonic() - start_s)
+            raise KVTransferError(f"{op} with {peer_name!r} could not be posted: {exc}", local_blocks_safe=safe) from exc
 
     def _descs(self, ranges: list[tuple[int, int]], mem_type: str, device_id: int):
         array = np.array([(addr, length, device_id) for addr, length in ranges], dtype=np.uint64)
@@ -369,6 +352,8 @@ class NixlTransport:
         for peer_name in list(self._peers):
             self.remove_peer(peer_name)
         self._agent.deregister_memory(self._registration)
+        if self._host_registration is not None:
+            self._agent.deregister_memory(self._host_registration)
         self._agent = None  # destroying the agent stops its progress thread
 
     def __enter__(self) -> NixlTransport:

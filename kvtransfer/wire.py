@@ -4,7 +4,8 @@ They are frozen dataclasses of plain Python values (str, int, bytes, tuples, nes
 they pickle as they are and Ray carries them between actors without a schema. No torch, no nixl.
 
 - `PeerInfo`: what one worker publishes so another can pull from it (NIXL agent metadata + where its
-  cache tensor lives + its layout and protocol version). Produced by `NixlTransport.peer_info()`,
+  cache tensor lives + its layout and protocol version; and its host KV tier, when it has one: the
+  tier's slots are readable block ids after the cache's, so one id space names both). Produced by `NixlTransport.peer_info()`,
   consumed by `NixlTransport.add_peer()` on the other side.
 - `TransferRequest`: one pull, decode side: which of the peer's blocks go into which of ours, under
   which lease of the peer.
@@ -34,6 +35,14 @@ class PeerInfo:
     base_addr: int  # address of block 0 in the owner's address space
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int  # CUDA ordinal for VRAM, 0 for DRAM
+    # the owner's host KV tier, readable too: block ids layout.num_blocks + i name its slot i (host memory)
+    host_base_addr: int = 0
+    host_num_blocks: int = 0
+
+    @property
+    def num_readable_blocks(self) -> int:
+        """Block ids a puller may name: the cache's, then the host tier's slots."""
+        return self.layout.num_blocks + self.host_num_blocks
 
 
 @dataclass(frozen=True)

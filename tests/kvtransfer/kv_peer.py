@@ -45,6 +45,7 @@ class OwnerSpec:
     agent_name: str
     ucx_tls: str | None = None  # set before the NIXL agent exists, only in this process
     device: str = "cpu"
+    host_blocks: int = 0  # a host KV tier (pattern seeded with seed + 1), readable after the cache's ids
 
 
 def run_owner(conn, spec: OwnerSpec) -> None:
@@ -56,7 +57,8 @@ def run_owner(conn, spec: OwnerSpec) -> None:
     kv = make_pattern_cache(spec.compat, spec.num_blocks, spec.seed, spec.device)
     released: dict[str, list[int]] = {}
     leases = LeaseTable(on_release=lambda ids: None)
-    with NixlTransport(kv, spec.compat, agent_name=spec.agent_name) as transport:
+    host = make_pattern_cache(spec.compat, spec.host_blocks, spec.seed + 1) if spec.host_blocks else None
+    with NixlTransport(kv, spec.compat, agent_name=spec.agent_name, host=host) as transport:
         conn.send(transport.peer_info())
         while True:
             while not conn.poll(0.002):

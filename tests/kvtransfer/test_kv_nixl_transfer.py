@@ -28,6 +28,7 @@ from kvtransfer.nixl_transport import _memory_location
 from tests.kvtransfer.kv_peer import TEST_COMPAT, OwnerSpec, cache_shape, make_pattern_cache, run_owner
 
 OWNER_BLOCKS = 40
+OWNER_HOST_BLOCKS = 8  # the owner's host KV tier: block ids 40..47
 PULLER_BLOCKS = 24
 SEED = 1234
 REPLY_TIMEOUT_S = 30.0
@@ -77,13 +78,15 @@ class Owner:
             self.process.join(5)
 
 
-def start_owner(name: str, compat=TEST_COMPAT, ucx_tls: str | None = None, device: str = "cpu") -> Owner:
-    return Owner(OwnerSpec(compat, OWNER_BLOCKS, SEED, agent_name=name, ucx_tls=ucx_tls, device=device))
+def start_owner(name: str, compat=TEST_COMPAT, ucx_tls: str | None = None, device: str = "cpu",
+                host_blocks: int = 0) -> Owner:
+    return Owner(OwnerSpec(compat, OWNER_BLOCKS, SEED, agent_name=name, ucx_tls=ucx_tls, device=device,
+                           host_blocks=host_blocks))
 
 
 @pytest.fixture(scope="module")
 def owner():
-    handle = start_owner("test-owner")
+    handle = start_owner("test-owner", host_blocks=OWNER_HOST_BLOCKS)
     yield handle
     handle.stop()
 
@@ -128,6 +131,26 @@ def test_pull_is_byte_exact_and_notifies_owner(owner, fresh_puller):
     assert counters.released == 1 and counters.failed == 0
 
 
+def test_pull_from_cache_and_host_tier_in_one_pull(owner, fresh_puller):
+    """A peer's blocks may sit in its cache or its host tier: one pull reads both regions, byte-exact, and the
+    owner hears once, after everything landed."""
+    transport, kv = fresh_puller
+    assert owner.info.host_num_blocks == OWNER_HOST_BLOCKS
+    remote_ids = [5, 6, OWNER_BLOCKS + 2, OWNER_BLOCKS + 3, 11]  # cache, cache, host slot 2, host slot 3, cache
+    local_ids = [0, 1, 2, 3, 4]
+    assert owner.call("lease", ("req-tiers", remote_ids, 30.0)) == "ok"
+    result = transport.pull(TransferRequest(owner.info.agent_name, "req-tiers", remote_ids, local_ids))
+    cache = make_pattern_cache(TEST_COMPAT, OWNER_BLOCKS, SEED)
+    host = make_pattern_cache(TEST_COMPAT, OWNER_HOST_BLOCKS, SEED + 1)
+    assert torch.equal(as_bits(kv[[0, 1, 4]]), as_bits(cache[[5, 6, 11]]))
+    assert torch.equal(as_bits(kv[[2, 3]]), as_bits(host[[2, 3]]))
+    assert result.num_blocks == 5 and result.num_descriptors == 3  # 5-6, 11 from the cache; slots 2-3
+    released, counters = owner.wait_released("req-tiers")
+    assert sorted(released) == sorted(remote_ids) and counters.failed == 0
+    with pytest.raises(KVBlockIdError):  # past the host tier
+        transport.read_blocks(owner.info.agent_name, [OWNER_BLOCKS + OWNER_HOST_BLOCKS], [0])
+
+
 def test_whole_cache_round_trip_in_one_descriptor(owner, fresh_puller):
     transport, kv = fresh_puller
     ids = list(range(PULLER_BLOCKS))
@@ -157,7 +180,7 @@ def test_empty_pull_still_releases_lease(owner, fresh_puller):
 @pytest.mark.parametrize(
     ("remote_ids", "local_ids", "match"),
     [
-        ([OWNER_BLOCKS], [0], "out of range"),
+        ([OWNER_BLOCKS + OWNER_HOST_BLOCKS], [0], "out of range"),
         ([-1], [0], "out of range"),
         ([0], [PULLER_BLOCKS], "out of range"),
         ([1, 1], [0, 2], "appears twice"),
@@ -174,7 +197,7 @@ def test_bogus_block_ids_rejected_before_posting(owner, fresh_puller, remote_ids
 def test_failed_pull_reports_failure_to_owner(owner, fresh_puller):
     transport, _ = fresh_puller
     owner.call("lease", ("req-bogus", [3], 30.0))
-    request = TransferRequest(owner.info.agent_name, "req-bogus", [OWNER_BLOCKS + 5], [0])
+    request = TransferRequest(owner.info.agent_name, "req-bogus", [OWNER_BLOCKS + OWNER_HOST_BLOCKS + 5], [0])
     with pytest.raises(KVBlockIdError):
         transport.pull(request)
     released, counters = owner.wait_released("req-bogus")
