@@ -64,9 +64,11 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         remote_decode: bool = False,
+        peer=None,
     ) -> AsyncIterator[RequestOutput]:
         request = self.engine.make_request(request_id, prompt, prompt_token_ids, params)
         request.remote_decode = remote_decode
+        request.peer_blocks = peer  # engine.disagg.PeerBlocks lent for the prefix
         async for out in self.stream(request.request_id, lambda engine: engine.add(request)):
             yield out
 

@@ -48,3 +48,20 @@ class RemoteKVPlan:
     remote_block_ids: tuple[int, ...]  # to read from the prefill worker ...
     local_block_ids: tuple[int, ...]  # ... into these blocks of ours
     num_local_hit_blocks: int  # leading blocks we already had cached (not transferred)
+
+
+@dataclass(frozen=True)
+class PeerBlocks:
+    """Blocks of a request's prefix that another worker holds and lends (the router names the peer; the peer's
+    ``export_blocks`` pins them under a lease): the worker reads them over NIXL instead of recomputing."""
+
+    source: str  # the peer's transfer agent
+    lease_id: str
+    first_block: int  # the request's block index of block_hashes[0]
+    block_hashes: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]  # in the peer's readable id space (its cache, then its host tier)
+
+    def __post_init__(self) -> None:
+        if len(self.block_hashes) != len(self.remote_block_ids) or self.first_block < 0:
+            raise ValueError(f"peer blocks: {len(self.block_hashes)} hashes, {len(self.remote_block_ids)} ids, "
+                             f"first block {self.first_block}")

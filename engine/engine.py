@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
-from engine.disagg import KVHandoff, RemoteKVPlan
+from engine.disagg import KVHandoff, PeerBlocks, RemoteKVPlan
 from engine.errors import InvalidRequestError
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
@@ -45,6 +45,7 @@ class EngineStats:
     num_remote_prefix_hit_blocks: int = 0  # decode role: blocks not transferred because we had them
     num_remote_recomputes: int = 0  # decode role: failed transfers recomputed locally
     num_remote_failures: int = 0  # decode role: failed transfers ended with an error
+    num_peer_import_failures: int = 0  # prefix blocks lent by a peer that could not be read: recomputed
     # slower paths taken because a faster one failed: the torch reference kernels instead of the C ones (the C
     # library would not build), eager decode instead of a CUDA graph (a capture failed); the log says which
     kernel_fallbacks: int = 0
@@ -149,9 +150,10 @@ class Engine:
         request.num_prior_output_tokens = n
 
     def add_request(self, request_id=None, prompt=None, prompt_token_ids=None, params=None,
-                    remote_decode: bool = False) -> Request:
+                    remote_decode: bool = False, peer: PeerBlocks | None = None) -> Request:
         request = self.make_request(request_id, prompt, prompt_token_ids, params)
         request.remote_decode = remote_decode
+        request.peer_blocks = peer
         self.add(request)
         return request
 
@@ -422,6 +424,16 @@ class Engine:
         if new:
             pinned = self.tiers.offload(new, lambda blocks: self.pool.free_blocks(reversed(blocks)))
             self.pool.touch(pinned)
+
+    def finish_import(self, request_id: str, ok: bool) -> None:
+        """The peer blocks of a request's prefix have landed (``ok``) or not (recomputed, counted)."""
+        request = self.scheduler.loading.get(request_id)
+        if request is None:
+            return
+        n = len(request.blocks) - request.num_registered_blocks
+        if not ok:
+            self.stats.num_peer_import_failures += 1
+        self.scheduler.finish_load(request_id, n if ok else 0, from_peer=True)
 
     def close(self) -> None:
         """Stop the mover thread and remove the disk tier's files."""

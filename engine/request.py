@@ -219,6 +219,7 @@ class Request:
     num_prior_output_tokens: int = 0  # a resumed request: outputs generated before (the prompt's tail)
     remote_decode: bool = False  # prefill role: hand the KV off after the first token
     abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
+    peer_blocks: object | None = None  # engine.disagg.PeerBlocks lent by a peer for the prefix, until admitted
     # prompt + outputs as one list, kept in step by append_output_token (read on every step: no copies)
     all_token_ids: list[int] = field(init=False, repr=False)
 

@@ -13,7 +13,7 @@ One step's budget is ``max_num_batched_tokens`` tokens across at most ``max_num_
    compute their prompt are admitted first-come first-served; requests whose KV is already in place
    (received from a prefill worker) never wait behind one of those that does not fit.
    With lower KV tiers (engine/kv_tiers.py), a prefix that continues past the device hits on the host or
-   disk tier is loaded back: the request gets device blocks for it, leaves the queue while the mover copies
+   disk tier — or on the peer worker the router lent it from (``Request.peer_blocks``) — is loaded back: the request gets device blocks for it, leaves the queue while the mover copies
    (``loading``; no budget spent) and returns to the front with its KV in place. A request whose prefix
    reaches a block another request is loading waits for that load without holding up anyone behind it.
 3. If nothing runs and nothing waiting fits, the blocks are held by waiting requests with received KV:
@@ -26,13 +26,38 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_pool import BlockPool
+from engine.disagg import PeerBlocks
 from engine.hashing import BlockHasher
 from engine.histogram import LATENCY_BUCKETS_S, Histogram
 from engine.kv_tiers import TierManager
 from engine.request import Request, RequestStatus
+
+
+class PeerImporter(Protocol):
+    """Reads blocks a peer lent (engine.disagg.PeerBlocks) into local blocks, off the engine thread; calls
+    ``Engine.finish_import`` when done."""
+
+    def start(self, request_id: str, peer: PeerBlocks, remote_block_ids: Sequence[int],
+              local_block_ids: Sequence[int]) -> None: ...
+
+    def release(self, peer: PeerBlocks) -> None: ...
+
+
+def _peer_extent(request: Request, peer: PeerBlocks, start: int, limit: int) -> int:
+    """How far (block index, exclusive) the peer's blocks continue the request's prefix from ``start``."""
+    if peer.first_block > start:
+        return start  # a gap between our hits and the peer's blocks
+    end = start
+    for i in range(start, min(peer.first_block + len(peer.block_hashes), limit)):
+        if request.block_hashes[i] != peer.block_hashes[i - peer.first_block]:
+            break
+        end = i + 1
+    return end
 
 
 @dataclass
@@ -84,6 +109,8 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.num_tier_hit_tokens = 0  # prompt tokens whose KV was loaded back from a lower tier
+        self.num_peer_hit_tokens = 0  # prompt tokens whose KV was read from a peer worker
+        self.importer: PeerImporter | None = None  # the worker's puller of peer blocks (prefill_worker)
         self.queue_time = Histogram(LATENCY_BUCKETS_S)  # arrival → first scheduled, seconds (not after preemption)
 
     # ---- queries ---------------------------------------------------------------------------------
@@ -107,6 +134,7 @@ class Scheduler:
 
     def remove(self, request: Request, status: RequestStatus) -> None:
         """Finish a request in any state: free its blocks and forget it."""
+        self.drop_peer(request)
         self.detach(request, status)
         self._free(request)
 
@@ -162,8 +190,8 @@ class Scheduler:
             else:
                 hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, self.block_size)
                 hits = hits[: (request.num_tokens - 1) // self.block_size]
-            if self.tiers is not None and not request.needs_prompt_logprobs:
-                load = self._load_from_tiers(request, hits)
+            if (self.tiers is not None or request.peer_blocks is not None) and not request.needs_prompt_logprobs:
+                load = self._load_prefix(request, hits)
                 if load is not None:
                     if load == "blocked":
                         blocked = True
@@ -198,44 +226,69 @@ class Scheduler:
             self._break_deadlock(out)
         return out
 
-    def _load_from_tiers(self, request: Request, hits: list) -> str | None:
-        """If the request's prefix continues on a lower tier, start loading it (→ "loading"), or wait for a
-        load of it already in flight (→ "waiting"); "blocked" if the blocks for it are not free; None: no
-        lower-tier hit, admit as usual."""
+    def _load_prefix(self, request: Request, hits: list) -> str | None:
+        """If the request's prefix continues past its device hits on a lower tier, or at the peer the router
+        lent it (``request.peer_blocks``), start bringing those blocks in (→ "loading"), or wait for a load
+        of them already in flight (→ "waiting"); "blocked": the device blocks for them are not free; None:
+        nothing to bring, admit as usual. The source covering more blocks wins; a peer's lease that is not
+        used is released at once."""
         B = self.block_size
-        limit = (request.num_tokens - 1) // B
-        tier_hits, waits = self.tiers.match(
-            request.block_hashes, lambda i: tuple(request.all_token_ids[i * B:(i + 1) * B]), len(hits), limit)
-        if waits:
-            self.tiers.stats.waits_on_load += 1
-            return "waiting"
-        if not tier_hits:
+        start, limit = len(hits), (request.num_tokens - 1) // B
+        tier_hits = []
+        if self.tiers is not None:
+            tier_hits, waits = self.tiers.match(
+                request.block_hashes, lambda i: tuple(request.all_token_ids[i * B:(i + 1) * B]), start, limit)
+            if waits:
+                self.tiers.stats.waits_on_load += 1
+                return "waiting"
+        peer = request.peer_blocks
+        peer_end = _peer_extent(request, peer, start, limit) if peer is not None else start
+        use_peer = peer_end > start + len(tier_hits)
+        n = peer_end - start if use_peer else len(tier_hits)
+        if n == 0:
+            self.drop_peer(request)
             return None
         num_revived = sum(1 for b in hits if b.ref_count == 0)
-        if not self.pool.can_allocate(len(tier_hits) + num_revived):
+        if not self.pool.can_allocate(n + num_revived):
             return "blocked"
         self.waiting.remove(request)
         self.pool.touch(hits)
-        targets = self.pool.allocate(len(tier_hits))
+        targets = self.pool.allocate(n)
         request.blocks = hits + targets
-        request.num_registered_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * B
-        self.num_prefix_hit_tokens += len(hits) * B
+        request.num_registered_blocks = start
+        request.num_computed_tokens = start * B
+        self.num_prefix_hit_tokens += start * B
         self.num_prefix_queried_tokens += request.num_tokens
         request.status = RequestStatus.WAITING_FOR_TIER_LOAD
         self.loading[request.request_id] = request
-        self.tiers.start_load(request.request_id, tier_hits, [b.block_id for b in targets])
+        local_ids = [b.block_id for b in targets]
+        if use_peer:
+            request.peer_blocks = None
+            first = start - peer.first_block
+            self.importer.start(request.request_id, peer, peer.remote_block_ids[first:first + n], local_ids)
+        else:
+            self.drop_peer(request)
+            self.tiers.start_load(request.request_id, tier_hits, local_ids)
         return "loading"
 
-    def finish_load(self, request_id: str, num_loaded: int) -> None:
-        """A load job ended with its first ``num_loaded`` blocks in place; the rest (a failed load) are
-        recomputed into the blocks already allocated. The request returns to the front of the queue."""
+    def drop_peer(self, request: Request) -> None:
+        """Give back the peer blocks lent to ``request`` unused (its lease ends now, not at its timeout)."""
+        if request.peer_blocks is not None and self.importer is not None:
+            self.importer.release(request.peer_blocks)
+        request.peer_blocks = None
+
+    def finish_load(self, request_id: str, num_loaded: int, from_peer: bool = False) -> None:
+        """A load (lower tier) or import (peer) ended with its first ``num_loaded`` blocks in place; the rest
+        (a failure) are recomputed into the blocks already allocated. The request returns to the queue's front."""
         request = self.loading.pop(request_id)
         if request.abort_pending:
             self._free(request)
             return
         request.num_computed_tokens += num_loaded * self.block_size
-        self.num_tier_hit_tokens += num_loaded * self.block_size
+        if from_peer:
+            self.num_peer_hit_tokens += num_loaded * self.block_size
+        else:
+            self.num_tier_hit_tokens += num_loaded * self.block_size
         if request.num_preemptions == 0:
             request.num_cached_prompt_tokens = request.num_computed_tokens
         self.register_full_blocks(request)

@@ -13,7 +13,16 @@ They stay in the prefix cache, so the next request with the same prefix still hi
 
 The NIXL agent is created in the constructor and afterwards used only by the engine thread (its tick
 polls notifications and expires leases): one thread owns a transport. The agent's own progress thread
-serves the decode workers' READs of our memory without us.
+serves the decode workers' READs of our memory without us. It registers the host KV tier too, so peers
+can read blocks from either.
+
+The cluster pool (DESIGN.md "KV tiers and the cluster pool"): prefill workers lend each other prefix blocks.
+`export_blocks(hashes, token_ids, first_block)` pins the leading blocks of those we hold — on the device tier or
+the host tier, token ids checked — under a lease like a handoff's, and returns `PeerBlocks` (or None).
+The router passes that to the worker it chose (`prefill(..., peer=...)`), whose engine reads the blocks it
+lacks with a second agent owned by its `Puller` thread (prefill_worker/puller.py) instead of recomputing
+them; a read that fails or times out is recomputed and counted (`num_peer_import_failures`). The lease ends
+on the reader's notice or its deadline, as a handoff's does.
 """
 from __future__ import annotations
 
@@ -24,11 +33,14 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.disagg import PeerBlocks
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from kvtransfer import LeaseTable, NixlTransport, PeerInfo
+from kvtransfer import LeaseTable, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
 from prefill_worker.base import EventSink, WorkerBase, WorkerOptions, _wrap
+from prefill_worker.puller import Puller
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +50,50 @@ class PrefillWorker(WorkerBase):
         self._lease_by_request: dict[str, str] = {}
         self._request_by_lease: dict[str, str] = {}
         self.leases = LeaseTable(on_release=lambda block_ids: None, default_timeout_s=options.lease_timeout_s)
+        self._exports: dict[str, tuple[list, list]] = {}  # lease id -> (device blocks, host slots) lent to a peer
+        self.export_stats = {"exports": 0, "exported_blocks": 0}
         super().__init__(engine_config, options, sinks)
+        host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
+        self.importer = Puller(self.engine.runner.kv_cache, self.compat, f"{options.worker_id}-import",
+                               options.transfer_timeout_s, host=host)
+        self.engine.scheduler.importer = _Importer(self)
 
     def _attach(self) -> None:
-        self.transport = NixlTransport(self.engine.runner.kv_cache, self.compat,
+        host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
+        self.transport = NixlTransport(self.engine.runner.kv_cache, self.compat, host=host,
                                        agent_name=f"duet-{self.options.worker_id}-{uuid.uuid4().hex[:8]}")
 
     def peer_info(self) -> PeerInfo:
         return self.transport.peer_info()
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      peer: PeerBlocks | None = None) -> RequestOutput:
         """Run the prompt; the returned output carries the first token and, unless the request already
-        ended, the handoff. Cancelling this call aborts the request (its blocks are freed)."""
+        ended, the handoff. Cancelling this call aborts the request (its blocks are freed). ``peer``: prefix
+        blocks another worker lent for it (``export_blocks``), read instead of recomputed."""
         last = None
-        async for out in self.aengine.generate(prompt_token_ids=prompt_token_ids, params=params,
-                                               request_id=request_id, remote_decode=True):
-            last = out
+        try:
+            async for out in self.aengine.generate(prompt_token_ids=prompt_token_ids, params=params,
+                                                   request_id=request_id, remote_decode=True, peer=peer):
+                last = out
+        except InvalidRequestError:  # refused before the engine took it: end the peer's lease now
+            if peer is not None:
+                self.importer.notify(peer.source, ReleaseNotice(peer.lease_id, ok=False).encode())
+            raise
         return last
+
+    async def add_import_peers(self, peers: list[PeerInfo]) -> list[str]:
+        """Handshake our importing agent with other prefill workers, so we can read blocks they lend."""
+        return await self.importer.add_peers(peers)
+
+    async def remove_peers(self, peer_names: list[str]) -> list[str]:
+        return await self.importer.remove_peers(peer_names)
+
+    async def export_blocks(self, block_hashes: list[int], token_ids: list[int],
+                            first_block: int) -> PeerBlocks | None:
+        """Lend the leading blocks of ``block_hashes`` (the request's blocks ``first_block, …``, whose tokens are
+        ``token_ids[first_block * B:]``) that we hold on any readable tier, under a lease; None if we hold none."""
+        return await _wrap(self.aengine.call(lambda engine: self._export(block_hashes, token_ids, first_block, engine)))
 
     async def release(self, request_id: str) -> bool:
         """The router gave up on the handoff (client gone, decode worker refused it): unpin now."""
@@ -81,6 +120,35 @@ class PrefillWorker(WorkerBase):
             self._unpin(lease_id)
         super()._on_tick()
 
+    def _export(self, block_hashes: list[int], token_ids: list[int], first_block: int,
+                engine: Engine) -> PeerBlocks | None:
+        B = engine.config.block_size
+        tiers, n_cache = engine.tiers, engine.pool.num_blocks
+        device, host, remote_ids = [], [], []
+        for j, h in enumerate(block_hashes):
+            tokens = token_ids[(first_block + j) * B:(first_block + j + 1) * B]
+            block = engine.pool.get_cached_block(h, tokens)
+            if block is not None:
+                engine.pool.touch([block])
+                device.append(block)
+                remote_ids.append(block.block_id)
+                continue
+            slot = tiers.host.lookup(h, tokens) if tiers is not None else None
+            if slot is None:
+                break
+            tiers.host.pin(slot)
+            host.append(slot)
+            remote_ids.append(n_cache + slot.slot_id)
+        if not remote_ids:
+            return None
+        lease_id = f"export/{uuid.uuid4().hex[:12]}"
+        self.leases.acquire(lease_id, tuple(remote_ids))
+        self._exports[lease_id] = (device, host)
+        self.export_stats["exports"] += 1
+        self.export_stats["exported_blocks"] += len(remote_ids)
+        return PeerBlocks(self.transport.agent_name, lease_id, first_block, tuple(block_hashes[:len(remote_ids)]),
+                          tuple(remote_ids))
+
     def _end_lease(self, request_id: str, engine: Engine) -> bool:
         lease_id = self._lease_by_request.get(request_id)
         if lease_id is None or not self.leases.release(lease_id, ok=False):
@@ -89,15 +157,47 @@ class PrefillWorker(WorkerBase):
         return True
 
     def _unpin(self, lease_id: str) -> None:
+        lent = self._exports.pop(lease_id, None)
+        if lent is not None:
+            device, host = lent
+            self.engine.pool.free_blocks(reversed(device))
+            for slot in host:
+                self.engine.tiers.host.unpin(slot)
+            return
         request_id = self._request_by_lease.pop(lease_id, None)
         if request_id is not None:
             self._lease_by_request.pop(request_id, None)
             self.engine.release_held(request_id)
 
     def _role_stats(self) -> dict[str, Any]:
+        with self.importer.lock:
+            imports = {f"import_{k}": v for k, v in self.importer.stats.items()}
         return {"leases_held": len(self.leases), "leases_held_blocks": self.leases.num_held_blocks,
-                **{f"leases_{k}": v for k, v in asdict(self.leases.counters).items()}}
+                **{f"leases_{k}": v for k, v in asdict(self.leases.counters).items()}, **self.export_stats, **imports,
+                "import_peers": self.importer.num_peers}
 
     def shutdown(self) -> None:
+        self.importer.stop()
         super().shutdown()
         self.transport.close()
+
+
+class _Importer:
+    """The engine's ``PeerImporter`` (engine/scheduler.py) for this worker: pulls on the importing agent."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def start(self, request_id, peer: PeerBlocks, remote_block_ids, local_block_ids) -> None:
+        w = self.worker
+
+        def done(error: str | None, _num_bytes: int) -> None:
+            if error is not None:
+                log.warning("reading %d prefix blocks of %s from peer %s failed (recomputing): %s",
+                            len(local_block_ids), request_id, peer.source, error)
+            w.aengine.call(lambda engine: engine.finish_import(request_id, error is None))
+
+        w.importer.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done)
+
+    def release(self, peer: PeerBlocks) -> None:
+        self.worker.importer.notify(peer.source, ReleaseNotice(peer.lease_id, ok=True).encode())

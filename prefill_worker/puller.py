@@ -1,0 +1,150 @@
+"""Puller: the thread that owns a worker's pulling NIXL agent and runs its jobs in order.
+
+A decode worker pulls the prompt blocks a prefill worker handed off; a prefill worker pulls the prefix blocks a
+peer lent it (the router named the peer). Both use this: one thread (``kv-<worker>``), one ``NixlTransport``
+(one thread owns a transport), a queue of jobs — handshakes, forgetting peers, notices, pulls — run in
+submission order, so a pull queued before a ``remove_peers`` finishes (or fails) first. A pull's outcome goes
+to the callback it was queued with (on this thread): ``done(error or None, bytes moved)``. Every job is
+guarded: whatever one does, the thread lives on.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
+from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, TransferRequest
+
+log = logging.getLogger(__name__)
+
+PullDone = Callable[[str | None, int], None]
+
+
+class Puller:
+    def __init__(self, kv: torch.Tensor, compat: KVCompat, worker_id: str, transfer_timeout_s: float,
+                 host: torch.Tensor | None = None) -> None:
+        self._kv, self._compat, self._host = kv, compat, host
+        self.worker_id = worker_id
+        self.transfer_timeout_s = transfer_timeout_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0}
+        self.xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
+        self.xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
+        self.lock = threading.Lock()  # this thread writes the stats, stats() readers take them
+        self.num_peers = 0
+        self._thread = threading.Thread(target=self._loop, name=f"kv-{worker_id}", daemon=True)
+        self._thread.start()
+        self.peer_info: PeerInfo = self._ready.result(timeout=60)
+
+    # ---- any thread ---------------------------------------------------------------------------------
+    async def add_peers(self, peers: Sequence[PeerInfo]) -> list[str]:
+        """Handshake with owners (KVCompatError if a peer's layout/model/dtype differs)."""
+        futures = []
+        for peer in peers:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._jobs.put(("add_peer", peer, future))
+            futures.append(asyncio.wrap_future(future))
+        return list(await asyncio.gather(*futures))
+
+    async def remove_peers(self, peer_names: Sequence[str]) -> list[str]:
+        """Forget owners that are gone (their NIXL metadata and connections); returns those it knew."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put(("remove_peers", tuple(peer_names), future))
+        return await asyncio.wrap_future(future)
+
+    def notify(self, peer_name: str, payload: bytes) -> None:
+        self._jobs.put(("notify", peer_name, payload))
+
+    def pull(self, request: TransferRequest, done: PullDone, delay_s: float = 0.0) -> None:
+        """Queue a pull; ``done(error, num_bytes)`` runs on this thread when it ends. ``delay_s`` (fault
+        injection) queues it that much later."""
+        if delay_s > 0:
+            timer = threading.Timer(delay_s, self._jobs.put, args=(("pull", request, done),))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._jobs.put(("pull", request, done))
+
+    def stop(self) -> None:
+        self._jobs.put(("stop",))
+        self._thread.join(5)
+
+    # ---- the puller thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            transport = NixlTransport(self._kv, self._compat, host=self._host,
+                                      agent_name=f"duet-{self.worker_id}-{uuid.uuid4().hex[:8]}")
+        except Exception as e:
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(transport.peer_info())
+        with transport:
+            while True:
+                job = self._jobs.get()
+                if job[0] == "stop":
+                    return
+                try:
+                    self._run(transport, job)
+                except Exception:  # keep the thread alive whatever one job does
+                    log.exception("transfer job %s failed", job[0])
+
+    def _run(self, transport: NixlTransport, job: tuple) -> None:
+        kind = job[0]
+        if kind == "add_peer":
+            _, peer, future = job
+            try:
+                future.set_result(transport.add_peer(peer))
+            except Exception as e:
+                future.set_exception(e)
+            self.num_peers = transport.num_peers
+        elif kind == "remove_peers":
+            _, names, future = job
+            known = [name for name in names if transport.has_peer(name)]
+            for name in known:
+                try:
+                    transport.remove_peer(name)
+                except Exception:  # the binding may complain about a peer whose process is gone; it is forgotten
+                    log.warning("removing peer %s", name, exc_info=True)
+            self.num_peers = transport.num_peers
+            future.set_result(known)
+        elif kind == "notify":
+            _, peer_name, payload = job
+            try:
+                transport.send_notif(peer_name, payload)
+            except Exception:
+                log.warning("could not notify %s", peer_name, exc_info=True)
+        elif kind == "pull":
+            _, request, done = job
+            self._pull(transport, request, done)
+
+    def _pull(self, transport: NixlTransport, request: TransferRequest, done: PullDone) -> None:
+        t0 = time.perf_counter()
+        error, num_bytes = None, 0
+        try:
+            if not transport.has_peer(request.peer_name):
+                raise KVTransferError(f"unknown peer {request.peer_name!r} (no handshake)")
+            num_bytes = transport.pull(request, timeout_s=self.transfer_timeout_s).num_bytes
+        except KVTransferError as e:
+            error = str(e)
+        except Exception as e:  # nixl binding errors
+            error = f"{type(e).__name__}: {e}"
+        elapsed_s = time.perf_counter() - t0
+        with self.lock:
+            self.stats["transfer_s"] += elapsed_s
+            if error is None:
+                self.stats["transfers_ok"] += 1
+                self.stats["transfer_bytes"] += num_bytes
+                self.xfer_time.observe(elapsed_s)
+                self.xfer_bytes.observe(num_bytes)
+            else:
+                self.stats["transfers_failed"] += 1
+        done(error, num_bytes)
