@@ -78,6 +78,9 @@ class Cluster:
         peers = [c.info.peer for c in prefill]
         if peers:
             await asyncio.gather(*(d.handle.add_peers.remote(peers) for d in decode))
+        # the cluster pool: every prefill worker can read the prefix blocks every other one lends
+        await asyncio.gather(*(p.handle.add_import_peers.remote([q.info.peer for q in prefill if q is not p])
+                               for p in prefill if len(prefill) > 1))
         metrics = RouterMetrics(config.model_name, min(i.max_model_len for i in infos))
         backend = _make_backend(config, prefill, decode, infos, metrics)
         for c in clients:

@@ -181,8 +181,14 @@ class PoolManager(Operator):
             if peers:
                 await client.handle.add_peers.remote(peers)
         else:
-            decoders = [r.client for r in self.registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))]
+            live = (WorkerState.READY, WorkerState.DRAINING)
+            decoders = [r.client for r in self.registry.records(Role.DECODE, live)]
             await asyncio.gather(*(d.handle.add_peers.remote([client.info.peer]) for d in decoders))
+            # the cluster pool: the new prefill worker and the others read each other's lent prefix blocks
+            others = [r.client for r in self.registry.records(Role.PREFILL, live) if r.worker_id != client.worker_id]
+            if others:
+                await client.handle.add_import_peers.remote([o.info.peer for o in others])
+                await asyncio.gather(*(o.handle.add_import_peers.remote([client.info.peer]) for o in others))
 
     async def drain_worker(self, worker_id: str, reason: str) -> None:
         """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it."""
@@ -248,14 +254,17 @@ class PoolManager(Operator):
                 log.debug("kill %s: %r", worker_id, e)
 
     async def _forget_peer(self, worker_id: str, agent_name: str) -> None:
-        """Every live decode worker drops the ended prefill worker's NIXL metadata and connection."""
-        decoders = self.registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))
+        """Every live decode worker, and every other prefill worker (which read its lent blocks), drops the
+        ended prefill worker's NIXL metadata and connection."""
+        live = (WorkerState.READY, WorkerState.DRAINING)
+        decoders = self.registry.records(Role.DECODE, live) + [
+            r for r in self.registry.records(Role.PREFILL, live) if r.worker_id != worker_id]
         results = await asyncio.gather(
             *(asyncio.wait_for(d.client.handle.remove_peers.remote([agent_name]), 30) for d in decoders),
             return_exceptions=True)
         for rec, result in zip(decoders, results):
             if isinstance(result, BaseException):  # that decode worker is itself gone or stuck: its own problem
-                log.warning("decode worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
+                log.warning("worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
             else:
                 self.counters["peers_forgotten"] += len(result)
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayTaskError
 
-from engine.disagg import KVHandoff
+from engine.disagg import KVHandoff, PeerBlocks
 from engine.errors import DuetError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
@@ -34,9 +34,18 @@ class RayWorkerClient(WorkerClient):
         self.descriptor = WorkerDescriptor(info.worker_id, Role(info.role), tuple(info.hash_fingerprint),
                                            info.max_model_len)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      peer: PeerBlocks | None = None) -> RequestOutput:
         try:
-            return await self.handle.prefill.remote(request_id, prompt_token_ids, params)
+            return await self.handle.prefill.remote(request_id, prompt_token_ids, params, peer)
+        except RayTaskError as e:
+            raise _unwrap(e) from None
+
+    async def export_blocks(self, block_hashes: list[int], token_ids: list[int], first_block: int) -> PeerBlocks | None:
+        if self.descriptor.role != Role.PREFILL:
+            return None  # decode workers do not lend blocks (yet): router/dispatch.py names prefill peers only
+        try:
+            return await self.handle.export_blocks.remote(block_hashes, token_ids, first_block)
         except RayTaskError as e:
             raise _unwrap(e) from None
 

@@ -53,7 +53,8 @@ class WorkerOptions:
     lease_timeout_s: float = 60.0  # prefill: blocks held for a decode worker at most this long
     transfer_timeout_s: float = 30.0  # decode: one pull; keep well below the peers' lease timeout
     recompute_on_transfer_failure: bool = True  # decode: False ends the request with an error instead
-    fault_pull_delay_s: float = 0.0  # decode, fault injection (transfer.fault_pull_delay_s): wait before each pull
+    fault_pull_delay_s: float = 0.0  # fault injection (transfer.fault_pull_delay_s): wait before each pull (decode's
+    # of a handoff, prefill's of a peer's blocks)
     publish_interval_s: float = 0.1  # load reports when nothing else happens
     full_state_interval_s: float | None = None  # publish the whole cached set this often (shared Redis
     # stream: routers that lost a batch resync in-band, identically); None: only on request (snapshot())

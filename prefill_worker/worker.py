@@ -197,7 +197,8 @@ class _Importer:
                             len(local_block_ids), request_id, peer.source, error)
             w.aengine.call(lambda engine: engine.finish_import(request_id, error is None))
 
-        w.importer.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done)
+        w.importer.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done,
+                        delay_s=w.options.fault_pull_delay_s)  # fault injection, as the decode worker's pulls
 
     def release(self, peer: PeerBlocks) -> None:
         self.worker.importer.notify(peer.source, ReleaseNotice(peer.lease_id, ok=True).encode())

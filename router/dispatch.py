@@ -39,11 +39,10 @@ import dataclasses
 import itertools
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from engine.disagg import KVHandoff
+from engine.disagg import PeerBlocks
 from engine.errors import ConfigError, InvalidRequestError
 from engine.hashing import BlockHasher
 from engine.outputs import RequestOutput
@@ -56,11 +55,13 @@ from router.metrics import RequestTiming, RouterMetrics
 from router.migration import MAX_MIGRATIONS, SentSoFar, with_seed
 from router.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
 from router.registry import WorkerRegistry, WorkerState
+from router.workers import WorkerClient, WorkerDescriptor, check_fingerprints  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 MAX_PLACEMENTS = 3  # a request whose worker died before the client saw anything is placed again
 ALIVE_TIMEOUT_S = 5.0
+PEER_EXPORT_TIMEOUT_S = 2.0  # asking a peer to lend blocks; past it the prefill worker computes them
 
 
 @dataclass(frozen=True)
@@ -69,56 +70,6 @@ class _Lost:
 
     worker_id: str
     role: str
-
-
-@dataclass(frozen=True)
-class WorkerDescriptor:
-    """What the router must know of a worker before routing to it."""
-
-    worker_id: str
-    role: Role
-    hash_fingerprint: tuple  # BlockHasher.fingerprint (version, block_size, seed, namespace)
-    max_model_len: int
-
-
-class WorkerClient(ABC):
-    """Acting on one worker. Every method may raise the transport's errors (actor gone, ...)."""
-
-    descriptor: WorkerDescriptor
-
-    @property
-    def worker_id(self) -> str:
-        return self.descriptor.worker_id
-
-    @abstractmethod
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput: ...
-
-    @abstractmethod
-    def decode(self, handoff: KVHandoff) -> AsyncIterator[RequestOutput]: ...
-
-    @abstractmethod
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> None: ...
-
-    @abstractmethod
-    async def release(self, request_id: str) -> None: ...
-
-    @abstractmethod
-    async def alive(self) -> bool: ...
-
-
-def check_fingerprints(hasher: BlockHasher, workers: Sequence[WorkerDescriptor]) -> None:
-    """Refuse workers whose block hashing differs from the router's: their KV events would never match
-    our hashes and prefix routing would silently do nothing (the anchors' most-reported routing bug)."""
-    ours = hasher.fingerprint
-    names = ("hash version", "block size", "hash seed", "hash namespace")
-    for w in workers:
-        theirs = tuple(w.hash_fingerprint)
-        if theirs != ours:
-            diff = [f"{n} {a!r} (router) != {b!r} (worker)" for n, a, b in zip(names, ours, theirs) if a != b]
-            raise ConfigError(f"worker {w.worker_id} hashes KV blocks differently: {'; '.join(diff)}")
 
 
 class ClusterBackend(Backend):
@@ -150,6 +101,8 @@ class ClusterBackend(Backend):
         self.metrics = metrics
         self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0,
                          "migrated": 0}
+        # blocks borrowed from a peer for a prefill: lent, not held any more, asking failed (computed instead)
+        self.peer_fetches = {"lent": 0, "gone": 0, "failed": 0}
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
@@ -258,10 +211,14 @@ class ClusterBackend(Backend):
             self._count_route(Role.DECODE, "placed_again" if again else "local_prefill")
             return self._local(rid, ids, params, decode[d.worker], uncached_on_d, total_blocks, timing)
         self.counters["disaggregated"] += 1
-        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids))
+        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids),
+                  peers=list(prefill))
         self._count_route(Role.PREFILL, "placed_again" if again else "disaggregated")
+        borrow = None
+        if p.peer is not None and p.peer in prefill:  # the cluster pool: read what the peer holds, not compute it
+            borrow = (prefill[p.peer], hashes[:p.overlap_blocks + p.peer_blocks])
         return self._disaggregated(rid, ids, params, prefill[p.worker], decode[d.worker],
-                                   len(ids) - p.overlap_blocks * B, total_blocks, timing)
+                                   len(ids) - p.overlap_blocks * B, total_blocks, timing, borrow)
 
     def _count_route(self, role: Role, outcome: str) -> None:
         if self.metrics is not None:
@@ -289,8 +246,20 @@ class ClusterBackend(Backend):
             self.tracker.finish(rid, d.worker_id)
             self.inflight[d.worker_id] -= 1
 
+    async def _borrow(self, peer: WorkerClient, hashes: list[int], ids: list[int]) -> PeerBlocks | None:
+        """Ask ``peer`` to lend the prefix blocks it holds; None (counted) when it holds none now or cannot
+        answer in time — the prefill worker then computes them."""
+        try:
+            lent = await asyncio.wait_for(peer.export_blocks(list(hashes), ids, 0), PEER_EXPORT_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a dead or slow peer costs this request its shortcut only
+            log.warning("peer %s could not lend %d blocks: %r", peer.worker_id, len(hashes), e)
+            self.peer_fetches["failed"] += 1
+            return None
+        self.peer_fetches["lent" if lent is not None else "gone"] += 1
+        return lent
+
     async def _disaggregated(self, rid, ids, params, p: WorkerClient, d: WorkerClient, uncached: int,
-                             total_blocks: int, timing: RequestTiming | None):
+                             total_blocks: int, timing: RequestTiming | None, borrow=None):
         # D is committed to this request from now: its predicted load counts it (so requests arriving together
         # spread over the decode pool) and a drain must wait for it
         self.inflight[d.worker_id] += 1
@@ -300,7 +269,9 @@ class ClusterBackend(Backend):
                                   num_kv_blocks=-(-len(ids) // self.hasher.block_size))
             self.inflight[p.worker_id] += 1
             try:
-                first = await self._call(p.prefill(rid, ids, params), rid, p)
+                lent = await self._borrow(*borrow, ids) if borrow is not None else None
+                call = p.prefill(rid, ids, params) if lent is None else p.prefill(rid, ids, params, peer=lent)
+                first = await self._call(call, rid, p)
             finally:
                 self.tracker.finish(rid, p.worker_id)
                 self.inflight[p.worker_id] -= 1
