@@ -95,6 +95,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "router.index": args.index, "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
         "router.api_keys": args.api_key or None, "router.admin_key": args.admin_key,
+        "router.salt_by_api_key": args.salt_by_api_key,
         "router.max_concurrent_requests": args.max_concurrent_requests,
         "router.max_queued_requests": args.max_queued_requests, "router.queue_timeout_s": args.queue_timeout_s,
         "router.request_timeout_s": args.request_timeout_s, "router.max_request_bytes": args.max_request_bytes,
@@ -141,6 +142,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode worker prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
     p.add_argument("--admin-key", help="bearer key for /admin writes (without it: only on a loopback bind)")
+    p.add_argument("--salt-by-api-key", action="store_true", default=None,
+                   help="each API key is its own prefix-cache domain: no cache hits across keys (tenant isolation)")
     p.add_argument("--max-concurrent-requests", type=int, help="sequences generating at once (default: no bound)")
     p.add_argument("--max-queued-requests", type=int, help="sequences waiting for a slot; beyond: 429 (default: no bound)")
     p.add_argument("--queue-timeout-s", type=float, help="longest wait for a slot; beyond: 408")

@@ -7,7 +7,8 @@
     prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
     decode:  {num_workers: 2}
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
-              decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory}
+              decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
+              salt_by_api_key: false}       # true: each API key is its own prefix-cache domain
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
     autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
                  ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key
@@ -63,6 +64,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = 64  # conditional disaggregation: decode worker prefills short uncached prompts
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None  # required for /admin writes; None: writes only on a loopback bind
+    # tenant isolation: salt every request's block hashes by its API key, so keys never share prefix-cache
+    # hits (router/tenancy.py, docs/operating.md "Tenant isolation"); needs api_keys
+    salt_by_api_key: bool = False
     # admission control (router/admission.py); None: no bound
     max_concurrent_requests: int | None = None  # sequences generating at once
     max_queued_requests: int | None = None  # sequences waiting for a slot (beyond: 429)
@@ -80,6 +84,10 @@ class RouterConfig:
             raise ConfigError(f"router.index must be 'memory' or a redis:// URL, got {self.index!r}")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("router.local_prefill_max_tokens must be >= 0")
+        if not isinstance(self.salt_by_api_key, bool):
+            raise ConfigError(f"router.salt_by_api_key must be true or false, got {self.salt_by_api_key!r}")
+        if self.salt_by_api_key and not self.api_keys:
+            raise ConfigError("router.salt_by_api_key needs router.api_keys (without keys there are no tenants)")
         self.admission  # validates the admission fields
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"router.max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")

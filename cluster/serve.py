@@ -77,7 +77,7 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name],
                      max_request_bytes=rc.max_request_bytes,
                      operator=cluster.pools if cluster else None, metrics=cluster.metrics if cluster else None,
-                     admin_key=rc.admin_key, bind_host=rc.host)
+                     admin_key=rc.admin_key, bind_host=rc.host, salt_by_api_key=rc.salt_by_api_key)
     if cluster is not None:
         from cluster.dashboard import mount_dashboard
 
@@ -87,7 +87,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     grpc_server = None
     if rc.grpc_port is not None:
         grpc_server = await start_grpc_server(backend, rc.host, rc.grpc_port, api_keys=rc.api_keys,
-                                              max_request_bytes=rc.max_request_bytes)
+                                              max_request_bytes=rc.max_request_bytes,
+                                              salt_by_api_key=rc.salt_by_api_key)
     try:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():

@@ -297,7 +297,7 @@ class Engine:
         if handoff.first_logprob is not None:
             request.output_logprobs.append(handoff.first_logprob)
             request.output_top_logprobs.append(handoff.first_top_logprobs or {})
-        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.params.hash_salt)
         B = self.config.block_size
         n_prompt = request.num_prompt_tokens
         hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, B)[: n_prompt // B]

@@ -3,9 +3,21 @@
 ``hash(block i) = xxh3_64(parent_hash as u64 LE ‖ token ids of the block as u32 LE)``; the chain's root is
 ``xxh3_64(b"duet-root/v1" ‖ hash_seed as u64 LE ‖ namespace utf-8)``. Only full blocks are hashed.
 
+A request may carry a salt (tenant isolation: a per-API-key salt and the client's ``cache_salt``, see
+``SamplingParams.hash_salt``): a tuple of strings that replaces the root by ``salted_root(root, salt) =
+xxh3_64(b"duet-salt/v1" ‖ root as u64 LE ‖ for each part: its utf-8 length as u32 LE ‖ the utf-8 bytes)``.
+Changing the root changes every block hash of the chain, so a salted request shares no block with an
+unsalted one or with a request salted differently, and requests with the same salt share as usual (vLLM
+mixes its ``cache_salt`` into the first block's hash; the effect is the same). The length prefixes keep
+the parts apart: ``("ab", "c")`` and ``("a", "bc")`` are different salts, and so are ``("", "x")`` and
+``("x", "")``. The empty salt ``()`` leaves the root as it is. Everyone who hashes a request's blocks
+(the scheduler, the decode side of a handoff, the router) passes the request's salt.
+
 The hash is 64 bits wide. The engine's block pool re-checks a hit's token ids against the block it
 found (so a collision can never corrupt an engine's output); the router does not see tokens and accepts
-the ~2^-64 chance of a wrong routing hint, which costs speed, never correctness.
+the ~2^-64 chance of a wrong routing hint, which costs speed, never correctness. Isolation between salts
+rests on the hash alone (the token check passes: the tokens are the same): two salted roots collide with
+probability ~2^-64, and a tenant cannot aim at another's root without knowing that tenant's salt.
 
 Pure Python + xxhash: no torch import, so the router uses the very same function.
 """
@@ -25,6 +37,21 @@ def root_hash(hash_seed: int = 0, namespace: str = "") -> int:
     """The parent of a sequence's first block."""
     seed = int(hash_seed) & 0xFFFFFFFFFFFFFFFF
     return xxhash.xxh3_64_intdigest(b"duet-root/v1" + seed.to_bytes(8, "little") + namespace.encode())
+
+
+def salted_root(root: int, salt: Sequence[str]) -> int:
+    """The root of a chain salted with ``salt`` (parts in order; ``()``: ``root`` itself)."""
+    if isinstance(salt, (str, bytes)):
+        raise TypeError("a salt is a sequence of strings, not one string")
+    if not salt:
+        return root
+    buf = bytearray(b"duet-salt/v1")
+    buf += root.to_bytes(8, "little")
+    for part in salt:
+        data = part.encode()
+        buf += len(data).to_bytes(4, "little")
+        buf += data
+    return xxhash.xxh3_64_intdigest(bytes(buf))
 
 
 def _u32_bytes(token_ids: Sequence[int]) -> bytes:
@@ -72,12 +99,15 @@ class BlockHasher:
         self.namespace = namespace
         self.root = root_hash(hash_seed, namespace)
 
-    def __call__(self, token_ids: Sequence[int]) -> list[int]:
-        return hash_blocks(token_ids, self.block_size, self.root)
+    def __call__(self, token_ids: Sequence[int], salt: Sequence[str] = ()) -> list[int]:
+        return hash_blocks(token_ids, self.block_size, salted_root(self.root, salt))
 
-    def extend(self, hashes: list[int], token_ids: Sequence[int]) -> None:
-        """Append the hashes of blocks that became full since ``hashes`` was last extended."""
-        parent = hashes[-1] if hashes else self.root
+    def extend(self, hashes: list[int], token_ids: Sequence[int], salt: Sequence[str] = ()) -> None:
+        """Append the hashes of blocks that became full since ``hashes`` was last extended. ``salt`` is the
+        request's (the same on every call: it only matters for the first block)."""
+        if len(token_ids) // self.block_size <= len(hashes):
+            return  # no block became full (most decode steps)
+        parent = hashes[-1] if hashes else salted_root(self.root, salt)
         hashes.extend(hash_blocks(token_ids, self.block_size, parent, start_block=len(hashes)))
 
     @property

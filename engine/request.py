@@ -38,6 +38,7 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI does not state a bound; one is needed)
 MAX_REPETITION_PENALTY = 10.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (+ the k most likely)
     structured: StructuredOutput | None = None
     resume: ResumeState | None = None  # set by the router when it migrates a request, never by clients
+    # tenant isolation (engine/hashing.py): both enter the block-hash root, so blocks are shared only by
+    # requests with the same two values. cache_salt is the client's (vLLM's field); tenant_salt is derived
+    # from the API key by the router (router/tenancy.py), never sent by clients. Kept out of repr (logs).
+    cache_salt: str | None = field(default=None, repr=False)
+    tenant_salt: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,6 +154,11 @@ class SamplingParams:
             if self.ignore_eos or self.min_tokens:
                 raise bad("ignore_eos and min_tokens cannot be combined with structured output (the grammar "
                           "decides where the output ends)")
+        for name in ("cache_salt", "tenant_salt"):
+            salt = getattr(self, name)
+            if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+                raise bad(f"{name} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                          f"got {_describe(salt)}")
         r = self.resume
         if r is not None and not (isinstance(r, ResumeState) and isinstance(r.num_output_tokens, int)
                                   and r.num_output_tokens >= 1 and isinstance(r.num_emitted_chars, int)
@@ -161,6 +172,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def hash_salt(self) -> tuple[str, ...]:
+        """The salt of this request's block hashes (engine/hashing.py ``salted_root``): () when unsalted,
+        else (tenant salt, cache salt) with "" for the one that is absent."""
+        if self.tenant_salt is None and self.cache_salt is None:
+            return ()
+        return (self.tenant_salt or "", self.cache_salt or "")
 
 
 def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, max_model_len: int) -> list[int]:
@@ -181,6 +200,11 @@ def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, m
             f"this model's maximum context length is {max_model_len} tokens; the request needs "
             f"{total} ({len(ids)} in the prompt + {params.max_tokens} max_tokens)")
     return ids
+
+
+def _describe(value: object) -> str:
+    """A rejected value for an error message: strings by length only (a salt is a secret)."""
+    return f"a string of {len(value)} characters" if isinstance(value, str) else type(value).__name__
 
 
 def _finite(x: object) -> bool:

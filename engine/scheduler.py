@@ -129,7 +129,7 @@ class Scheduler:
 
     # ---- mutation -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.params.hash_salt)
         self.waiting.append(request)
 
     def remove(self, request: Request, status: RequestStatus) -> None:
@@ -333,7 +333,7 @@ class Scheduler:
         request.num_registered_blocks = num_full
 
     def on_tokens_appended(self, request: Request) -> None:
-        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.params.hash_salt)
 
     # ---- internals -------------------------------------------------------------------------------
     def _grow(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:

@@ -3,7 +3,7 @@
 Deciding is router.policy (pure: index + predicted load -> worker); acting is a `WorkerClient` per
 worker (cluster.ray_client talks to Ray actors; tests may bring their own). One request:
 
-    hashes = hasher(prompt)                        # full blocks only, the engine's exact hash chain
+    hashes = hasher(prompt, params.hash_salt)      # full blocks only, the engine's exact hash chain (salted)
     D = route(decode policy)                       # where it will decode
     uncached on D <= local_prefill_max_tokens?     # conditional disaggregation: D prefills it itself
         -> stream D.generate(...)
@@ -158,7 +158,8 @@ class ClusterBackend(Backend):
                                        else (sent.prompt_token_ids, params))
                 rid = request_id if attempt == 0 else f"{request_id}~{attempt}"  # fresh on every worker
                 try:
-                    stream = self._place(rid, ids, self.hasher(ids), attempt_params, timing, again=attempt > 0)
+                    stream = self._place(rid, ids, self.hasher(ids, attempt_params.hash_salt), attempt_params, timing,
+                                         again=attempt > 0)
                 except NoWorkersError as e:
                     if not sent.token_ids:
                         raise  # before any output: the front door answers 503 / UNAVAILABLE

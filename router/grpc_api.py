@@ -26,6 +26,7 @@ Design notes:
   `yield`, leaving the close to the garbage collector.)
 - API keys: a server interceptor guards every method of duet.v1.Generate (`authorization: Bearer <key>`,
   constant-time compare). Health and reflection stay open so load balancers and grpcurl work unkeyed.
+  With ``salt_by_api_key`` the servicer salts each request's block hashes by its key (router/tenancy.py).
 - Health: grpc.health.v1 reports "" and "duet.v1.Generate"; a small task mirrors `backend.health().ok`
   into both every `health_interval_s`. `grpc.aio.server()` builds a plain Server we cannot subclass, so
   `start_grpc_server` wraps that instance's `stop` to enter graceful shutdown (NOT_SERVING) before the
@@ -53,6 +54,7 @@ from proto.build import ensure_generated
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
 from router.policy import NoWorkersError
+from router.tenancy import bearer_token, tenant_salt
 
 ensure_generated()
 from proto.duet.v1 import generate_pb2 as pb  # noqa: E402  (generated above when missing)
@@ -64,16 +66,19 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generate"].full_name  # "duet.v1.
 MAX_REQUEST_ID_CHARS = 256
 # GenerateRequest fields with presence that map one to one onto SamplingParams keywords
 _SCALAR_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos",
-                           "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                           "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "cache_salt")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 # ---- protobuf <-> engine types (pure functions) ----------------------------------------------------
 
-def sampling_params_from_pb(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from the set fields; raises InvalidRequestError for bad values."""
+def sampling_params_from_pb(request: pb.GenerateRequest, tenant_salt: str | None = None) -> SamplingParams:
+    """SamplingParams from the set fields (``tenant_salt``: the API key's, router/tenancy.py); raises
+    InvalidRequestError for bad values."""
     kw = {name: getattr(request, name) for name in _SCALAR_SAMPLING_FIELDS if request.HasField(name)}
+    kw["tenant_salt"] = tenant_salt
     if kw.get("max_tokens", 1) < 1:  # no prompt logprobs here: a request that generates nothing is a mistake
         raise InvalidRequestError(f"max_tokens must be >= 1, got {kw['max_tokens']}")
     fmt = request.WhichOneof("response_format")
@@ -137,8 +142,9 @@ def _status_of(e: DuetError) -> grpc.StatusCode:
 # ---- the servicer ----------------------------------------------------------------------------------
 
 class GenerateServicer(pb_grpc.GenerateServicer):
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, salt_by_api_key: bool = False) -> None:
         self.backend = backend
+        self.salt_by_api_key = salt_by_api_key
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
@@ -148,7 +154,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            request_id, prompt_ids, params = await asyncio.to_thread(self._prepare, request)
+            request_id, prompt_ids, params = await asyncio.to_thread(self._prepare, request, self._tenant_salt(context))
         except DuetError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -167,7 +173,14 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             log.exception("request %s: backend raised", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id}: {type(e).__name__}: {e}")
 
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+    def _tenant_salt(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The API key's salt when salting by key (the interceptor let only keyed calls through)."""
+        if not self.salt_by_api_key:
+            return None
+        return tenant_salt(_bearer_of(context.invocation_metadata() or ()) or "")
+
+    def _prepare(self, request: pb.GenerateRequest,
+                 tenant_salt: str | None = None) -> tuple[str, list[int], SamplingParams]:
         """Validate and tokenize (on a worker thread); raises InvalidRequestError."""
         card = self.backend.card
         if request.model and request.model != card.model_id:
@@ -175,7 +188,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        params = sampling_params_from_pb(request)
+        params = sampling_params_from_pb(request, tenant_salt)
         prompt_ids = prompt_token_ids_from_pb(request, self.backend.tokenizer)
         self.backend.check_request(prompt_ids, params)
         return request_id, prompt_ids, params
@@ -201,15 +214,19 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _rejecting_handler(handler, "missing or invalid API key (send 'authorization: Bearer <key>')")
 
     def is_authorized(self, metadata: Sequence[tuple[str, str | bytes]]) -> bool:
-        for key, value in metadata:
-            if key != "authorization":
-                continue
-            scheme, _, token = (value.decode() if isinstance(value, bytes) else value).partition(" ")
-            if scheme.lower() == "bearer":
-                given = token.strip().encode()
-                # constant-time per key, and no early exit: timing says nothing about the keys
-                return sum(hmac.compare_digest(given, k) for k in self._keys) > 0
-        return False
+        token = _bearer_of(metadata)
+        if token is None:
+            return False
+        # constant-time per key, and no early exit: timing says nothing about the keys
+        return sum(hmac.compare_digest(token.encode(), k) for k in self._keys) > 0
+
+
+def _bearer_of(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+    """The bearer token of the first ``authorization`` entry (None: none, or not a bearer credential)."""
+    for key, value in metadata:
+        if key == "authorization":
+            return bearer_token(value.decode() if isinstance(value, bytes) else value)
+    return None
 
 
 _HANDLER_FACTORIES = {
@@ -236,14 +253,17 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.Rpc
 
 async def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                             api_keys: Iterable[str] = (), health_interval_s: float = 5.0,
-                            max_request_bytes: int = 4 << 20) -> grpc.aio.Server:
+                            max_request_bytes: int = 4 << 20, salt_by_api_key: bool = False) -> grpc.aio.Server:
     """Start serving `backend`; returns the started server, with the bound port as ``server.port``
     (port=0 picks a free one). Its ``stop(grace)`` first sets every health status to NOT_SERVING.
-    With ``api_keys``, duet.v1.Generate requires one of them; health and reflection never do."""
+    With ``api_keys``, duet.v1.Generate requires one of them; health and reflection never do.
+    ``salt_by_api_key``: each API key is its own prefix-cache domain (router/tenancy.py)."""
     keys = tuple(api_keys)
+    if salt_by_api_key and not keys:
+        raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                              options=[("grpc.max_receive_message_length", max_request_bytes)])  # over: RESOURCE_EXHAUSTED
-    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend), server)
+    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend, salt_by_api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -23,6 +23,9 @@ The response status is decided after the first engine output arrives, so a reque
 is a 400 rather than an error inside a 200 stream. After that, a failure is an SSE ``data: {"error":
 ...}`` event followed by ``[DONE]`` (streaming) or a 503 (not streaming).
 
+With ``salt_by_api_key`` every request's block hashes are salted by the API key it came with (beside
+the client's ``cache_salt``): tenants never share prefix-cache hits (router/tenancy.py).
+
 Errors are always OpenAI bodies ``{"error": {message, type, param, code}}``: bad JSON, bad UTF-8, bad
 types and values are 400 (FastAPI's 422 included), an unknown model 404, a missing or wrong key 401;
 only a genuine fault is a 500, and it is logged.
@@ -51,6 +54,7 @@ from router.admission import DeadlineExceededError, OverloadedError, QueueTimeou
 from router.backend import Backend
 from router.openapi_doc import document
 from router.policy import NoWorkersError
+from router.tenancy import bearer_token, tenant_salt
 from router.openai_protocol import (
     BadRequest, ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
     ResponseBuilder, GenerationRequest, error_body,
@@ -88,13 +92,16 @@ class _ClientTooSlow(Exception):
 def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
                served_model_names: Sequence[str] | None = None, operator=None, metrics=None,
                admin_key: str | None = None, bind_host: str = "127.0.0.1",
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, salt_by_api_key: bool = False) -> FastAPI:
     """``operator`` (cluster.pools.PoolManager) and ``metrics`` (router.metrics.RouterMetrics) add the
-    operator's API: /admin/* and /metrics (router/admin_api.py)."""
+    operator's API: /admin/* and /metrics (router/admin_api.py). ``salt_by_api_key``: each API key is its
+    own prefix-cache domain (router/tenancy.py); it needs ``api_keys``."""
     from router.admin_api import admin_router
 
+    if salt_by_api_key and not api_keys:
+        raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
     app = FastAPI(title="duet", summary="OpenAI-compatible API over duet")
-    server = _OpenAIServer(backend, served_model_names, max_request_bytes)
+    server = _OpenAIServer(backend, served_model_names, max_request_bytes, salt_by_api_key)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_keys))])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
@@ -110,9 +117,10 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
 
 class _OpenAIServer:
     def __init__(self, backend: Backend, served_model_names: Sequence[str] | None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, salt_by_api_key: bool = False) -> None:
         self.backend = backend
         self.max_request_bytes = max_request_bytes
+        self.salt_by_api_key = salt_by_api_key
         self.model_names = list(served_model_names or [backend.card.model_id])
         self._accepted_names = {backend.card.model_id, *self.model_names}
 
@@ -162,7 +170,7 @@ class _OpenAIServer:
         """``prompts``: one, or a completions batch; choice ``p * n + i`` is prompt p's i-th choice.
         ``echo``: each prompt's text (None: the decoded ids), returned before its completions."""
         # a batch is completions only, whose max_tokens does not depend on the prompt: one params list
-        params = body.sampling_params(len(prompts[0]), self.backend.card.max_model_len)
+        params = body.sampling_params(len(prompts[0]), self.backend.card.max_model_len, self._tenant_salt(request))
         for ids in prompts:
             self.backend.check_request(ids, params[0])  # choices differ only in their seeds
         if echo:  # ids are known to be in the vocabulary now
@@ -183,6 +191,12 @@ class _OpenAIServer:
             return StreamingResponse(_stream_events(run, builder, choices), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
         return await _collect_response(run, builder, choices)
+
+    def _tenant_salt(self, request: Request) -> str | None:
+        """The API key's salt when salting by key (the key was checked by the router's dependency)."""
+        if not self.salt_by_api_key:
+            return None
+        return tenant_salt(bearer_token(request.headers.get("authorization", "")) or "")
 
     def _check_model(self, name: str) -> None:
         if name not in self._accepted_names:
@@ -361,9 +375,8 @@ def _api_key_check(api_keys: Sequence[str]):
     async def check(request: Request) -> None:
         if not keys:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None or not any(hmac.compare_digest(token.encode(), k) for k in keys):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
 

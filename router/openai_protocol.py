@@ -9,7 +9,9 @@ is still reproducible. /v1/completions takes a list of prompts (strings or token
 OpenAI numbers them, each prompt with its own echo and prompt logprobs.
 
 Penalties, ``logit_bias`` and ``response_format`` (json_object / json_schema) become engine
-SamplingParams (engine/sampler.py, engine/structured.py apply them on whichever worker samples).
+SamplingParams (engine/sampler.py, engine/structured.py apply them on whichever worker samples), and so
+does ``cache_salt`` (vLLM's: a non-empty string of at most 256 characters that salts the request's block
+hashes, so its prefix-cache hits come only from requests with the same salt; router/tenancy.py).
 ``echo`` with ``logprobs`` asks the engine for prompt logprobs: the prompt's tokens lead the choice's
 logprobs with the first one null, as OpenAI sends them.
 
@@ -37,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
+from engine.request import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 from engine.structured import structured_output
 from engine.tokenizer import Tokenizer
 
@@ -150,13 +152,17 @@ class GenerationRequest(_Model):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (a string) -> bias
     response_format: ResponseFormat | None = None
+    # extension (vLLM): prefix-cache hits only between requests with the same salt (router/tenancy.py)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
-        """One SamplingParams per choice; raises InvalidRequestError for what we cannot honour."""
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                        tenant_salt: str | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice; raises InvalidRequestError for what we cannot honour.
+        ``tenant_salt``: the API key's (router/tenancy.py), when the router salts by key."""
         self.check_supported()
         base = SamplingParams(
             max_tokens=self.requested_max_tokens(max(1, max_model_len - num_prompt_tokens)),
@@ -175,6 +181,8 @@ class GenerationRequest(_Model):
             logit_bias=self.token_bias(),
             prompt_logprobs=self.requested_prompt_logprobs(),
             structured=self.response_format.structured() if self.response_format else None,
+            cache_salt=self.cache_salt,
+            tenant_salt=tenant_salt,
         )
         if self.seed is None:
             return [base] * self.n

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine.request import SamplingParams, StructuredOutput
-from tests.cluster.test_disagg_cluster import stats
+from tests.cluster.test_disagg_cluster import stats, wait_for
 from tests.cluster.test_front_doors_cluster import doors, reference  # noqa: F401  (module fixtures)
 from tests.router.test_http_features import SCHEMAS, chat_text
 
@@ -118,3 +118,29 @@ def test_32_prompts_equal_32_single_requests_through_the_cluster(doors, client):
     singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
     assert [c.index for c in batch.choices] == list(range(32))
     assert [c.text for c in batch.choices] == singles
+
+
+def test_a_salted_request_through_prefill_and_decode_equals_an_unsalted_one(doors, reference, client, loop_thread):
+    """cache_salt (issue 23) through router → prefill → NIXL → decode: the tokens are the unsalted ones, the
+    salt confines prefix hits to itself, and both workers hash the salted prompt as the router does (their
+    KV events land on the router's salted hashes)."""
+    cluster, _, _ = doors
+    engine, run = reference
+    backend = cluster.backend
+    ids = [(7 * i) % 400 + 50 for i in range(45)]  # 2 full blocks + 13 tokens: never whole on D, always handed off
+    want = run(ids, max_tokens=8, temperature=0, ignore_eos=True)["text"]
+
+    def complete(salt=None):
+        out = client.completions.create(model=cluster.config.model_name, prompt=ids, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True} | ({"cache_salt": salt} if salt else {}))
+        return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
+
+    before = handoffs(loop_thread, cluster)
+    assert complete() == (want, 0)
+    assert complete("tenant-a") == (want, 0)  # P holds the prompt, but not under this salt
+    assert complete("tenant-a") == (want, 32)  # the same salt hits its 2 full blocks
+    assert complete("tenant-b") == (want, 0)
+    assert handoffs(loop_thread, cluster) - before == 4  # each went prefill → NIXL → decode
+    salted = backend.hasher(ids, ("", "tenant-a"))
+    assert not set(salted) & set(backend.hasher(ids))
+    assert wait_for(lambda: backend.index.match(salted) == {"prefill-0": 2, "decode-0": 2}), backend.index.match(salted)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DUET = [sys.executable, "-m", "cluster.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +53,18 @@ def test_serve_flags_reach_the_cluster_config():
     assert config.router.admin_key == "adm" and config.router.api_keys == ("k1", "k2")
     off = serve_config_from_args(build_parser().parse_args(["serve", "--model", "m"]))
     assert off.autoscaler.enabled is False and off.router.admin_key is None
+
+
+def test_salt_by_api_key_flag_reaches_the_config_and_needs_keys():
+    from cluster.cli import build_parser, serve_config_from_args
+    from engine.errors import ConfigError
+
+    parse = build_parser().parse_args
+    on = serve_config_from_args(parse(["serve", "--model", "m", "--api-key", "k1", "--salt-by-api-key"]))
+    assert on.router.salt_by_api_key is True
+    assert serve_config_from_args(parse(["serve", "--model", "m"])).router.salt_by_api_key is False
+    with pytest.raises(ConfigError, match="salt_by_api_key needs router.api_keys"):
+        serve_config_from_args(parse(["serve", "--model", "m", "--salt-by-api-key"]))
 
 
 def test_serve_refuses_bad_autoscaler_bounds_before_starting_anything(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.hashing import BlockHasher
 from engine.request import SamplingParams
 
 
@@ -77,6 +78,38 @@ def test_disaggregated_equals_colocated_cold_and_warm(model_dir):
     handed_off = [p for p, sp in zip(prompts, params) if sp.max_tokens > 1]
     assert D.stats.num_remote_blocks_received - received == sum(1 for p in handed_off if len(p) % 16) < received
     assert P.stats.num_handoffs == 2 * (len(prompts) - 1)
+
+
+def test_salted_handoff_is_rehashed_with_the_salt_on_the_decode_side(model_dir):
+    """The decode engine hashes a handed-off prompt with the request's salts (they travel in the params):
+    its hashes equal the prefill engine's, it reuses its own blocks only under the same salts, and the
+    tokens equal an unsalted colocated run."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 500) for _ in range(50)]  # 3 full blocks
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    salted = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, cache_salt="s", tenant_salt="t")
+    other = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, cache_salt="s2", tenant_salt="t")
+    want = engine(model_dir).generate([prompt], plain)[0]["token_ids"]
+    P, D = engine(model_dir), engine(model_dir)
+    assert run_disagg(P, D, [prompt], [plain]) == [want]
+    hits = D.stats.num_remote_prefix_hit_blocks
+    assert run_disagg(P, D, [prompt], [salted]) == [want]
+    assert D.stats.num_remote_prefix_hit_blocks == hits  # D held the prompt, but unsalted
+    P.add_request("h", prompt_token_ids=prompt, params=salted, remote_decode=True)
+    handoff = next(o.handoff for o in P.step() if o.handoff)
+    assert handoff.params.hash_salt == ("t", "s")
+    assert list(handoff.block_hashes) == BlockHasher(16)(prompt, ("t", "s"))
+    plan = D.reserve_remote(handoff)
+    assert D.requests["h"].block_hashes[:3] == list(handoff.block_hashes)
+    assert plan.num_local_hit_blocks == 3  # its own salted blocks, reused
+    copy_blocks(P, D, plan)
+    assert P.release_held("h") and D.commit_remote("h")
+    tokens = [handoff.first_token_id]
+    while D.has_unfinished_requests():
+        tokens += sum((o.new_token_ids for o in D.step()), [])
+    assert tokens == want
+    assert run_disagg(P, D, [prompt], [other]) == [want]
+    assert D.stats.num_remote_prefix_hit_blocks == hits + 3  # only the same-salt handoff hit
 
 
 def test_failed_transfer_recompute_or_error(model_dir):

@@ -12,6 +12,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.hashing import BlockHasher
+from engine.kv_events import BlockStored
 from engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -174,6 +176,49 @@ def test_stop_string_cuts_text_and_never_streams_it(model_dir):
             stop_reason = out.stop_reason
     assert streamed == text[: text.index(stop)]
     assert finish == "stop" and stop_reason == stop
+
+
+def run_one(engine, prompt, params):
+    """(request, its last output) after running ``prompt`` alone to the end."""
+    req = engine.add_request(prompt_token_ids=prompt, params=params)
+    last = None
+    while engine.has_unfinished_requests():
+        last = next((o for o in engine.step() if o.request_id == req.request_id), last)
+    return req, last
+
+
+def test_cache_salt_isolates_prefix_hits(model_dir):
+    """Tenant isolation: the same prompt hits the prefix cache only under the same salts; the output does
+    not depend on them."""
+    engine = make_engine(model_dir)
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(70)]  # 4 full blocks: 64 tokens to hit
+    hashes = BlockHasher(16)  # the router's: hash_seed 0, no namespace, as the engine's config here
+    plain_req, plain = run_one(engine, prompt, GREEDY)
+    assert plain_req.block_hashes[: len(prompt) // 16] == hashes(prompt)
+    outputs = []
+    for salts, cached in [(dict(cache_salt="a"), 0), (dict(cache_salt="b"), 0), (dict(cache_salt="a"), 64),
+                          (dict(tenant_salt="a"), 0), (dict(tenant_salt="t", cache_salt="a"), 0),
+                          (dict(tenant_salt="t", cache_salt="a"), 64), (dict(), 64)]:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **salts)
+        req, last = run_one(engine, prompt, params)
+        assert (req.num_cached_prompt_tokens, last.num_cached_tokens) == (cached, cached), salts
+        # every full block, those filled while decoding too, is hashed with the salts, as the router does
+        assert req.block_hashes == hashes(req.all_token_ids, params.hash_salt), salts
+        assert not set(req.block_hashes) & set(plain_req.block_hashes) or not salts
+        outputs.append(req.output_token_ids)
+    assert outputs == [plain_req.output_token_ids] * len(outputs)
+    engine.pool.check()
+
+
+def test_kv_events_of_a_salted_request_carry_the_routers_hashes(model_dir):
+    engine = make_engine(model_dir)
+    engine.take_events()
+    prompt = list(range(3, 3 + 40))  # shorter than the output: blocks also fill while decoding
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, cache_salt="tenant-a")
+    req, _ = run_one(engine, prompt, params)
+    stored = [h for e in engine.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored and stored == BlockHasher(16)(req.all_token_ids, ("", "tenant-a"))[: len(stored)]
+    assert not set(stored) & set(BlockHasher(16)(req.all_token_ids))
 
 
 @pytest.mark.parametrize("kwargs, match", [

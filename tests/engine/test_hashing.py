@@ -1,8 +1,11 @@
 import struct
 
+import pytest
 import xxhash
 
-from engine.hashing import BlockHasher, hash_block, hash_blocks, root_hash
+from engine.errors import InvalidRequestError
+from engine.hashing import BlockHasher, hash_block, hash_blocks, root_hash, salted_root
+from engine.request import MAX_CACHE_SALT_CHARS, SamplingParams
 
 
 def test_hash_formula_matches_contract():
@@ -41,3 +44,59 @@ def test_incremental_extend_equals_full():
 def test_same_block_different_prefix_differs():
     h = BlockHasher(4)
     assert h([1, 2, 3, 4, 9, 9, 9, 9])[1] != h([5, 6, 7, 8, 9, 9, 9, 9])[1]
+
+
+# ---- salts (tenant isolation) ------------------------------------------------------------------------
+
+
+def test_salted_root_formula_matches_contract():
+    root = root_hash(3, "m")
+    want = xxhash.xxh3_64_intdigest(b"duet-salt/v1" + struct.pack("<Q", root)
+                                    + struct.pack("<I", 3) + b"ten" + struct.pack("<I", 2) + "é".encode())
+    assert salted_root(root, ("ten", "é")) == want
+    assert salted_root(root, ()) == root
+
+
+def test_a_salt_changes_every_block_hash_and_the_same_salt_shares():
+    h = BlockHasher(4)
+    toks = list(range(20))
+    plain, a, a2, b = h(toks), h(toks, ("", "a")), h(toks, ("", "a")), h(toks, ("", "b"))
+    assert len(plain) == len(a) == 5
+    assert a == a2
+    assert not set(a) & set(plain) and not set(a) & set(b) and not set(b) & set(plain)
+
+
+@pytest.mark.parametrize("x, y", [(("ab", "c"), ("a", "bc")), (("", "x"), ("x", "")), (("x",), ("x", "")),
+                                  (("t", ""), ("", "t"))])
+def test_salt_parts_do_not_run_into_each_other(x, y):
+    assert salted_root(0, x) != salted_root(0, y)
+
+
+def test_a_salt_is_a_sequence_of_strings_not_a_string():
+    with pytest.raises(TypeError):
+        BlockHasher(4)(list(range(8)), "tenant")
+
+
+def test_salted_incremental_extend_equals_full():
+    h = BlockHasher(4)
+    toks = list(range(23))
+    inc: list[int] = []
+    for n in range(len(toks) + 1):
+        h.extend(inc, toks[:n], ("k", "s"))
+    assert inc == h(toks, ("k", "s")) != h(toks)
+
+
+def test_sampling_params_hash_salt_keeps_tenant_and_request_salt_apart():
+    assert SamplingParams().hash_salt == ()
+    assert SamplingParams(cache_salt="x").hash_salt == ("", "x")
+    assert SamplingParams(tenant_salt="x").hash_salt == ("x", "")
+    assert SamplingParams(tenant_salt="t", cache_salt="x").hash_salt == ("t", "x")
+    assert "secret" not in repr(SamplingParams(cache_salt="secret", tenant_salt="secret"))  # never in logs
+
+
+@pytest.mark.parametrize("salt", ["", "x" * (MAX_CACHE_SALT_CHARS + 1), 5, b"bytes"])
+@pytest.mark.parametrize("name", ["cache_salt", "tenant_salt"])
+def test_bad_salts_are_refused(name, salt):
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**{name: salt})
+    SamplingParams(**{name: "x" * MAX_CACHE_SALT_CHARS})  # the bound itself is fine

@@ -10,6 +10,7 @@ import pytest
 from engine.disagg import KVHandoff
 from engine.errors import ConfigError
 from engine.hashing import BlockHasher
+from engine.kv_events import BlockStored
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import ModelCard
@@ -212,6 +213,34 @@ async def test_a_decode_worker_dying_mid_stream_is_migrated_from_where_the_clien
     assert asked.seed is not None  # the router seeded it so the continuation draws the same noise
     assert (outs[-1].num_prompt_tokens, outs[-1].num_output_tokens, outs[-1].num_cached_tokens) == (19, 8, 4)
     assert backend.counters["migrated"] == 1 and "d0" in backend.lost
+
+
+async def test_salted_requests_are_routed_by_their_salted_hashes():
+    """The router hashes a salted prompt as the engine does (engine/hashing.py): a decode worker holding the
+    prompt unsalted has none of it for a salted request, which therefore goes through a prefill worker,
+    until the worker reports blocks under that salt."""
+    backend, ps, (d0,) = make(threshold=0)
+    prompt = list(range(1, 17))  # 4 full blocks
+    backend.index.apply(BlockStored("d0", tuple(BlockHasher(B)(prompt)), None))
+    plain, salted = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, cache_salt="a", tenant_salt="t")
+    await collect(backend.generate("plain", prompt, plain))
+    await collect(backend.generate("salted", prompt, salted))
+    assert d0.calls == [("generate", "plain"), ("decode", "salted")]  # plain: whole on D, no prefill
+    assert [c for p in ps for c in p.calls if c[0] == "prefill"] == [("prefill", "salted")]
+    backend.index.apply(BlockStored("d0", tuple(BlockHasher(B)(prompt, ("t", "a"))), None))
+    await collect(backend.generate("salted-again", prompt, salted))
+    assert d0.calls[-1] == ("generate", "salted-again")
+
+
+async def test_a_migrated_request_keeps_its_salts():
+    dying, spare = Dying("d0", k=1), Recording("d1")
+    backend = ClusterBackend(ModelCard("m", 1024, 100), tokenizer=None, hasher=BlockHasher(B),
+                             prefill=[Script("p0", Role.PREFILL)], decode=[dying, spare], local_prefill_max_tokens=0)
+    backend.decode_policy.choose = _prefer_first(backend.decode_policy.choose)  # D = d0 first
+    params = SamplingParams(max_tokens=4, temperature=0, cache_salt="a", tenant_salt="t")
+    await collect(backend.generate("r", list(range(1, 20)), params))
+    (_, _, asked), = spare.asked
+    assert asked.resume is not None and asked.hash_salt == ("t", "a")
 
 
 async def test_migrations_are_limited():

@@ -181,6 +181,8 @@ BAD_REQUESTS = {
     "token out of range": (token_request(ids=[1, 2, 10**6]), "out of range"),
     "empty stop string": (token_request(stop=[""]), "stop"),
     "long request id": (token_request(request_id="x" * 300), "request_id"),
+    "empty cache_salt": (token_request(cache_salt=""), "cache_salt"),
+    "long cache_salt": (token_request(cache_salt="x" * 257), "cache_salt"),
 }
 
 
@@ -256,6 +258,46 @@ async def test_api_keys(backend):
             assert (await stub.ListModels(pb.ListModelsRequest(), metadata=good)).models[0].id == MODEL_ID
             health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())  # no key
             assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(None)
+
+
+# ---- tenant isolation ----------------------------------------------------------------------------------
+
+SALT_KEYS = ("key-a", "key-b")
+
+
+async def cached_and_tokens(stub, ids, metadata=(), **fields) -> tuple[int, list[int]]:
+    msgs = await collect(stub, token_request(ids, max_tokens=3, temperature=0, ignore_eos=True, **fields),
+                         metadata=metadata)
+    return msgs[-1].usage.cached_tokens, tokens(msgs)
+
+
+async def test_cache_salt_confines_prefix_hits(stub):
+    ids = list(range(400, 450))  # 3 full blocks, sent by no other test
+    cached, want = await cached_and_tokens(stub, ids, cache_salt="a")
+    assert cached == 0
+    assert await cached_and_tokens(stub, ids, cache_salt="a") == (48, want)
+    assert await cached_and_tokens(stub, ids, cache_salt="b") == (0, want)
+    assert await cached_and_tokens(stub, ids) == (0, want)
+
+
+async def test_salt_by_api_key_makes_each_key_a_cache_domain(backend):
+    with pytest.raises(ValueError, match="salt_by_api_key needs api_keys"):
+        await start_grpc_server(backend, "127.0.0.1", 0, salt_by_api_key=True)
+    server = await start_grpc_server(backend, "127.0.0.1", 0, api_keys=SALT_KEYS, salt_by_api_key=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = pb_grpc.GenerateStub(ch)
+            a, b = [(("authorization", f"Bearer {k}"),) for k in SALT_KEYS]
+            ids = list(range(450, 500))
+            cached, want = await cached_and_tokens(stub, ids, a)
+            assert cached == 0
+            assert await cached_and_tokens(stub, ids, a) == (48, want)
+            assert await cached_and_tokens(stub, ids, b) == (0, want)
+            assert await cached_and_tokens(stub, ids, b, cache_salt="s") == (0, want)  # both salts apply
+            assert await cached_and_tokens(stub, ids, a, cache_salt="s") == (0, want)
+            assert await cached_and_tokens(stub, ids, b, cache_salt="s") == (48, want)
     finally:
         await server.stop(None)
 
