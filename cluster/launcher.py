@@ -210,6 +210,11 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     model_config = ModelConfig.from_checkpoint(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()))
+    for i in infos:  # each worker sized its KV cache (engine/kv_sizing.py; the reason is in its own log)
+        log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
+                 i.max_model_len)
+    log.info("serving max_model_len %d: the longest context every worker holds (the checkpoint's: %d)",
+             card.max_model_len, model_config.max_position_embeddings)
     hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
     B = config.engine.block_size
     return ClusterBackend(
