@@ -101,8 +101,8 @@ class Server:
                     "--served-model-name", MODEL_NAME, "--port", str(self.port), "--grpc-port", str(free_port())]
             argv += ["--colocated"] if spec.kind == "duet-colocated" else \
                 ["--prefill", str(spec.prefill), "--decode", str(spec.decode)]
-            # the same KV budget per engine as vLLM gets (VLLM_CPU_KVCACHE_SPACE=2 GiB): duet's default, 256 MiB,
-            # would hold fewer prompts in its prefix cache than vLLM's
+            # the same KV budget per engine as vLLM gets (VLLM_CPU_KVCACHE_SPACE=2 GiB), not duet's default (a
+            # share of the free RAM, engine/kv_sizing.py), so both sides hold the same prompts in their prefix caches
             argv += ["--kv-cache-bytes", str(KV_CACHE_BYTES)] + spec.extra
         self.argv = argv
         self._log = open(self.log_path, "w")

@@ -42,6 +42,9 @@ LONG_PROMPT = 2048
 DECODE_GRID = {"ctx": (64, 512, 1536), "batch": (1, 2, 4, 8, 16, 32, 64)}
 MIXED = ((4, 256), (16, 256), (16, 1024), (32, 512), (8, 64))  # (decode batch, prompt tokens), ctx 512
 DECODE_STEPS = 3  # timed decode steps per (ctx, batch)
+# the KV cache the simulator gives each worker: the engine's fixed default before it sized the cache from the
+# free memory (engine/kv_sizing.py); docs/simulator.md's figures were simulated with it
+SIM_WORKER_KV_CACHE_BYTES = 256 << 20
 
 
 def loadavg() -> float:
@@ -247,8 +250,8 @@ def main(argv: list[str] | None = None) -> None:
                   "num_layers": probe.engine.model_config.num_layers},
         "engine": {"block_size": probe.engine.config.block_size, "bytes_per_block": runner.bytes_per_block,
                    "max_num_batched_tokens": default_cfg.max_num_batched_tokens, "max_num_seqs": default_cfg.max_num_seqs,
-                   "worker_num_blocks": max(2, default_cfg.kv_cache_bytes // runner.bytes_per_block),
-                   "worker_kv_cache_bytes": default_cfg.kv_cache_bytes},
+                   "worker_num_blocks": max(2, SIM_WORKER_KV_CACHE_BYTES // runner.bytes_per_block),
+                   "worker_kv_cache_bytes": SIM_WORKER_KV_CACHE_BYTES},
         "features": feature_names(),
         "fits": fits,
         "wall_s": time.perf_counter() - t0,

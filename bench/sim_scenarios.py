@@ -2,8 +2,8 @@
 benchmark JSON document that ``duet bench`` writes (bench/client.py), plus a ``sim`` section.
 
 CPU (``cpu_scenario``): SmolLM2-135M-Instruct fp32, step times fitted by bench/calibrate.py (1 torch
-thread = a Ray CPU worker's default), KV blocks per worker as the default engine config sizes them
-(256 MiB), the Mooncake trace scaled by bench.workloads.scaled_trace with its defaults (16-token blocks,
+thread = a Ray CPU worker's default), KV blocks per worker as the engine's fixed default sized them
+before it measured the free memory (256 MiB), the Mooncake trace scaled by bench.workloads.scaled_trace with its defaults (16-token blocks,
 outputs /16, at most 64 out and 2,048 in). KV transfer: 4.28 GB/s (NIXL READ of scattered blocks on this
 machine, docs/benchmarks.md) + 2 ms per handoff (assumed: Ray call, notification, commit).
 
@@ -33,7 +33,7 @@ from cluster.autoscaler import AutoscalerConfig
 CALIBRATION = Path(__file__).resolve().parent / "calibration" / "cpu-smollm2.json"
 SMOLLM2_VOCAB = 49152
 CPU_BYTES_PER_BLOCK = 737_280  # SmolLM2 fp32: 30 layers x 2 x 16 tokens x 3 KV heads x 64 x 4 bytes
-CPU_WORKER_BLOCKS = 364  # EngineConfig's 256 MiB KV cache / CPU_BYTES_PER_BLOCK
+CPU_WORKER_BLOCKS = 364  # 256 MiB of KV cache (EngineConfig's fixed default until issue 23) / CPU_BYTES_PER_BLOCK
 
 
 @dataclass(frozen=True)

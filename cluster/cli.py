@@ -29,11 +29,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["w8a16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
+    _add_kv_size_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="CUDA: decode batches up to this size replay CUDA graphs (0: eager)")
     p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-bytes", type=int,
+                   help="device KV cache per worker (default: sized from the free memory, docs/operating.md)")
+    p.add_argument("--kv-cache-memory-fraction", type=float,
+                   help="the share of memory the automatic size takes (default 0.9 of a GPU, 0.25 of free RAM)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -42,6 +50,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
         quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching)
 
@@ -105,6 +114,8 @@ def serve_config_from_args(args: argparse.Namespace):
         "autoscaler.ttft_slo_s": args.ttft_slo_s, "autoscaler.itl_slo_s": args.itl_slo_s,
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
+        "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
+        "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -160,8 +171,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu | cuda")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
-    p.add_argument("--num-blocks", type=int)
-    p.add_argument("--kv-cache-bytes", type=int)
+    p.add_argument("--num-blocks", type=int, help="device KV blocks per worker (overrides the byte sizes)")
+    _add_kv_size_args(p)
+    p.add_argument("--kv-host-bytes", type=int, help="host-memory KV tier per worker (default 0: none)")
+    p.add_argument("--kv-disk-bytes", type=int, help="disk KV tier per worker, under --kv-disk-dir (default 0: none)")
+    p.add_argument("--kv-disk-dir", help="directory the disk KV tier writes its files to")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 

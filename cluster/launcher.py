@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PoolConfig
 from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
 from decode_worker.worker import DecodeWorker
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.hashing import BlockHasher
 from engine.tokenizer import Tokenizer
@@ -144,9 +144,7 @@ def _init_ray(config: ClusterConfig) -> bool:
     if config.ray_address:
         ray.init(address=config.ray_address, namespace="duet", log_to_driver=True)
         return True
-    # room for every worker the pools may grow to, and for replacements starting while a dead one is reaped
-    auto = config.autoscaler
-    n_workers = max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode) + 1
+    n_workers = max_pool_workers(config) + 1  # and a replacement starting while a dead one is reaped
     per_worker_cpus = max(config.prefill.num_cpus, config.decode.num_cpus)
     if not config.engine.device.startswith("cuda"):  # the workers (started by this Ray) inherit it
         from engine.model_runner import with_huge_page_malloc
@@ -155,6 +153,22 @@ def _init_ray(config: ClusterConfig) -> bool:
     ray.init(num_cpus=max(os.cpu_count() or 1, int(n_workers * per_worker_cpus + 0.999)),
              resources={WORKER_RESOURCE: n_workers}, namespace="duet", include_dashboard=False, log_to_driver=True)
     return True
+
+
+def max_pool_workers(config: ClusterConfig) -> int:
+    """The most workers the pools are sized for: each pool's size or its autoscaler bound, the larger."""
+    auto = config.autoscaler
+    return max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode)
+
+
+def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfig:
+    """The engine config of one worker of ``pool``: the pool's num_blocks, if it sets one; on a CPU, the
+    engines that size their KV cache from the same RAM (engine/kv_sizing.py), unless the engine section says:
+    every worker the pools may hold, as if they shared one machine (the launcher cannot know the placement)."""
+    engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
+    if engine.colocated_engines is None and not engine.device.startswith("cuda"):
+        engine = engine.replace(colocated_engines=max_pool_workers(config))
+    return engine
 
 
 def _spawner(config: ClusterConfig, use_resource: bool):
@@ -177,8 +191,7 @@ def _spawner(config: ClusterConfig, use_resource: bool):
         actor = ray.remote(worker_cls).options(
             name=f"duet-{worker_id}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus,
             num_gpus=num_gpus, resources=resources, max_restarts=0)
-        engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
-        return actor.remote(engine, options, sinks())
+        return actor.remote(worker_engine_config(config, pool), options, sinks())
 
     return spawn
 
@@ -200,6 +213,11 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     model_config = ModelConfig.from_checkpoint(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()))
+    for i in infos:  # each worker sized its KV cache (engine/kv_sizing.py; the reason is in its own log)
+        log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
+                 i.max_model_len)
+    log.info("serving max_model_len %d: the longest context every worker holds (the checkpoint's: %d)",
+             card.max_model_len, model_config.max_position_embeddings)
     hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
     B = config.engine.block_size
     return ClusterBackend(

@@ -342,12 +342,18 @@ def _read_dtype(cfg: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How one engine runs. ``num_blocks=None`` sizes the KV cache from ``kv_cache_bytes``."""
+    """How one engine runs. The device KV cache is ``num_blocks`` blocks, else ``kv_cache_bytes``, else sized
+    from the memory free after the weights load (engine/kv_sizing.py states the rule)."""
 
     model: str  # Hugging Face checkpoint directory or .gguf file
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int | None = None  # None: auto (engine/kv_sizing.py)
+    # auto sizing only: the share of memory the cache takes (None: 0.9 of a GPU's total less what is in use;
+    # 0.25 of the RAM available on a CPU) and, on a CPU, how many engines split that RAM (None: 1; `duet serve`
+    # sets it to the workers its pools may hold on the Ray it starts)
+    kv_cache_memory_fraction: float | None = None
+    colocated_engines: int | None = None
     # lower KV tiers (engine/kv_tiers.py; docs/operating.md "Sizing the KV tiers"): 0 turns a tier off
     kv_host_bytes: int = 0  # host memory for cached blocks (pinned on CUDA hosts); >= the device tier's bytes
     kv_disk_bytes: int = 0  # files under kv_disk_dir; >= the host tier's bytes
@@ -382,12 +388,22 @@ class EngineConfig:
             raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch}")
+        if self.kv_cache_bytes is not None and (type(self.kv_cache_bytes) is not int or self.kv_cache_bytes < 1):
+            raise ConfigError(f"kv_cache_bytes must be a positive integer or null (auto), got {self.kv_cache_bytes!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (type(fraction) not in (int, float) or not 0 < fraction <= 1):
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.colocated_engines is not None and (type(self.colocated_engines) is not int or self.colocated_engines < 1):
+            raise ConfigError(f"colocated_engines must be an integer >= 1, got {self.colocated_engines!r}")
         if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
             raise ConfigError("kv_host_bytes and kv_disk_bytes must be >= 0 (0: no such tier)")
         if self.kv_disk_bytes and not self.kv_disk_dir:
             raise ConfigError("kv_disk_bytes needs kv_disk_dir (the directory the disk tier writes its files to)")
         if self.kv_disk_bytes and not self.kv_host_bytes:
             raise ConfigError("the disk tier is filled from the host tier: kv_disk_bytes needs kv_host_bytes")
+        if self.kv_disk_bytes and self.kv_disk_bytes < self.kv_host_bytes:
+            raise ConfigError(f"kv_disk_bytes {self.kv_disk_bytes} is smaller than kv_host_bytes {self.kv_host_bytes}: "
+                              "the disk tier should hold at least what the host tier does")
         if self.quantization not in (None, "w8a16"):
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:

@@ -59,6 +59,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mpe, mpe)
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
         self.runner = ModelRunner(self.model_config, config, self.max_model_len)
+        self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv_sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
         self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool)

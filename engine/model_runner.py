@@ -2,7 +2,8 @@
 pass and returns the logits of every request that completed its sequence this step.
 
 The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md):
-all layers of a block are contiguous, so one block moves as one descriptor between workers.
+all layers of a block are contiguous, so one block moves as one descriptor between workers. It is sized after
+the weights load (engine/kv_sizing.py), and ``max_model_len`` is capped to what it holds; both live here.
 
 On CUDA, decode-only steps replay CUDA graphs (``DecodeGraphs``): a decode step of a small model is a few
 hundred kernel launches of microseconds each, so launching them one by one from Python costs more than the
@@ -19,6 +20,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_sizing import cap_max_model_len, size_kv_cache
 from engine.loader import load_model, resolve_dtype
 from engine.ops import get_ops, resolve_backend
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -90,7 +92,9 @@ class ModelRunner:
             self.model.pack_linears()
         self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
                                 * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
-        self.num_blocks = cfg.num_blocks or max(2, cfg.kv_cache_bytes // self.bytes_per_block)
+        self.kv_size = size_kv_cache(cfg, self.bytes_per_block, self.device.type, max_model_len, self.device.index)
+        self.num_blocks = self.kv_size.num_blocks
+        self.max_model_len = cap_max_model_len(max_model_len, self.kv_size, cfg.block_size)  # what the cache holds
         self.kv_cache = torch.zeros(
             self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
@@ -98,7 +102,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.cuda_graph_max_batch:
             self.decode_graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
-                                              -(-max_model_len // cfg.block_size))
+                                              -(-self.max_model_len // cfg.block_size))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:

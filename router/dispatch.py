@@ -127,6 +127,9 @@ class ClusterBackend(Backend):
     def activate(self, client: WorkerClient, pid: int | None = None, node: str | None = None) -> None:
         """A started worker (already in the registry as ``starting``) joins its pool: routed to from now on."""
         check_fingerprints(self.hasher, [client.descriptor])
+        if client.descriptor.max_model_len < self.card.max_model_len:  # it would refuse requests the card allows
+            raise ConfigError(f"worker {client.worker_id} holds {client.descriptor.max_model_len} tokens of context, "
+                              f"the model is served with {self.card.max_model_len}: give it a larger KV cache")
         self.tracker.add_worker(client.worker_id)
         self.registry.mark_ready(client.worker_id, time.monotonic(), client=client, pid=pid, node=node)
 

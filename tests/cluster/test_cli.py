@@ -72,3 +72,32 @@ def test_serve_refuses_bad_autoscaler_bounds_before_starting_anything(tmp_path):
     assert res.returncode == 2 and "min_decode" in res.stderr and "Traceback" not in res.stderr
     res = duet("serve", "--model", str(tmp_path), "--min-prefill", "3", "--max-prefill", "2", check=False)
     assert res.returncode == 2 and "max_prefill" in res.stderr
+
+
+def test_kv_size_flags_and_config_keys_reach_the_engine_config(tmp_path):
+    from cluster.cli import build_parser, serve_config_from_args
+    from cluster.config import ClusterConfig
+    from engine.errors import ConfigError
+
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--kv-cache-bytes", "1048576", "--kv-cache-memory-fraction", "0.5",
+        "--kv-host-bytes", "2097152", "--kv-disk-bytes", "4194304", "--kv-disk-dir", "/tmp/kv"])
+    e = serve_config_from_args(args).engine
+    assert (e.kv_cache_bytes, e.kv_cache_memory_fraction, e.kv_host_bytes, e.kv_disk_bytes, e.kv_disk_dir) == (
+        1 << 20, 0.5, 2 << 20, 4 << 20, "/tmp/kv")
+    default = serve_config_from_args(build_parser().parse_args(["serve", "--model", "m"])).engine
+    assert (default.kv_cache_bytes, default.kv_host_bytes, default.kv_disk_bytes) == (None, 0, 0)  # auto, no tiers
+    path = tmp_path / "cluster.yaml"
+    path.write_text("model: m\nengine: {kv_host_bytes: 1048576, kv_cache_memory_fraction: 0.3, colocated_engines: 1}\n")
+    e = ClusterConfig.load(path).engine
+    assert (e.kv_host_bytes, e.kv_cache_memory_fraction, e.colocated_engines) == (1 << 20, 0.3, 1)
+    path.write_text("model: m\nengine: {kv_host_byte: 1048576}\n")
+    with pytest.raises(ConfigError, match=r"unknown keys in 'engine': \['kv_host_byte'\]"):
+        ClusterConfig.load(path)
+
+
+def test_serve_refuses_a_disk_tier_smaller_than_the_host_tier_before_starting_anything(tmp_path):
+    res = duet("serve", "--model", str(tmp_path), "--kv-host-bytes", "2097152", "--kv-disk-bytes", "1048576",
+               "--kv-disk-dir", str(tmp_path), check=False)
+    assert res.returncode == 2 and "kv_disk_bytes 1048576 is smaller than kv_host_bytes" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -21,6 +21,7 @@ from tests.router.http_harness import assert_error_shape
 pytestmark = pytest.mark.slow
 
 PROMPT = "the river and the mountain met at the old stone bridge where"
+DECODE_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,9 @@ def doors(cluster_factory, loop_thread):
     from router.grpc_api import start_grpc_server
     from router.http_api import create_app
 
-    cluster = cluster_factory(**{"router.local_prefill_max_tokens": 0})
+    # the decode pool's KV cache holds less than the checkpoint's 1024 tokens: the served context is its 768
+    cluster = cluster_factory(**{"router.local_prefill_max_tokens": 0, "prefill.num_blocks": 64,
+                                 "decode.num_blocks": DECODE_BLOCKS})
     app = create_app(cluster.backend, served_model_names=[cluster.config.model_name])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     serving = asyncio.run_coroutine_threadsafe(server.serve(), loop_thread.loop)
@@ -83,6 +86,21 @@ def test_openai_client_completions_and_chat_stream_and_not(doors, reference):
             parts.append(c.choices[0].delta.content)
         usage = c.usage or usage
     assert "".join(parts) == want_chat["text"] and usage.completion_tokens == len(want_chat["token_ids"])
+
+
+def test_the_served_context_is_what_every_worker_holds_and_a_chat_without_max_tokens_fills_it(doors):
+    """Each worker caps its context to its KV cache (prefill: 64 blocks hold the checkpoint's 1024 tokens; decode:
+    48 blocks of 16 hold 768); /v1/models serves the smallest, and a chat request without max_tokens (the rest
+    of the context, as OpenAI servers do) passes through both pools to the last token."""
+    cluster, url, _ = doors
+    assert {c.worker_id: c.info.max_model_len for c in cluster.workers} == {"prefill-0": 1024,
+                                                                            "decode-0": DECODE_BLOCKS * 16}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = cluster.config.model_name
+    assert client.models.retrieve(model).model_extra["max_model_len"] == DECODE_BLOCKS * 16
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "tell me about rivers"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.total_tokens == DECODE_BLOCKS * 16
 
 
 def test_grpc_streams_the_same_tokens_as_http_for_the_same_seed(doors, reference):

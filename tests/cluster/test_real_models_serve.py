@@ -3,14 +3,19 @@ prompt prefilled on the prefill worker and its KV pulled over NIXL by the decode
 token with transformers — raw completions and multi-turn chat through the official openai client:
 
 (a) SmolLM2-135M-Instruct saved by transformers 5 as a safetensors directory (``rope_parameters``);
-(b) the same model straight from its GGUF file, served by ``make run`` itself, against transformers' own
-    GGUF loading of that file — and it answers "What is the capital of France?" with Paris;
+(b) the same model straight from its GGUF file, served by ``make run`` itself with its default KV sizing,
+    against transformers' own GGUF loading of that file — and it answers "What is the capital of France?" with
+    Paris, also as the README's curl asks it (no max_tokens: the rest of the context);
 (c) a Llama-3-rope checkpoint saved by transformers 5.
 """
 from __future__ import annotations
 
+import json
+import re
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -35,11 +40,23 @@ def llama3_dir(tmp_path_factory, tiny_model):
 
 
 def serve_argv(case: str, model, address: str, port: int) -> list[str]:
-    common = ["--address", address, "--port", str(port), "--grpc-port", str(free_port()), "--num-blocks", "160"]
-    if case == "smollm2-gguf-make-run":  # exactly what a user types; the Makefile picks the default model
+    common = ["--address", address, "--port", str(port), "--grpc-port", str(free_port())]
+    if case == "smollm2-gguf-make-run":  # exactly what a user types (the KV cache sized by default, too)
         return ["make", "-s", "run", f"SERVE_ARGS={' '.join(common)}"]
     return [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
-            "--local-prefill-max-tokens", "0", *common]
+            "--local-prefill-max-tokens", "0", "--num-blocks", "160", *common]
+
+
+def readme_curl_chat(port: int) -> tuple[dict, str]:
+    """Run the README's quick-start curl chat (it gives no max_tokens) against ``port``: (the answer, the
+    content the README shows)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = re.search(r"^\$ (curl -s http://127\.0\.0\.1:8000/v1/chat/completions .*?\}\]\}')$", readme,
+                        re.M | re.S).group(1)
+    shown = re.search(r'"message":\{"role":"assistant","content":"(.*?)"\}', readme).group(1)
+    out = subprocess.run(["bash", "-c", command.replace(":8000/", f":{port}/")], capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout), shown
 
 
 @pytest.mark.parametrize("case", ["smollm2-transformers-5-dir", "smollm2-gguf-make-run", "llama3-rope-transformers-5-dir"])
@@ -71,6 +88,12 @@ def test_served_greedy_equals_transformers(case, ray_session, tmp_path, request)
         assert stats["prefill-0"]["num_handoffs"] == n_requests  # every prompt prefilled on the prefill worker
         assert stats["decode-0"]["num_remote_kv_received"] == n_requests  # ... and its KV pulled by the decoder
         assert stats["decode-0"]["num_remote_recomputes"] == 0
+        if case == "smollm2-gguf-make-run":  # must-show 8 of issue 23: the README's chat, no max_tokens, answers
+            answer, shown = readme_curl_chat(port)
+            assert answer["choices"][0]["message"]["content"] == shown, answer
+            assert answer["choices"][0]["finish_reason"] == "stop"
+            served = client.models.list().data[0].model_extra["max_model_len"]
+            assert answer["usage"]["total_tokens"] < served <= 8192  # SmolLM2's context, or what the KV cache holds
     assert not serve_worker_stats(ray_session), "workers left behind after the server stopped"
 
 

@@ -79,6 +79,23 @@ def test_workers_that_hash_differently_are_refused(field, fingerprint, needle):
     check_fingerprints(BlockHasher(B), [WorkerDescriptor("ok", Role.DECODE, BlockHasher(B).fingerprint, 1)])
 
 
+def test_a_worker_that_holds_less_context_than_the_served_card_is_refused():
+    """A worker started later (a replacement, a scale-up) whose KV cache came out smaller than the card's
+    max_model_len would refuse requests the router lets through: it is not routed to."""
+    backend, _, _ = make()
+    short = Script("d1", Role.DECODE)
+    short.descriptor = WorkerDescriptor("d1", Role.DECODE, BlockHasher(B).fingerprint, 512)
+    backend.registry.add("d1", Role.DECODE, 0.0)
+    with pytest.raises(ConfigError, match="worker d1 holds 512 tokens of context, the model is served with 1024"):
+        backend.activate(short)
+    assert "d1" not in backend.decode
+    longer = Script("d2", Role.DECODE)  # more than the card is fine: the card is the minimum
+    longer.descriptor = WorkerDescriptor("d2", Role.DECODE, BlockHasher(B).fingerprint, 4096)
+    backend.registry.add("d2", Role.DECODE, 0.0)
+    backend.activate(longer)
+    assert "d2" in backend.decode
+
+
 async def test_disaggregated_request_streams_first_token_then_decode_and_clears_load():
     backend, (p0, p1), (d0,) = make()
     outs = await collect(backend.generate("r", list(range(1, 20)), SamplingParams(max_tokens=3)))

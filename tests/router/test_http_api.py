@@ -165,6 +165,21 @@ def test_chat_content_parts_and_max_completion_tokens(served):
     assert as_parts.usage.completion_tokens == 5
 
 
+def test_chat_without_max_tokens_gets_the_rest_of_a_context_capped_to_the_kv_cache(tiny_model):
+    """An engine whose KV cache holds less than the checkpoint's context (24 blocks of 16 < 1024 tokens) serves
+    that much (GET /v1/models says so), and a chat request without max_tokens asks for the rest of it, as every
+    OpenAI server does: answered, not refused for needing more KV blocks than there are."""
+    backend = LocalBackend(Engine(EngineConfig(model=str(tiny_model()), num_blocks=24)), model_id="tiny")
+    try:
+        with ServerThread(create_app(backend)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            assert client.models.retrieve("tiny").model_extra["max_model_len"] == 24 * 16
+            r = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+            assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 24 * 16
+    finally:
+        backend.async_engine.shutdown()
+
+
 def test_chat_logprobs_shapes_and_stream_consistency(served):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=3, **GREEDY)
     entries = served.client.chat.completions.create(**kw).choices[0].logprobs.content
