@@ -79,7 +79,7 @@ def test_peer_blocks_are_read_not_recomputed(loop, workers):
     a, b, fresh = workers
     shared = prompt(1, 6, tail=0)
     first = prefill(loop, a, "a-1", shared + [9, 9, 9])
-    call(loop, a, lambda e: e.release_held("a-1"))
+    loop.run_until_complete(a.release("a-1"))
     mine = shared + [11, 12, 13]
     hashes = b.engine.hasher(mine)
     peer = loop.run_until_complete(a.export_blocks(hashes, mine, 0))
@@ -105,10 +105,10 @@ def test_blocks_on_the_peers_host_tier_are_read_too(loop, workers):
     a, b, fresh = workers
     shared = prompt(2, 5, tail=0)
     prefill(loop, a, "a-2", shared + [1, 2])
-    call(loop, a, lambda e: e.release_held("a-2"))
+    loop.run_until_complete(a.release("a-2"))
     for i in range(4):  # push it off a's 24-block device tier: it stays on a's host tier
         prefill(loop, a, f"a-push-{i}", prompt(100 + i, 6))
-        call(loop, a, lambda e, i=i: e.release_held(f"a-push-{i}"))
+        loop.run_until_complete(a.release(f"a-push-{i}"))
     mine = shared + [3, 4, 5]
     hashes = b.engine.hasher(mine)
     assert call(loop, a, lambda e: e.pool.get_cached_block(hashes[0], mine[:B])) is None
@@ -125,9 +125,9 @@ def test_unused_peer_blocks_release_the_lease(loop, workers):
     a, b, _ = workers
     shared = prompt(3, 3, tail=0)
     prefill(loop, a, "a-3", shared + [1])
-    call(loop, a, lambda e: e.release_held("a-3"))
+    loop.run_until_complete(a.release("a-3"))
     prefill(loop, b, "b-3a", shared + [2])  # b has it itself now
-    call(loop, b, lambda e: e.release_held("b-3a"))
+    loop.run_until_complete(b.release("b-3a"))
     mine = shared + [7, 7]
     peer = loop.run_until_complete(a.export_blocks(b.engine.hasher(mine), mine, 0))
     counters_before = a.leases.counters.released
@@ -140,7 +140,7 @@ def test_failed_peer_read_is_recomputed_and_counted(loop, workers):
     a, b, fresh = workers
     shared = prompt(4, 4, tail=0)
     prefill(loop, a, "a-4", shared + [1])
-    call(loop, a, lambda e: e.release_held("a-4"))
+    loop.run_until_complete(a.release("a-4"))
     mine = shared + [8, 8, 8]
     peer = loop.run_until_complete(a.export_blocks(b.engine.hasher(mine), mine, 0))
     from dataclasses import replace
