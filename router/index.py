@@ -2,7 +2,7 @@
 
 Layout: ``block_hash -> packed mask`` (one dict) in which worker slot ``s`` owns the three bits
 ``3s + t``, ``t`` being the tier's position in ``TIERS`` (device 0, host 1, disk 2); plus, per worker, the
-set of hashes it holds on any tier (for ``remove_worker`` and ``AllCleared``) and a block count per tier.
+hashes it holds on any tier (for ``remove_worker`` and ``AllCleared``) and a block count per tier.
 Each worker gets a small integer slot; slots of removed workers are reused.
 
 Why a flat dict and not a radix tree: block hashes are chained (``hash(i)`` covers the parent's hash, see
@@ -38,7 +38,8 @@ hash the worker is not known to hold on that tier (e.g. events from before a res
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import islice
+from functools import partial
+from itertools import groupby, repeat
 from typing import Any, NamedTuple
 
 from engine.kv_events import TIERS, AllCleared, BlockRemoved, BlockStored, KVEvent, Tier
@@ -64,6 +65,7 @@ class TierMatch(NamedTuple):
 
 
 NO_MATCH = TierMatch()
+_new_match = partial(tuple.__new__, TierMatch)  # TierMatch from an iterable, without the generated __new__
 
 
 def _low_bits(num_slots: int) -> int:
@@ -83,7 +85,9 @@ class PrefixIndex:
         self._mask_by_hash: dict[int, int] = {}
         self._slot_by_worker: dict[str, int] = {}
         self._worker_by_slot: dict[int, str] = {}
-        self._hashes_by_worker: dict[str, set[int]] = {}  # on any tier
+        # per worker, the hashes it holds on any tier: a dict used as a set, because a dict of ints is not
+        # tracked by the garbage collector and a set is (a full collection would visit every entry)
+        self._hashes_by_worker: dict[str, dict[int, None]] = {}
         self._counts_by_worker: dict[str, list[int]] = {}  # blocks per tier, in TIERS order
         self._free_slots: list[int] = []
         self._low = 0  # _low_bits(number of slots ever allocated)
@@ -129,45 +133,46 @@ class PrefixIndex:
         """
         if not block_hashes:
             return {}
-        get = self._mask_by_hash.get
-        cur = get(block_hashes[0], 0)  # tier bits, at the previous block, of the workers still matching
+        masks = map(self._mask_by_hash.get, block_hashes, repeat(0))
+        cur = next(masks)  # tier bits, at the previous block, of the workers still matching
         if not cur:
             return {}
-        low = self._low
-        live = (cur | cur >> 1 | cur >> 2) & low  # bit 3s: slot s still matches
-        starts: dict[int, int] = {}  # bit position of a live slot -> first block of its current run
-        counts: dict[int, list[int]] = {}  # bit position of a slot -> blocks per fastest tier, closed runs
-        end, select = len(block_hashes), live * _SLOT_MASK  # select: every tier bit of the live slots
-        for i, h in enumerate(islice(block_hashes, 1, None), 1):
-            m = get(h, 0) & select
+        live = (cur | cur >> 1 | cur >> 2) & self._low  # bit 3s: slot s still matches
+        select = live * _SLOT_MASK  # every tier bit of the live slots
+        runs: dict[int, list[int]] = {}  # bit position 3s -> [first block of slot s's current run, and its
+        #                                  blocks by fastest tier in closed runs]; absent: one run from block 0
+        i = 1  # the block the next group starts at
+        for raw, group in groupby(masks):  # runs of equal masks: the per-block work stays in C
+            m = raw & select
             if m != cur:
-                live = self._close_runs(i, cur, m, live, starts, counts)
+                live = self._close_runs(i, cur, m, live, runs)
                 cur, select = m, live * _SLOT_MASK
                 if not live:
-                    end = i
                     break
-        self._close_runs(end, cur, 0, live, starts, counts)
+            i += len(list(group))
+        self._close_runs(i, cur, 0, live, runs)
         names = self._worker_by_slot
-        return {names[pos // _SLOT_BITS]: TierMatch(*c) for pos, c in counts.items()}
+        return {names[pos // _SLOT_BITS]: _new_match(run[1:]) for pos, run in runs.items()}
 
-    def _close_runs(self, i: int, cur: int, m: int, live: int, starts: dict[int, int],
-                    counts: dict[int, list[int]]) -> int:
+    def _close_runs(self, i: int, cur: int, m: int, live: int, runs: dict[int, list[int]]) -> int:
         """Block ``i`` has tier bits ``m`` where block ``i - 1`` had ``cur``: close the run of every live
         worker whose fastest tier changed (or that dropped out) at ``i``; returns the slots still live."""
         diff = cur ^ m
         changed = (diff | diff >> 1 | diff >> 2) & live
-        while changed:
+        fastest = _FASTEST
+        while changed:  # one pass per changed slot: the walk's only per-worker work
             low = changed & -changed
             changed ^= low
             pos = low.bit_length() - 1
-            old, new = _FASTEST[(cur >> pos) & _SLOT_MASK], _FASTEST[(m >> pos) & _SLOT_MASK]
-            if old != new:
-                start = starts.get(pos, 0)
-                run = counts.get(pos)
+            old = fastest[(cur >> pos) & _SLOT_MASK]
+            if old != fastest[(m >> pos) & _SLOT_MASK]:
+                run = runs.get(pos)
                 if run is None:
-                    run = counts[pos] = [0] * _SLOT_BITS
-                run[old] += i - start
-                starts[pos] = i
+                    runs[pos] = run = [i, 0, 0, 0]
+                    run[old + 1] = i
+                else:
+                    run[old + 1] += i - run[0]
+                    run[0] = i
         return (m | m >> 1 | m >> 2) & self._low
 
     # ---- events ----------------------------------------------------------------------------------
@@ -182,7 +187,7 @@ class PrefixIndex:
             self._low = _low_bits(slot + 1)
         self._slot_by_worker[worker] = slot
         self._worker_by_slot[slot] = worker
-        self._hashes_by_worker[worker] = set()
+        self._hashes_by_worker[worker] = {}
         self._counts_by_worker[worker] = [0] * _SLOT_BITS
 
     def apply(self, event: KVEvent) -> None:
@@ -224,7 +229,7 @@ class PrefixIndex:
                 masks[h] = old | bit
                 added += 1
                 if not old & group:
-                    held.add(h)
+                    held[h] = None
         self._counts_by_worker[worker][t] += added
 
     def _remove(self, worker: str, t: int, block_hashes: Sequence[int]) -> None:
@@ -244,10 +249,10 @@ class PrefixIndex:
             if new:
                 masks[h] = new
                 if not new & group:
-                    held.discard(h)
+                    del held[h]
             else:
                 del masks[h]
-                held.discard(h)
+                del held[h]
             removed += 1
         self._counts_by_worker[worker][t] -= removed
         self.stale_removals[TIERS[t]] += len(block_hashes) - removed

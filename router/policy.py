@@ -26,6 +26,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
+from operator import itemgetter
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -99,6 +101,12 @@ class WorkerCost(NamedTuple):
         return self.tiers.total
 
 
+# WorkerCost without its generated __new__ (a Python-level call; a decision builds one per candidate)
+_new_cost = partial(tuple.__new__, WorkerCost)
+_COST = itemgetter(WorkerCost._fields.index("cost"))
+_COST_THEN_LOAD = itemgetter(WorkerCost._fields.index("cost"), WorkerCost._fields.index("load_term"))
+
+
 @dataclass(frozen=True)
 class RoutingDecision:
     worker: str
@@ -129,28 +137,27 @@ class RoutingDecision:
         return self.chosen.peer_blocks
 
 
-def load_blocks(role: Role, load: LoadEstimate, block_size: int) -> float:
-    """load(w) of the module docstring, in blocks."""
-    if role == Role.PREFILL:
-        return load.queued_prefill_tokens / block_size
-    return float(load.kv_blocks_used)
-
-
 def best_two(matches: Mapping[str, TierMatch]) -> tuple[tuple[str, TierMatch] | None, tuple[str, TierMatch] | None]:
     """The two workers holding the longest prefixes, best first (ties: more device blocks, then the
     smaller name, so that routers with equal indexes agree); None where there are fewer."""
-    first = second = None  # ((total, device), worker, match)
+    first = second = None  # (total, device, worker, match)
+    floor = (-1, -1)  # (total, device) of the second: anything below it cannot place
     for worker, m in matches.items():
-        entry = ((m.total, m.device), worker, m)
+        total = m[0] + m[1] + m[2]
+        if (total, m[0]) < floor:
+            continue
+        entry = (total, m[0], worker, m)
         if first is None or _beats(entry, first):
             first, second = entry, first
         elif second is None or _beats(entry, second):
             second = entry
-    return (first and (first[1], first[2])), (second and (second[1], second[2]))
+        if second is not None:
+            floor = second[:2]
+    return (first and (first[2], first[3])), (second and (second[2], second[3]))
 
 
 def _beats(a: tuple, b: tuple) -> bool:
-    return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
+    return a[:2] > b[:2] or (a[:2] == b[:2] and a[2] < b[2])
 
 
 class RoutingPolicy(ABC):
@@ -180,21 +187,29 @@ class RoutingPolicy(ABC):
         if not workers:
             raise NoWorkersError(f"no {role} worker to route to")
         B, w = self.block_size, self.tier_weights
+        w_host, w_disk, w_peer = w.host, w.disk, w.peer
         first, second = best_two(matches)
+        first_name, first_total = (first[0], first[1].total) if first else (None, 0)
+        second_name, second_total = (second[0], second[1].total) if second else (None, 0)
+        get_match, get_load = matches.get, loads.get
+        prefill = Role(role) is Role.PREFILL
         out = []
-        for worker in workers:
-            m = matches.get(worker, NO_MATCH)
-            own = m.total
-            peer = first if first is not None and first[0] != worker else second
-            peer_blocks = peer[1].total - own if peer is not None else 0
+        for worker in workers:  # the hot loop of a decision: plain arithmetic, no calls it can avoid
+            m = get_match(worker, NO_MATCH)
+            device, host, disk = m
+            own = device + host + disk
+            peer, peer_blocks = (first_name, first_total - own) if first_name != worker else (
+                second_name, second_total - own)
             if peer_blocks <= 0:
                 peer, peer_blocks = None, 0
-            credited_blocks = m.device + w.host * m.host + w.disk * m.disk + w.peer * peer_blocks
-            effective = max(0.0, num_prompt_tokens - B * credited_blocks)
+            effective = num_prompt_tokens - B * (device + w_host * host + w_disk * disk + w_peer * peer_blocks)
+            effective = effective if effective > 0 else 0.0
+            uncached = num_prompt_tokens - B * own
+            load = get_load(worker, IDLE)  # load(w) of the module docstring, in blocks:
+            load_term = load.queued_prefill_tokens / B if prefill else float(load.kv_blocks_used)
             cache_term = alpha * effective / B
-            load_term = load_blocks(role, loads.get(worker, IDLE), B)
-            out.append(WorkerCost(worker, m, peer and peer[0], peer_blocks, max(0, num_prompt_tokens - B * own),
-                                  effective, cache_term, load_term, cache_term + load_term))
+            out.append(_new_cost((worker, m, peer, peer_blocks, uncached if uncached > 0 else 0, effective,
+                                 cache_term, load_term, cache_term + load_term)))
         return out
 
     def _decide(self, role: Role, costs: list[WorkerCost], best: WorkerCost) -> RoutingDecision:
@@ -240,7 +255,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def choose(self, role, workers, num_prompt_tokens, matches, loads) -> RoutingDecision:
         costs = self._terms(role, workers, num_prompt_tokens, matches, loads, self.alpha)
-        best = min(costs, key=lambda c: (c.cost, c.load_term))  # min keeps the first of equals
+        best = min(costs, key=_COST_THEN_LOAD)  # min keeps the first of equals
         return self._decide(role, costs, best)
 
 
@@ -251,7 +266,7 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     def choose(self, role, workers, num_prompt_tokens, matches, loads) -> RoutingDecision:
         costs = self._terms(role, workers, num_prompt_tokens, matches, loads, alpha=0.0)  # cost = load
-        return self._decide(role, costs, min(costs, key=lambda c: c.cost))
+        return self._decide(role, costs, min(costs, key=_COST))
 
 
 class RoundRobinPolicy(RoutingPolicy):
