@@ -26,9 +26,9 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from functools import partial
 from operator import itemgetter
-from enum import StrEnum
 from typing import NamedTuple
 
 from engine.errors import DuetError
