@@ -41,5 +41,7 @@ def test_bench_runs_and_reports_a_ratio():
         for what in ("build:", "memory: RSS", "churn on the full index", "route us: p50", "match us: p50"):
             assert re.search(rf"\[{label}\] +{what}", out), (label, what, out)
     assert re.search(r"per tier: device [\d,]+, host 0, disk 0", out)  # the baseline is device only
-    assert re.search(r"\n\[tiers\] \d+ decisions over 8 candidates; .* [1-9]\d* with a peer named", out)
+    for label in ("tiers", "device-only"):  # alternated passes, three each by default
+        assert re.search(rf"\[{label}\] route\(\) p99 per pass \(us\): \d+, \d+, \d+\n", out)
+    assert re.search(r"\n\[tiers\] \d+ decisions over 8 candidates .*; .* [1-9]\d* with a peer named", out)
     assert re.search(r"ratio: \d+\.\d+ \(route\(\) p99, tiers / device-only at equal entries\)\n$", out)
