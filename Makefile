@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -113,6 +113,12 @@ bench-calibrate: install
 
 bench-router-decision: install
 	$(PY) -m bench.bench_router_decision
+
+# route() at cluster scale with KV tiers: 64 workers x 3 tiers, ~10M indexed (worker, tier, block) entries built
+# through IndexFeed; event-apply throughput, index memory, decision p50/p99 (target p99 < 1 ms), and the same
+# entries all on device as the baseline (docs/benchmarks.md). About 3 min and 2 GiB; SMALL=1: 1M entries.
+bench-router-decision-tiers: install
+	$(PY) -m bench.bench_router_decision_tiers $(if $(SMALL),--entries 1000000 --iters 500,)
 
 # lm-evaluation-harness (local-completions, several prompts per request) against duet serve (1 prefill + 1 decode)
 # vs lm-eval's own hf backend on the same fp32 SmolLM2 directory: a multiple-choice and a generation task from

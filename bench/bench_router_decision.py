@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         wall_us.append((wall() - w0) * 1e6)
         for k, v in (("hash", b - a), ("match", c - b), ("cost", d - c), ("total", d - a)):
             parts[k].append(v * 1e6)
-    assert overlap[workers[0]] == len(hashes), "the prompt must be fully matched on w0"
+    assert overlap[workers[0]].total == len(hashes), "the prompt must be fully matched on w0"
     print(f"prompt {len(prompt)} tokens = {len(hashes)} blocks; chose {decision.worker} "
           f"(overlap {decision.overlap_blocks} blocks); {args.iters} iterations")
     print("thread CPU time (excludes time the OS ran other processes):")

@@ -40,7 +40,7 @@ from engine.block_pool import Block, BlockPool
 from engine.hashing import BlockHasher
 from router.index import PrefixIndex
 from router.load import LoadTracker
-from router.policy import DEFAULT_ALPHA, POLICIES, CacheAwarePolicy, Role, RoutingPolicy, route
+from router.policy import DEFAULT_ALPHA, NO_PEER_FETCH, POLICIES, CacheAwarePolicy, Role, RoutingPolicy, route
 
 from bench.workloads import TRACE, TRACE_BLOCK_TOKENS  # noqa: F401  (TRACE: re-exported for the tests)
 
@@ -269,9 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     print(_row("oracle (infinite)", oracle, oracle, None))
     print(_row(f"pooled_lru (W*C)", pooled, oracle, None))
     results: dict[str, SimResult] = {}
-    runs = [(f"cache_aware a={args.alpha:g}", CacheAwarePolicy(args.block_size, args.alpha))]
+    # the simulated workers have one tier and compute what they lack (no peer fetch): NO_PEER_FETCH
+    runs = [(f"cache_aware a={args.alpha:g}", CacheAwarePolicy(args.block_size, args.alpha, NO_PEER_FETCH))]
     runs += [(n, POLICIES[n](args.block_size)) for n in ("least_loaded", "round_robin")]
-    runs += [(f"cache_aware a={float(a):g}", CacheAwarePolicy(args.block_size, float(a)))
+    runs += [(f"cache_aware a={float(a):g}", CacheAwarePolicy(args.block_size, float(a), NO_PEER_FETCH))
              for a in args.alphas.split(",") if a and float(a) != args.alpha]
     for label, policy in runs:
         res = simulate(reqs, policy, args.workers, args.capacity_blocks, args.block_size, args.prefill_tokens_per_s)

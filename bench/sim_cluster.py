@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from cluster.autoscaler import AutoscalerConfig
 from engine.hashing import BlockHasher
 from router.index import PrefixIndex
 from router.load import LoadTracker
-from router.policy import DEFAULT_ALPHA, POLICIES, CacheAwarePolicy, Role, route
+from router.policy import DEFAULT_ALPHA, NO_PEER_FETCH, Role, TierWeights, make_policy, route
 
 from bench.sim_autoscale import Autoscaling
 from bench.sim_engine import Sampled, SimEngine
@@ -49,6 +49,7 @@ class Deployment:
     decode_policy: str = "cache_aware"
     local_prefill_max_tokens: int = 0  # `make run`'s setting: every prompt with an uncached part is disaggregated
     alpha: float = DEFAULT_ALPHA
+    tier_weights: TierWeights = NO_PEER_FETCH  # the simulated workers have one tier and never fetch from a peer
 
     @property
     def kind(self) -> str:
@@ -57,7 +58,8 @@ class Deployment:
     def to_json(self) -> dict:
         return {"name": self.name, "kind": self.kind, "prefill": self.prefill, "decode": self.decode,
                 "prefill_policy": self.prefill_policy, "decode_policy": self.decode_policy,
-                "local_prefill_max_tokens": self.local_prefill_max_tokens, "alpha": self.alpha, "simulated": True}
+                "local_prefill_max_tokens": self.local_prefill_max_tokens, "alpha": self.alpha,
+                "tier_weights": asdict(self.tier_weights), "simulated": True}
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,10 @@ class ClusterSim:
     def __init__(self, deployment: Deployment, hardware: Hardware, workload, autoscaler: AutoscalerConfig | None = None):
         self.dep, self.hw = deployment, hardware
         self.index, self.tracker = PrefixIndex(), LoadTracker()
-        self.policies = {Role.PREFILL: _policy(deployment.prefill_policy, hardware.block_size, deployment.alpha),
-                         Role.DECODE: _policy(deployment.decode_policy, hardware.block_size, deployment.alpha)}
+        self.policies = {role: make_policy(name, hardware.block_size, alpha=deployment.alpha,
+                                           tier_weights=deployment.tier_weights)
+                         for role, name in ((Role.PREFILL, deployment.prefill_policy),
+                                            (Role.DECODE, deployment.decode_policy))}
         self.workers: dict[str, SimWorker] = {}  # registry order = the routing tie-break order
         self.engines: list[SimEngine] = []
         self.inflight: dict[str, int] = {}
@@ -398,9 +402,3 @@ class ClusterSim:
             self._publish(wp)
             if not wp.busy:
                 self._iterate(now, wp)
-
-
-def _policy(name: str, block_size: int, alpha: float):
-    if name == "cache_aware":
-        return CacheAwarePolicy(block_size, alpha)
-    return POLICIES[name](block_size)

@@ -8,7 +8,8 @@
     decode:  {num_workers: 2}
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
-              salt_by_api_key: false}       # true: each API key is its own prefix-cache domain
+              salt_by_api_key: false,       # true: each API key is its own prefix-cache domain
+              tier_weights: {host: 0.75, disk: 0.25, peer: 0.5}}
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
     autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
                  ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key
@@ -74,9 +75,15 @@ class RouterConfig:
     request_timeout_s: float | None = None  # longest request, admission to last token (beyond: 504)
     max_request_bytes: int = 4 << 20  # HTTP body / gRPC message (beyond: 413 / RESOURCE_EXHAUSTED)
     index: str = "memory"  # "memory" or "redis://host:port[/db]"
+    # what a leading block on a lower KV tier, or only on a peer, is worth to cache_aware (device = 1);
+    # any subset of {host, disk, peer}; defaults and meaning: router/policy.py TierWeights, docs/routing.md
+    tier_weights: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if not isinstance(self.tier_weights, dict):
+            raise ConfigError(f"router.tier_weights must be a mapping (host, disk, peer), got {self.tier_weights!r}")
+        self.weights  # validates tier_weights
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"router.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
@@ -91,6 +98,16 @@ class RouterConfig:
         self.admission  # validates the admission fields
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"router.max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+
+    @property
+    def weights(self):
+        """``tier_weights`` as router.policy.TierWeights (ConfigError naming the key if invalid)."""
+        from router.policy import TierWeights
+
+        try:
+            return TierWeights.from_mapping(self.tier_weights)
+        except ValueError as e:
+            raise ConfigError(f"router.tier_weights: {e}") from None
 
     @property
     def admission(self):

@@ -39,7 +39,7 @@ from router.backend import ModelCard
 from router.dispatch import ClusterBackend
 from router.events import IndexFeed
 from router.metrics import ClusterCollector, RouterMetrics
-from router.policy import POLICIES, Role
+from router.policy import Role, make_policy
 from router.registry import WorkerState
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Cluster:
             config.model_name, backend.registry, targets=lambda: {r.value: n for r, n in pools.targets.items()},
             bounds=lambda: {r.value: pools.bounds(r) for r in pools.targets},
             feed_counters=lambda: asdict(feed.counters) if feed is not None else {},
-            pool_counters=lambda: pools.counters))
+            pool_counters=lambda: pools.counters, index_blocks=backend.index.block_counts))
         cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
         pools.feeds.update({c.worker_id: t for c, t in zip(clients, feed_tasks)} if start_feed else {})
         cluster.feed_tasks = [] if start_feed else feed_tasks
@@ -222,8 +222,8 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     B = config.engine.block_size
     return ClusterBackend(
         card, Tokenizer.from_checkpoint(config.engine.model), hasher, prefill, decode,
-        prefill_policy=POLICIES[config.router.prefill_policy](B),
-        decode_policy=POLICIES[config.router.decode_policy](B),
+        prefill_policy=make_policy(config.router.prefill_policy, B, tier_weights=config.router.weights),
+        decode_policy=make_policy(config.router.decode_policy, B, tier_weights=config.router.weights),
         local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics)
 
 

@@ -1,6 +1,6 @@
 """The operator's HTTP API on the router's port: /admin/* (the only write path to the pools) and /metrics.
 
-    GET  /admin/workers                 every worker: id, role, state, pid, node, load, KV use, latest stats
+    GET  /admin/workers                 every worker: id, role, state, pid, node, load, KV use per tier, latest stats
     GET  /admin/autoscaler              targets, bounds, pins, the last decisions with their reasons and signals
     GET  /admin/timeline?since=T        the dashboard's time series (cluster/dashboard/timeline.py)
     GET  /admin/access                  what reads and writes need (the dashboard shows its controls by it)

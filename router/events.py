@@ -23,6 +23,12 @@ Router side, ``IndexFeed.apply_batch(data)`` is the one place a batch enters the
   * anything else (a gap, a seq going backwards, a worker first seen at seq != 1): ``gaps``; the worker is
     dropped from the index and marked ``needs_resync``, then the batch is applied.
 
+Tiers: events name the tier they happened on (the index keeps worker x tier), and each batch's load
+report carries the capacity of the worker's lower tiers (``WorkerLoad.tiers``), which reaches the worker
+registry through ``on_load`` (/admin/workers, /metrics). An applied event on a lower tier that the
+worker's latest report does not size is indexed all the same, but counted (``unreported_tiers``) and
+logged once per worker and tier: a router must not under-score a tier it cannot see silently.
+
 Applying after a gap is safe: with the worker dropped, later stores add blocks it really holds and later
 removals remove them, so its index entry is a subset of the truth (missed hits, never false ones) until a
 full-state batch (``BlockPool.snapshot_events``: AllCleared + every cached hash) makes it exact. A full
@@ -64,9 +70,9 @@ from typing import Any
 
 import redis
 
-from engine.kv_events import AllCleared, BlockStored, WorkerLoad
+from engine.kv_events import AllCleared, BlockRemoved, BlockStored, Tier, TierUsage, WorkerLoad
 from proto.kv_codec import DecodedBatch, decode_batch
-from router.index import SNAPSHOT_VERSION, PrefixIndex
+from router.index import PrefixIndex
 from router.load import LoadTracker
 
 log = logging.getLogger(__name__)
@@ -206,6 +212,7 @@ class FeedCounters:
     stale: int = 0  # skipped: older than a full state already applied
     source_errors: int = 0  # failed reads of the shared stream (Redis down), retried with backoff
     stream_resets: int = 0  # the shared stream started over below the last entry read (Redis lost its data)
+    unreported_tiers: int = 0  # applied events on a lower tier whose capacity the worker never reported
 
 
 class IndexFeed:
@@ -221,6 +228,7 @@ class IndexFeed:
         self._resync_at: dict[str, tuple[int, float]] = {}  # worker -> (seq, timestamp_s) of its last full state
         self._needs_resync: set[str] = set()
         self._last_load: dict[str, WorkerLoad] = {}
+        self._warned_tiers: set[tuple[str, Tier]] = set()  # (worker, tier) already logged as unreported
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -247,6 +255,7 @@ class IndexFeed:
         if not self._admit(batch):
             self.counters.stale += 1
             return False
+        self._check_tiers(batch)
         self.index.apply_all(batch.events)
         if batch.load is not None:
             self.tracker.report(batch.load)
@@ -287,6 +296,23 @@ class IndexFeed:
         self._lose(worker, f"seq {seq} after {last}")
         return True
 
+    def _check_tiers(self, batch: DecodedBatch) -> None:
+        """Count (and log once per worker and tier) events on a lower tier whose capacity the worker's load
+        reports (this batch's, else its last) do not state: the router would index blocks on a tier it
+        cannot size (DESIGN.md "KV tiers": WorkerLoad carries each tier's capacity)."""
+        load = batch.load or self._last_load.get(batch.worker)
+        reported = {t.tier for t in load.tiers} if load is not None else set()
+        for event in batch.events:
+            if not isinstance(event, (BlockStored, BlockRemoved)) or event.tier is Tier.DEVICE \
+                    or event.tier in reported:
+                continue
+            self.counters.unreported_tiers += 1
+            if (batch.worker, event.tier) not in self._warned_tiers:
+                self._warned_tiers.add((batch.worker, event.tier))
+                log.warning("worker %s publishes KV events for its %s tier but has not reported that tier's "
+                            "capacity (WorkerLoad.tiers): indexed anyway, counted in unreported_tiers",
+                            batch.worker, event.tier.value)
+
     def _lose(self, worker: str, why: str) -> None:
         log.warning("KV events of %s lost (%s): dropped from the index until it resyncs", worker, why)
         self.counters.gaps += 1
@@ -321,25 +347,24 @@ class IndexFeed:
         }
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Replace this feed's state (and its index's, in place) by a ``snapshot()``; ValueError if invalid."""
+        """Replace this feed's state (and its index's, in place) by a ``snapshot()``; ValueError if invalid
+        (and then nothing changed)."""
         try:
             index_snap = snapshot["index"]
-            if index_snap.get("version") != SNAPSHOT_VERSION:
-                raise ValueError(f"prefix-index snapshot version {index_snap.get('version')!r}")
-            workers = {str(w): tuple(int(h) for h in hs) for w, hs in index_snap["workers"].items()}
             seqs = {str(w): int(s) for w, s in snapshot["seqs"].items()}
             resync_at = {str(w): (int(p[0]), float(p[1])) for w, p in snapshot["resync_at"].items()}
-            loads = {str(w): WorkerLoad(**d) for w, d in snapshot["loads"].items()}
+            loads = {str(w): _load_from_dict(d) for w, d in snapshot["loads"].items()}
             needs_resync = {str(w) for w in snapshot["needs_resync"]}
         except (KeyError, TypeError, AttributeError, IndexError) as e:
             raise ValueError(f"bad event-feed snapshot: {e!r}") from e
-        for worker in self.index.workers:
-            self.index.remove_worker(worker)
-        for worker, hashes in workers.items():
-            self.index.add_worker(worker)
-            if hashes:
-                self.index.apply(BlockStored(worker, hashes, None))
+        self.index.replace(index_snap)  # the last step that may refuse; it changes nothing when it does
         for load in loads.values():
             self.tracker.report(load)
         self._last_seq, self._resync_at, self._last_load = seqs, resync_at, loads
         self._needs_resync = needs_resync
+
+
+def _load_from_dict(d: dict[str, Any]) -> WorkerLoad:
+    """``asdict(WorkerLoad)`` back (its tiers are dicts by then); ValueError for an unknown tier."""
+    tiers = tuple(TierUsage(Tier(t["tier"]), int(t["blocks_total"]), int(t["blocks_used"])) for t in d.get("tiers", ()))
+    return WorkerLoad(**{**d, "tiers": tiers})

@@ -29,7 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
-from router.registry import LIVE_STATES, WorkerRegistry
+from router.registry import LIVE_STATES, WorkerRegistry, tier_usage
 
 WORKER_LABELS = ("model_name", "engine", "worker", "role")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -192,13 +192,15 @@ class ClusterCollector:
                  targets: Callable[[], Mapping[str, int]] = dict,
                  bounds: Callable[[], Mapping[str, tuple[int, int]]] = dict,
                  feed_counters: Callable[[], Mapping[str, int]] = dict,
-                 pool_counters: Callable[[], Mapping[str, int]] = dict) -> None:
+                 pool_counters: Callable[[], Mapping[str, int]] = dict,
+                 index_blocks: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
         self.model_name = model_name
         self.workers = registry
         self.targets = targets
         self.bounds = bounds
         self.feed_counters = feed_counters
         self.pool_counters = pool_counters
+        self.index_blocks = index_blocks  # {(worker, tier): blocks}: PrefixIndex.block_counts
 
     def describe(self) -> list:
         return []  # families vary with the workers; nothing to pre-declare
@@ -249,6 +251,16 @@ class ClusterCollector:
             family = CounterMetricFamily(f"duet_event_{key}", doc)
             family.add_metric((), float(feed.get(key, 0)))
             yield family
+        unreported = CounterMetricFamily("duet_kv_tier_unreported", "KV events applied for a lower tier whose "
+                                         "capacity the worker never reported in its load (logged once per "
+                                         "worker and tier).")
+        unreported.add_metric((), float(feed.get("unreported_tiers", 0)))
+        yield unreported
+        indexed = GaugeMetricFamily("duet_kv_index_blocks", "Blocks the router's prefix index holds, per worker "
+                                    "and KV tier.", labels=("worker", "tier"))
+        for (worker, tier), n in sorted(self.index_blocks().items()):
+            indexed.add_metric((worker, str(tier)), n)
+        yield indexed
 
     def _load_gauges(self, live) -> Iterator:
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
@@ -259,6 +271,11 @@ class ClusterCollector:
                                   labels=WORKER_LABELS)
         queued = GaugeMetricFamily("duet_queued_prefill_tokens", "Prompt tokens waiting to be prefilled.",
                                    labels=WORKER_LABELS)
+        tier_labels = (*WORKER_LABELS, "tier")
+        capacity = GaugeMetricFamily("duet_kv_tier_capacity_blocks", "KV blocks a worker's tier can hold (device: "
+                                     "the paged cache; host, disk: as the worker reports them).", labels=tier_labels)
+        used = GaugeMetricFamily("duet_kv_tier_used_blocks", "KV blocks in use on a worker's tier.",
+                                 labels=tier_labels)
         for rec in live:
             load, labels = rec.load, self._labels(rec)
             if load is None:
@@ -267,7 +284,10 @@ class ClusterCollector:
             waiting.add_metric(labels, load.waiting)
             usage.add_metric(labels, load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
             queued.add_metric(labels, load.queued_prefill_tokens)
-        yield from (running, waiting, usage, queued)
+            for tier, blocks in tier_usage(load).items():
+                capacity.add_metric((*labels, tier), blocks["blocks_total"])
+                used.add_metric((*labels, tier), blocks["blocks_used"])
+        yield from (running, waiting, usage, queued, capacity, used)
 
     def _labels(self, rec) -> tuple[str, ...]:
         return (self.model_name, rec.worker_id, rec.worker_id, rec.role.value)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.kv_events import WorkerLoad
+from engine.kv_events import Tier, WorkerLoad
 from router.policy import Role
 
 
@@ -72,9 +72,19 @@ class WorkerRecord:
             "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
             "kv_blocks_used": load.kv_blocks_used if load else stats.get("kv_blocks_used"),
             "kv_blocks_total": load.kv_blocks_total if load else stats.get("kv_blocks_total"),
+            "kv_tiers": tier_usage(load) if load else None,
             "load_age_s": None if self.load_s is None else round(now_s - self.load_s, 3),
             "stats": stats,
         }
+
+
+def tier_usage(load: WorkerLoad) -> dict[str, dict[str, int]]:
+    """Each KV tier's size from a load report: ``{tier: {"blocks_total", "blocks_used"}}``, the device tier
+    first (it is ``kv_blocks_*``), then the lower tiers the worker reported."""
+    out = {Tier.DEVICE.value: {"blocks_total": load.kv_blocks_total, "blocks_used": load.kv_blocks_used}}
+    for usage in load.tiers:
+        out[usage.tier.value] = {"blocks_total": usage.blocks_total, "blocks_used": usage.blocks_used}
+    return out
 
 
 class RegistryError(ValueError):

@@ -17,6 +17,7 @@ import ray
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
+from router.index import NO_MATCH
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def test_disaggregated_equals_colocated_cold_then_warm(disagg, loop_thread, tiny
     assert s["decode-0"]["transfers_ok"] == len(prompts)
     computed_cold = s["prefill-0"]["num_computed_tokens"]
     backend = disagg.backend
-    assert wait_for(lambda: all(backend.index.match(backend.hasher(ids)).get("decode-0", 0) == len(ids) // 16
+    assert wait_for(lambda: all(backend.index.match(backend.hasher(ids)).get("decode-0", NO_MATCH).total == len(ids) // 16
                                 for ids in prompts)), "the router never learned the decode worker's blocks"
 
     warm = run_all(loop_thread, disagg.backend, "warm", prompts, params)  # P and D caches now hold the prompts
@@ -122,7 +123,7 @@ def test_router_index_learns_prefill_blocks_from_events(disagg, loop_thread):
     ids = prompts_for(7, lengths=(80,))[0]
     loop_thread.run(collect(disagg.backend, "ev-0", ids, SamplingParams(max_tokens=2, temperature=0)))
     hashes = disagg.backend.hasher(ids)
-    held = wait_for(lambda: disagg.backend.index.match(hashes).get("prefill-0", 0) == len(hashes))
+    held = wait_for(lambda: disagg.backend.index.match(hashes).get("prefill-0", NO_MATCH).total == len(hashes))
     assert held, disagg.backend.index.match(hashes)
 
 
@@ -271,7 +272,7 @@ def test_shared_redis_index_feeds_the_router(cluster_factory, loop_thread, redis
     got = run_all(loop_thread, cluster.backend, "redis", prompts, params)
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in reference(tiny_model(), prompts, params)]
     backend = cluster.backend
-    assert wait_for(lambda: all(backend.index.match(backend.hasher(ids)).get("prefill-0", 0) == len(ids) // 16
+    assert wait_for(lambda: all(backend.index.match(backend.hasher(ids)).get("prefill-0", NO_MATCH).total == len(ids) // 16
                                 for ids in prompts))
     second = IndexFeed(PrefixIndex(), LoadTracker())
     source = RedisEventSource(redis_url, second)

@@ -74,7 +74,8 @@ async def _truth(cluster) -> dict[str, list[int]]:
 
 
 def _index_view(index: PrefixIndex) -> dict[str, list[int]]:
-    return {w: hashes for w, hashes in index.snapshot()["workers"].items() if hashes}
+    """Each worker's device blocks (the workers here run no lower tier)."""
+    return {w: by_tier["device"] for w, by_tier in index.snapshot()["workers"].items() if by_tier.get("device")}
 
 
 def test_redis_restart_under_routers_sharing_the_index(cluster, redis_process, loop_thread, reference):

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from engine.errors import InvalidRequestError
+from engine.kv_events import Tier, TierUsage, WorkerLoad
 from engine.tokenizer import Tokenizer
 from router.admin_api import Operator, is_loopback
 from router.http_api import create_app
@@ -88,6 +89,12 @@ def test_reads_show_the_registry(tiny_model):
         workers = call(server, "GET", "/admin/workers").json()["data"]
         assert [(w["worker_id"], w["role"], w["state"], w["pid"]) for w in workers] == [
             ("prefill-0", "prefill", "ready", 11), ("decode-0", "decode", "starting", 12)]
+        assert [w["kv_tiers"] for w in workers] == [None, None]  # no load report yet
+        op.registry.update_load(WorkerLoad("prefill-0", "prefill", 0, 0, 3, 64, 0, (TierUsage(Tier.HOST, 256, 9),)),
+                                time.monotonic())
+        workers = call(server, "GET", "/admin/workers").json()["data"]
+        assert workers[0]["kv_tiers"] == {"device": {"blocks_total": 64, "blocks_used": 3},
+                                          "host": {"blocks_total": 256, "blocks_used": 9}}
         assert call(server, "GET", "/admin/autoscaler").json() == {"enabled": False, "decisions": []}
 
 

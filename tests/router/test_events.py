@@ -27,7 +27,7 @@ from engine.block_pool import BlockPool
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored, WorkerLoad
 from proto.kv_codec import decode_batch, encode_batch
 from router.events import FeedCounters, IndexFeed, MemoryEventLog, RedisEventSink, parse_stream_id
-from router.index import PrefixIndex
+from router.index import PrefixIndex, TierMatch
 from router.load import LoadTracker
 from router.policy import CacheAwarePolicy, Role, route
 from router.redis_events import RedisEventSource
@@ -45,6 +45,16 @@ def batch(worker, seq, events=(), load=None, ts=0.0) -> bytes:
 
 def stored(worker, *hashes, parent=None):
     return BlockStored(worker, tuple(hashes), parent)
+
+
+def dev(**blocks):
+    """Matches of workers holding device blocks only: dev(w0=3) == {"w0": TierMatch(device=3)}."""
+    return {w: TierMatch(device=n) for w, n in blocks.items()}
+
+
+def held(index, worker):
+    """The hashes the index says ``worker`` holds on its device tier."""
+    return index.snapshot()["workers"][worker].get("device", [])
 
 
 def new_feed() -> IndexFeed:
@@ -133,10 +143,10 @@ def test_feed_applies_events_and_load_in_order():
     feed = new_feed()
     load = WorkerLoad("w0", "prefill", 1, 2, 3, 100, 64)
     assert feed.apply_batch(batch("w0", 1, [stored("w0", 1, 2, 3)], load))
-    assert feed.index.match([1, 2, 3]) == {"w0": 3}
+    assert feed.index.match([1, 2, 3]) == dev(w0=3)
     assert feed.tracker.get("w0").queued_prefill_tokens == 64 and feed.tracker.get("w0").running_seqs == 3
     assert feed.apply_batch(batch("w0", 2, [BlockRemoved("w0", (2,))]))
-    assert feed.index.match([1, 2, 3]) == {"w0": 1}
+    assert feed.index.match([1, 2, 3]) == dev(w0=1)
     assert feed.counters == FeedCounters(batches=2, events=2, loads=1)
     assert feed.last_seq("w0") == 2 and feed.needs_resync == frozenset()
 
@@ -147,13 +157,13 @@ def test_feed_gap_drops_the_worker_until_a_full_state_batch():
     feed.apply_batch(batch("w1", 1, [stored("w1", 1)]))
     feed.apply_batch(batch("w0", 3, [stored("w0", 5, parent=4)]))  # seq 2 was lost
     assert feed.needs_resync == {"w0"} and feed.counters.gaps == 1
-    assert feed.index.match([1, 2]) == {"w1": 1}  # w0's earlier blocks are forgotten …
+    assert feed.index.match([1, 2]) == dev(w1=1)  # w0's earlier blocks are forgotten …
     assert feed.index.num_blocks("w0") == 1  # … and what came after the gap is kept (a subset of the truth)
     feed.apply_batch(batch("w0", 4, [BlockRemoved("w0", (5,))]))
     assert feed.needs_resync == {"w0"}
     feed.apply_batch(batch("w0", 5, [AllCleared("w0"), stored("w0", 1, 2, 7)]))  # in-band full state
     assert feed.needs_resync == frozenset() and feed.counters.resyncs == 1
-    assert feed.index.match([1, 2]) == {"w0": 2, "w1": 1} and feed.index.num_blocks("w0") == 3
+    assert feed.index.match([1, 2]) == dev(w0=2, w1=1) and feed.index.num_blocks("w0") == 3
 
 
 def test_feed_seq_backwards_restart_and_first_seen_mid_stream():
@@ -167,7 +177,7 @@ def test_feed_seq_backwards_restart_and_first_seen_mid_stream():
     assert feed.index.num_blocks("w0") == 1 and feed.index.num_blocks("w1") == 1
     feed.apply_batch(batch("w2", 1, [stored("w2", 99)]))  # restarted: empty pool, complete history from 1
     assert feed.counters.restarts == 1 and "w2" not in feed.needs_resync
-    assert feed.index.snapshot()["workers"]["w2"] == [99]
+    assert held(feed.index, "w2") == [99]
 
 
 def test_feed_out_of_band_resync_skips_stale_stream_batches():
@@ -180,7 +190,7 @@ def test_feed_out_of_band_resync_skips_stale_stream_batches():
     feed.apply_batch(batch("w0", 4, [BlockRemoved("w0", (3,))], ts=4.0))
     feed.apply_batch(batch("w0", 2, [AllCleared("w0")], ts=5.0))  # a full state older than seq 4: stale
     assert feed.counters.stale == 3 and feed.counters.gaps == 0
-    assert feed.index.snapshot()["workers"] == {"w0": [1, 2]} and feed.last_seq("w0") == 4
+    assert feed.index.snapshot()["workers"] == {"w0": {"device": [1, 2]}} and feed.last_seq("w0") == 4
 
 
 def test_embedded_reader_falls_behind_the_ring_and_resyncs_from_the_worker():
@@ -215,7 +225,7 @@ def test_embedded_reader_falls_behind_the_ring_and_resyncs_from_the_worker():
     datas, last, truncated = log.read(feed.last_seq("w0"))
     assert not truncated and len(datas) == 1
     feed.apply_batch(datas[0])  # reading after the resync's seq skips seq 11, which the full state covers
-    assert feed.needs_resync == frozenset() and feed.index.snapshot()["workers"]["w0"] == truth()
+    assert feed.needs_resync == frozenset() and held(feed.index, "w0") == truth()
 
 
 def test_feed_counts_malformed_payloads_and_never_raises():
@@ -224,7 +234,7 @@ def test_feed_counts_malformed_payloads_and_never_raises():
     for data in (b"", b"\xff\xff\xff", b"garbage" * 3, batch("", 2, [stored("w0", 2)])):
         assert feed.apply_batch(data) is False
     assert feed.counters.malformed == 4 and feed.counters.batches == 1
-    assert feed.index.snapshot()["workers"] == {"w0": [1]}
+    assert feed.index.snapshot()["workers"] == {"w0": {"device": [1]}}
 
 
 def test_feed_snapshot_restores_in_place():
@@ -273,7 +283,7 @@ def test_redis_snapshot_newest_wins_and_trimmed_stream_forces_resync(redis_url):
     late = RedisEventSource(redis_url, new_feed(), stream, key)
     assert late.restore() is True  # the snapshot is used, but its entry was trimmed away …
     assert late.feed.needs_resync == {"w0"}  # … so w0 must resync
-    assert set(late.feed.index.snapshot()["workers"]["w0"]) < set(range(1, 400))
+    assert set(held(late.feed.index, "w0")) < set(range(1, 400))
     scratch = RedisEventSource(redis_url, new_feed(), stream, "t:trim:none")
     assert scratch.restore() is False and scratch.feed.needs_resync == {"w0"}  # first seen at seq != 1
     assert late.save_snapshot() is True
@@ -291,7 +301,7 @@ def test_redis_snapshot_taken_before_any_entry_is_not_mistaken_for_a_trim(redis_
         sink.publish("w0", s, batch("w0", s, [stored("w0", s)]))
     late = RedisEventSource(redis_url, new_feed(), "t:zero", "t:zero:snap")
     assert late.restore() is True and late.feed.needs_resync == frozenset()
-    assert late.feed.index.snapshot()["workers"] == {"w0": [1, 2]}
+    assert late.feed.index.snapshot()["workers"] == {"w0": {"device": [1, 2]}}
     for closeable in (empty, late, sink):
         closeable.close()
 
@@ -321,7 +331,7 @@ async def test_redis_source_runs_as_an_asyncio_task(redis_url):
     deadline = time.monotonic() + 5
     while not (source.has_reached(end) and client.exists("t:task:snap")) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    assert source.feed.index.snapshot()["workers"] == {"w0": [1, 2, 3]} and client.exists("t:task:snap")
+    assert source.feed.index.snapshot()["workers"] == {"w0": {"device": [1, 2, 3]}} and client.exists("t:task:snap")
     await source.stop()
     assert task.done() and parse_stream_id(source.last_id) == parse_stream_id(end)
     client.close()
@@ -360,11 +370,11 @@ async def test_redis_source_survives_a_redis_restart_and_a_stream_that_starts_ov
         assert sink.publish("w0", 4, batch("w0", 4, [stored("w0", 4)]))
         assert await _until(lambda: source.feed.last_seq("w0") == 4)
         assert source.feed.needs_resync == {"w0"} and source.feed.counters.gaps == 1
-        assert source.feed.index.snapshot()["workers"] == {"w0": [4]}  # a subset of the truth, never more
+        assert source.feed.index.snapshot()["workers"] == {"w0": {"device": [4]}}  # a subset of the truth, never more
         full = [AllCleared("w0"), stored("w0", 1, 2, 3, 4)]
         assert sink.publish("w0", 5, batch("w0", 5, full))
         assert await _until(lambda: not source.feed.needs_resync)
-        assert source.feed.index.snapshot()["workers"] == {"w0": [1, 2, 3, 4]}
+        assert source.feed.index.snapshot()["workers"] == {"w0": {"device": [1, 2, 3, 4]}}
 
         # The empty stream after the restart may or may not have been seen before the sink's next XADD.
         resets = source.feed.counters.stream_resets
@@ -374,7 +384,7 @@ async def test_redis_source_survives_a_redis_restart_and_a_stream_that_starts_ov
         client.xadd("t:restart", {"b": batch("w1", 1, [stored("w1", 9)])}, id="1-1")  # below everything read
         assert await _until(lambda: source.feed.last_seq("w1") == 1, timeout_s=5.0)
         assert source.feed.counters.stream_resets == resets + 1 and source.last_id == "1-1"
-        assert source.feed.index.match([9]) == {"w1": 1}
+        assert source.feed.index.match([9]) == dev(w1=1)
         client.close()
     finally:
         await source.stop()
@@ -399,7 +409,7 @@ class _Router:
             return self.source.save_snapshot()
         if cmd == "route":
             d = route(self.policy, self.feed.index, self.feed.tracker, Role.PREFILL, NAMES, arg, len(arg) * B)
-            return d.worker, d.overlap_blocks
+            return d.worker, d.overlap_blocks, d.peer, d.peer_blocks  # the peer too: ties broken alike
         if cmd == "state":
             return {"index": self.feed.index.snapshot(), "seqs": self.feed.last_seqs, "last_id": self.source.last_id,
                     "needs_resync": sorted(self.feed.needs_resync), "counters": asdict(self.feed.counters)}
@@ -505,8 +515,10 @@ class _Publisher:
     def stream_end(self) -> str:
         return self.client.xrevrange(self.stream, count=1)[0][0].decode()
 
-    def truth(self) -> dict[str, list[int]]:
-        return {w.name: sorted(b.block_hash for b in w.pool.blocks if b.block_hash is not None) for w in self.workers}
+    def truth(self) -> dict[str, dict[str, list[int]]]:
+        """Every worker's cached blocks as an index snapshot names them (one tier: device)."""
+        held = {w.name: sorted(b.block_hash for b in w.pool.blocks if b.block_hash is not None) for w in self.workers}
+        return {name: {"device": hashes} if hashes else {} for name, hashes in held.items()}
 
 
 @pytest.mark.slow
@@ -540,9 +552,10 @@ def test_two_router_processes_decide_identically_and_a_late_router_restores(redi
                 assert a.ask("save", end) is True
             if i == 205:
                 assert [r.ask("state", end)["needs_resync"] for r in routers] == [["w1"], ["w1"]]
-        assert len({w for w, _ in decisions}) > 1, "every request went to one worker"
-        assert sum(1 for _, overlap in decisions if overlap) > len(reqs) // 2, "too few cache hits"
-        assert sum(1 for _, overlap in decisions if overlap > 1) >= 10, "too few hits beyond the shared first block"
+        assert len({d[0] for d in decisions}) > 1, "every request went to one worker"
+        assert sum(1 for d in decisions if d[1]) > len(reqs) // 2, "too few cache hits"
+        assert sum(1 for d in decisions if d[1] > 1) >= 10, "too few hits beyond the shared first block"
+        assert sum(1 for d in decisions if d[2] is not None) >= 10, "too few decisions with a peer"
 
         pub.step(float("inf"))
         end = pub.stream_end()

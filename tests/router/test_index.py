@@ -1,10 +1,13 @@
 import json
+import random
 import subprocess
 import sys
 
+import pytest
+
 from engine.hashing import BlockHasher
 from engine.kv_events import AllCleared, BlockRemoved, BlockStored
-from router.index import PrefixIndex
+from router.index import PrefixIndex, TierMatch
 
 B = 4
 hasher = BlockHasher(B)
@@ -18,6 +21,11 @@ def stored(worker, hashes, parent=None):
     return BlockStored(worker, tuple(hashes), parent)
 
 
+def dev(**blocks):
+    """The match of workers holding only device blocks: dev(w0=4) == {"w0": TierMatch(device=4)}."""
+    return {w: TierMatch(device=n) for w, n in blocks.items()}
+
+
 def test_router_core_imports_no_torch():
     code = "import sys, router.index, router.load, router.policy; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -28,8 +36,8 @@ def test_match_full_partial_and_none():
     idx = PrefixIndex()
     idx.apply(stored("w0", a))
     idx.apply(stored("w1", a[:2]))
-    assert idx.match(a) == {"w0": 4, "w1": 2}
-    assert idx.match(a[:3]) == {"w0": 3, "w1": 2}
+    assert idx.match(a) == dev(w0=4, w1=2)
+    assert idx.match(a[:3]) == dev(w0=3, w1=2)
     assert idx.match(chain([9] * 16)) == {}
     assert idx.match([]) == {}
     assert idx.num_blocks("w0") == 4 and idx.num_blocks("w1") == 2 and idx.num_blocks("nobody") == 0
@@ -44,8 +52,8 @@ def test_chains_from_different_parents_diverge():
     idx.apply(stored("w0", a[:2]))
     idx.apply(stored("w0", a[2:], parent=a[1]))  # extended later, as a second event with its parent
     idx.apply(stored("w1", b))
-    assert idx.match(a) == {"w0": 4, "w1": 2}
-    assert idx.match(b) == {"w0": 2, "w1": 4}
+    assert idx.match(a) == dev(w0=4, w1=2)
+    assert idx.match(b) == dev(w0=2, w1=4)
     # the same tokens after another prefix hash differently, so a suffix alone never matches
     assert idx.match(chain([100] * 8)) == {}
 
@@ -56,12 +64,12 @@ def test_removal_in_the_middle_stops_the_match_there():
     idx.apply(stored("w0", a))
     idx.apply(stored("w1", a))
     idx.apply(BlockRemoved("w0", (a[2],)))
-    assert idx.match(a) == {"w0": 2, "w1": 5}
+    assert idx.match(a) == dev(w0=2, w1=5)
     assert idx.num_blocks("w0") == 4  # blocks after the hole stay registered...
     idx.apply(stored("w0", [a[2]], parent=a[1]))  # ...and count again once the hole is refilled
-    assert idx.match(a) == {"w0": 5, "w1": 5}
+    assert idx.match(a) == dev(w0=5, w1=5)
     idx.apply(BlockRemoved("w1", (a[0],)))
-    assert idx.match(a) == {"w0": 5}
+    assert idx.match(a) == dev(w0=5)
 
 
 def test_duplicate_store_and_stale_removal_are_harmless():
@@ -73,7 +81,7 @@ def test_duplicate_store_and_stale_removal_are_harmless():
     idx.apply(BlockRemoved("w0", (12345,)))
     idx.apply(BlockRemoved("ghost", (a[0],)))
     assert idx.num_stale_removals == 2
-    assert idx.match(a) == {"w0": 2}
+    assert idx.match(a) == dev(w0=2)
 
 
 def test_all_cleared_and_remove_worker():
@@ -82,15 +90,15 @@ def test_all_cleared_and_remove_worker():
     for w in ("w0", "w1", "w2"):
         idx.apply(stored(w, a))
     idx.apply(AllCleared("w1"))
-    assert idx.match(a) == {"w0": 3, "w2": 3}
+    assert idx.match(a) == dev(w0=3, w2=3)
     assert "w1" in idx.workers and idx.num_blocks("w1") == 0
     idx.remove_worker("w0")
     assert idx.workers == ["w1", "w2"]
-    assert idx.match(a) == {"w2": 3}
+    assert idx.match(a) == dev(w2=3)
     idx.remove_worker("w2")
     assert idx.num_indexed_hashes == 0  # no hash left behind with an empty worker mask
     idx.apply(stored("w3", a[:1]))  # reuses a freed slot; must not inherit anything
-    assert idx.match(a) == {"w3": 1}
+    assert idx.match(a) == dev(w3=1)
     idx.remove_worker("never-seen")
 
 
@@ -100,7 +108,7 @@ def test_many_workers_beyond_64_bits():
     for i in range(100):
         idx.apply(stored(f"w{i}", a[: 1 + i % 2]))
     m = idx.match(a)
-    assert len(m) == 100 and m["w98"] == 1 and m["w99"] == 2
+    assert len(m) == 100 and m["w98"] == TierMatch(1) and m["w99"] == TierMatch(2)
 
 
 def test_snapshot_restore_round_trip():
@@ -118,20 +126,16 @@ def test_snapshot_restore_round_trip():
         assert back.match(q) == idx.match(q)
     # events after the snapshot apply on top of the restored index
     back.apply(BlockRemoved("w0", (a[1],)))
-    assert back.match(a) == {"w0": 1, "w1": 1}
+    assert back.match(a) == dev(w0=1, w1=1)
 
 
 def test_restore_refuses_unknown_version():
-    import pytest
-
     with pytest.raises(ValueError):
         PrefixIndex.restore({"version": 99, "workers": {}})
 
 
 def test_match_agrees_with_block_pools():
     """The index fed by real BlockPool events answers what each pool's own match_prefix would."""
-    import random
-
     from bench.bench_routing_trace import acquire, release
     from engine.block_pool import BlockPool
 
@@ -149,4 +153,4 @@ def test_match_agrees_with_block_pools():
         for q in prompts[: step + 1]:
             qh = hasher(q)
             expect = {w: len(p.match_prefix(qh, q, B)) for w, p in pools.items()}
-            assert idx.match(qh) == {w: n for w, n in expect.items() if n}
+            assert idx.match(qh) == dev(**{w: n for w, n in expect.items() if n})

@@ -126,3 +126,31 @@ def test_timing_counts_match_the_requests():
     assert sum(s.kind == "ttft" for s in samples) == 4 and metrics.take_samples() == []
     assert metrics.take_samples("dashboard") == []  # a new consumer starts from now
     assert metrics.finished == {"length": 1, "stop": 2, "abort": 1} and metrics.num_tokens == sum(generated) + 1
+
+
+def test_kv_tier_capacity_usage_index_blocks_and_unreported_tiers():
+    from engine.kv_events import Tier, TierUsage
+
+    reg = registry_with_workers()
+    reg.update_load(WorkerLoad("prefill-0", "prefill", 0, 0, 25, 100, 0,
+                               (TierUsage(Tier.HOST, 800, 120), TierUsage(Tier.DISK, 9000, 640))), 2.0)
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector(
+        "m", reg, feed_counters=lambda: {"unreported_tiers": 7},
+        index_blocks=lambda: {("prefill-0", Tier.DEVICE): 20, ("prefill-0", Tier.HOST): 110}))
+    families = scrape(metrics)
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    w = dict(model_name="m", engine="prefill-0", worker="prefill-0", role="prefill")
+
+    def value(name, **labels):
+        return values[(name, tuple(sorted(labels.items())))]
+
+    assert families["duet_kv_tier_capacity_blocks"].type == "gauge"
+    assert [value("duet_kv_tier_capacity_blocks", tier=t, **w) for t in ("device", "host", "disk")] == [100, 800, 9000]
+    assert [value("duet_kv_tier_used_blocks", tier=t, **w) for t in ("device", "host", "disk")] == [25, 120, 640]
+    d = dict(w, engine="decode-0", worker="decode-0", role="decode")  # reported no lower tier: device only
+    assert value("duet_kv_tier_capacity_blocks", tier="device", **d) == 100
+    assert ("duet_kv_tier_capacity_blocks", tuple(sorted(dict(d, tier="host").items()))) not in values
+    assert families["duet_kv_tier_unreported"].type == "counter"
+    assert value("duet_kv_tier_unreported_total") == 7
+    assert value("duet_kv_index_blocks", worker="prefill-0", tier="host") == 110

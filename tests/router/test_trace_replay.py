@@ -2,7 +2,7 @@
 import pytest
 
 from bench.bench_routing_trace import TRACE, load_trace, oracle_hit_blocks, simulate
-from router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy
+from router.policy import NO_PEER_FETCH, CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy
 
 # The trace ships in shared/ beside the checkout (CI has it): a missing trace is a failure, not a skip.
 assert TRACE.exists(), f"Mooncake trace not found at {TRACE}"
@@ -17,7 +17,7 @@ def reqs():
 
 def test_cache_aware_beats_round_robin_and_pools_stay_exact(reqs):
     results = {}
-    for policy in (CacheAwarePolicy(B), LeastLoadedPolicy(B), RoundRobinPolicy(B)):
+    for policy in (CacheAwarePolicy(B, tier_weights=NO_PEER_FETCH), LeastLoadedPolicy(B), RoundRobinPolicy(B)):
         res = simulate(reqs, policy, num_workers=8, capacity_blocks=1024, block_size=B)
         for pool in res.pools:
             pool.check()

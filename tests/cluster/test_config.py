@@ -1,0 +1,19 @@
+"""cluster/config.py: the router section's KV tier weights (validated when the config is built)."""
+import pytest
+
+from cluster.config import ClusterConfig
+from engine.errors import ConfigError
+from router.policy import TierWeights
+
+
+def test_router_tier_weights_parse_with_defaults_for_missing_keys():
+    config = ClusterConfig.from_dict({"model": "m", "router": {"tier_weights": {"host": 0.9, "peer": 0.1}}})
+    assert config.router.weights == TierWeights(host=0.9, disk=0.25, peer=0.1)
+    assert ClusterConfig.from_dict({"model": "m"}).router.weights == TierWeights()
+
+
+@pytest.mark.parametrize("weights, named", [({"shared_pool": 0.5}, "shared_pool"), ({"host": 2}, "host"),
+                                            ({"host": 0.1, "disk": 0.2}, "disk"), ([0.5], "mapping")])
+def test_router_tier_weights_refuse_unknown_keys_and_bad_values(weights, named):
+    with pytest.raises(ConfigError, match=named):
+        ClusterConfig.from_dict({"model": "m", "router": {"tier_weights": weights}})
