@@ -92,7 +92,8 @@ class Cluster:
             config.model_name, backend.registry, targets=lambda: {r.value: n for r, n in pools.targets.items()},
             bounds=lambda: {r.value: pools.bounds(r) for r in pools.targets},
             feed_counters=lambda: asdict(feed.counters) if feed is not None else {},
-            pool_counters=lambda: pools.counters, index_blocks=backend.index.block_counts))
+            pool_counters=lambda: pools.counters, index_blocks=backend.index.block_counts,
+            peer_fetches=lambda: backend.peer_fetches))
         cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
         pools.feeds.update({c.worker_id: t for c, t in zip(clients, feed_tasks)} if start_feed else {})
         cluster.feed_tasks = [] if start_feed else feed_tasks

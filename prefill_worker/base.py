@@ -210,6 +210,7 @@ class WorkerBase(ABC):
                     "num_held": len(engine.held), "num_preemptions": sched.num_preemptions,
                     "prefix_cache_queried_tokens": sched.num_prefix_queried_tokens,
                     "prefix_cache_hit_tokens": sched.num_prefix_hit_tokens, "queue_time_s": sched.queue_time.snapshot(),
+                    "prefix_hit_tokens_by_source": hit_sources(engine),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
                     "events_full_state_due": self._full_state_due, **tier_stats(engine), **self._role_stats()}
 
@@ -224,6 +225,14 @@ class WorkerBase(ABC):
     def shutdown(self) -> None:
         self.aengine.shutdown()
         self.engine.close()
+
+
+def hit_sources(engine: Engine) -> dict[str, int]:
+    """Prompt tokens not computed, by where their KV came from (duet_prefix_hit_tokens_total{source})."""
+    sched, B = engine.scheduler, engine.config.block_size
+    loaded = engine.tiers.stats.loaded_blocks if engine.tiers is not None else {"host": 0, "disk": 0}
+    return {"device": sched.num_prefix_hit_tokens, "host": loaded["host"] * B, "disk": loaded["disk"] * B,
+            "peer": sched.num_peer_hit_tokens}
 
 
 def tier_stats(engine: Engine) -> dict[str, Any]:

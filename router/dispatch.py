@@ -204,7 +204,8 @@ class ClusterBackend(Backend):
         B = self.hasher.block_size
         decode, prefill = self.decode, self.prefill
         try:
-            d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(decode), hashes, len(ids))
+            d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(decode), hashes, len(ids),
+                      peers=())  # a decode worker's local prefill reads no peer's blocks
         except NoWorkersError:
             self._count_route(Role.DECODE, "no_workers")
             raise
@@ -216,7 +217,7 @@ class ClusterBackend(Backend):
             return self._local(rid, ids, params, decode[d.worker], uncached_on_d, total_blocks, timing)
         self.counters["disaggregated"] += 1
         p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids),
-                  peers=list(prefill))
+                  peers=set(prefill))  # prefill workers lend each other blocks
         self._count_route(Role.PREFILL, "placed_again" if again else "disaggregated")
         borrow = None
         if p.peer is not None and p.peer in prefill:  # the cluster pool: read what the peer holds, not compute it

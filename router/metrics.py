@@ -25,6 +25,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from router.metrics_tiers import tier_families
 from prometheus_client.utils import floatToGoString
 
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
@@ -193,7 +195,8 @@ class ClusterCollector:
                  bounds: Callable[[], Mapping[str, tuple[int, int]]] = dict,
                  feed_counters: Callable[[], Mapping[str, int]] = dict,
                  pool_counters: Callable[[], Mapping[str, int]] = dict,
-                 index_blocks: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
+                 index_blocks: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 peer_fetches: Callable[[], Mapping[str, int]] = dict) -> None:
         self.model_name = model_name
         self.workers = registry
         self.targets = targets
@@ -201,6 +204,7 @@ class ClusterCollector:
         self.feed_counters = feed_counters
         self.pool_counters = pool_counters
         self.index_blocks = index_blocks  # {(worker, tier): blocks}: PrefixIndex.block_counts
+        self.peer_fetches = peer_fetches  # ClusterBackend.peer_fetches
 
     def describe(self) -> list:
         return []  # families vary with the workers; nothing to pre-declare
@@ -221,6 +225,7 @@ class ClusterCollector:
                 if snap:
                     family.add_metric(self._labels(rec), cumulative_buckets(snap), sum_value=snap["sum"])
             yield family
+        yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))
         for (role, state), n in sorted(self.workers.counts().items()):
             pools.add_metric((role.value, state.value), n)

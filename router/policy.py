@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from functools import partial
@@ -177,18 +177,21 @@ class RoutingPolicy(ABC):
         num_prompt_tokens: int,
         matches: Mapping[str, TierMatch],
         loads: Mapping[str, LoadEstimate],
+        peers: Collection[str] | None = None,
     ) -> RoutingDecision:
         """Pick one of ``workers`` (order = the stable tie-break order). ``matches`` is
         ``PrefixIndex.match`` over every worker the index knows, candidates or not (absent worker: holds
-        nothing); ``loads`` the predicted loads (absent worker: idle)."""
+        nothing); ``loads`` the predicted loads (absent worker: idle); ``peers`` the workers a candidate can
+        fetch blocks from (None: any the index knows; empty: none — no peer term)."""
 
     def _terms(self, role: Role, workers: Sequence[str], num_prompt_tokens: int, matches: Mapping[str, TierMatch],
-               loads: Mapping[str, LoadEstimate], alpha: float) -> list[WorkerCost]:
+               loads: Mapping[str, LoadEstimate], alpha: float,
+               peers: Collection[str] | None = None) -> list[WorkerCost]:
         if not workers:
             raise NoWorkersError(f"no {role} worker to route to")
         B, w = self.block_size, self.tier_weights
         w_host, w_disk, w_peer = w.host, w.disk, w.peer
-        first, second = best_two(matches)
+        first, second = best_two(matches if peers is None else {p: m for p, m in matches.items() if p in peers})
         first_name, first_total = (first[0], first[1].total) if first else (None, 0)
         second_name, second_total = (second[0], second[1].total) if second else (None, 0)
         get_match, get_load = matches.get, loads.get
@@ -253,8 +256,8 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError("alpha must be >= 0")
         self.alpha = alpha
 
-    def choose(self, role, workers, num_prompt_tokens, matches, loads) -> RoutingDecision:
-        costs = self._terms(role, workers, num_prompt_tokens, matches, loads, self.alpha)
+    def choose(self, role, workers, num_prompt_tokens, matches, loads, peers=None) -> RoutingDecision:
+        costs = self._terms(role, workers, num_prompt_tokens, matches, loads, self.alpha, peers)
         best = min(costs, key=_COST_THEN_LOAD)  # min keeps the first of equals
         return self._decide(role, costs, best)
 
@@ -264,8 +267,8 @@ class LeastLoadedPolicy(RoutingPolicy):
     is ignored in the choice; tiers, peer and uncached tokens are still reported."""
     name = "least_loaded"
 
-    def choose(self, role, workers, num_prompt_tokens, matches, loads) -> RoutingDecision:
-        costs = self._terms(role, workers, num_prompt_tokens, matches, loads, alpha=0.0)  # cost = load
+    def choose(self, role, workers, num_prompt_tokens, matches, loads, peers=None) -> RoutingDecision:
+        costs = self._terms(role, workers, num_prompt_tokens, matches, loads, 0.0, peers)  # cost = load
         return self._decide(role, costs, min(costs, key=_COST))
 
 
@@ -277,8 +280,8 @@ class RoundRobinPolicy(RoutingPolicy):
         super().__init__(block_size, tier_weights)
         self._counters = {role: itertools.count() for role in Role}
 
-    def choose(self, role, workers, num_prompt_tokens, matches, loads) -> RoutingDecision:
-        terms = self._terms(role, workers, num_prompt_tokens, matches, loads, alpha=0.0)
+    def choose(self, role, workers, num_prompt_tokens, matches, loads, peers=None) -> RoutingDecision:
+        terms = self._terms(role, workers, num_prompt_tokens, matches, loads, 0.0, peers)
         costs = [c._replace(cost=0.0) for c in terms]
         return self._decide(role, costs, costs[next(self._counters[role]) % len(costs)])
 
@@ -306,6 +309,9 @@ def route(
     workers: Sequence[str],
     block_hashes: Sequence[int],
     num_prompt_tokens: int,
+    peers: Collection[str] | None = None,
 ) -> RoutingDecision:
-    """Ask the index and the load tracker, then the policy (the one place that glues the three)."""
-    return policy.choose(role, workers, num_prompt_tokens, index.match(block_hashes), loads.estimates(workers))
+    """Ask the index and the load tracker, then the policy (the one place that glues the three). ``peers``: the
+    workers the chosen one may fetch blocks from (None: any; ``()``: none)."""
+    return policy.choose(role, workers, num_prompt_tokens, index.match(block_hashes), loads.estimates(workers),
+                         peers)

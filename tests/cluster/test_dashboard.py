@@ -29,8 +29,15 @@ def serve_app(loop_thread, app):
 
 
 @pytest.fixture(scope="module")
-def cluster(cluster_factory):
-    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "autoscaler.max_decode": 2})
+def cluster(cluster_factory, tiny_model):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    probe = Engine(EngineConfig(model=str(tiny_model()), num_blocks=2))
+    host_bytes = 512 * probe.runner.bytes_per_block  # a host KV tier twice the device tier (256 blocks)
+    probe.close()
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "autoscaler.max_decode": 2,
+                              "engine.kv_host_bytes": host_bytes})
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +105,11 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
         assert wait_for(lambda: all(points(browser, c) >= 5 for c in charts), timeout_s=40, interval_s=0.5), \
             {c: points(browser, c) for c in charts}
         assert browser.find_element("id", "kpi-tok").text not in ("–", "0")
+        # each worker's host KV tier: a bar and "used / total" blocks, the total what the worker reported
+        tier_text = lambda: [e.text for e in dom(browser, '[data-worker="prefill-0"] .tier[data-tier="host"]')]  # noqa: E731
+        assert wait_for(lambda: tier_text() and tier_text()[0].endswith("/ 512"), timeout_s=10), tier_text()
+        assert dom(browser, '[data-worker="decode-0"] .tier[data-tier="host"]')
+        assert not dom(browser, '[data-worker="prefill-0"] .tier[data-tier="disk"]')  # it has no disk tier
         browser.save_screenshot(str(SHOTS / "dashboard-live.png"))
 
         assert enabled(browser, '#pool-decode button[data-action="plus"]')

@@ -65,8 +65,8 @@ def test_outputs_equal_across_tiers_and_peers(loop_thread, pool_cluster, referen
     # many families through a 24-block device tier: later rounds find their prefixes on host or disk, or on the
     # other prefill worker (round robin alternates them, so the peer path is taken about half the time)
     families = [family(s, 4, 2) for s in range(10)]
-    for rnd in range(2):
-        for f, fam in enumerate(families):
+    for rnd in range(2):  # the second round newest first: recent prefixes are on the host tier, old ones on disk
+        for f, fam in (enumerate(families) if rnd == 0 else reversed(list(enumerate(families)))):
             for i, ids in enumerate(fam):
                 params = SEEDED if (f + i) % 3 == 0 else GREEDY
                 got = run_one(loop_thread, cluster, f"pool-{rnd}-{f}-{i}", ids, params)
@@ -75,13 +75,32 @@ def test_outputs_equal_across_tiers_and_peers(loop_thread, pool_cluster, referen
     prefill = [w for w in after if w.startswith("prefill")]
     loaded = {src: sum(after[w]["kv_tiers"]["loaded_blocks"][src] - before[w]["kv_tiers"]["loaded_blocks"][src]
                        for w in prefill) for src in ("host", "disk")}
-    assert loaded["host"] > 0, "no block came back from a host tier"
+    assert loaded["host"] > 0, ("no block came back from a host tier", {w: after[w].get("kv_tiers") for w in after},
+                                {w: after[w].get("prefix_hit_tokens_by_source") for w in after})
     assert loaded["disk"] > 0, "no block came back from a disk tier"
     assert sum(after[w]["exported_blocks"] for w in prefill) > 0, "no prefill worker lent blocks"
     assert sum(after[w]["import_transfers_ok"] for w in prefill) > 0, "no peer read happened"
     assert cluster.backend.peer_fetches["lent"] > 0
     assert all(after[w]["num_peer_import_failures"] == 0 for w in prefill)
     assert any(disk.rglob("*.kvb"))
+    # what an operator sees: /metrics carries the tiers' traffic and where prompt KV came from
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 5  # stats are polled every second
+    while time.monotonic() < deadline:
+        samples = [s for f in text_string_to_metric_families(cluster.metrics.render().decode()) for s in f.samples]
+
+        def total(name, **labels):
+            return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+        if total("duet_prefix_hit_tokens_total", source="peer") > 0:
+            break
+        time.sleep(0.2)
+    assert total("vllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU") > 0
+    assert total("vllm:kv_offload_total_bytes_total", transfer_type="CPU_to_DISK") > 0
+    for source in ("device", "host", "disk", "peer"):
+        assert total("duet_prefix_hit_tokens_total", source=source) > 0, source
+    assert total("duet_peer_fetches_total", outcome="lent") > 0
+    assert total("duet_kv_tier_capacity_blocks", tier="host") > 0
 
 
 def test_peer_killed_mid_fetch_is_recomputed(loop_thread, pool_cluster, reference, cluster_factory, tiny_model):
@@ -109,15 +128,16 @@ def test_peer_killed_mid_fetch_is_recomputed(loop_thread, pool_cluster, referenc
         ray.kill(handles[owner])
         return await task
 
+    reader = next(w for w in cluster.backend.prefill if w != owner)
+    reader_stats = cluster.backend.registry.get(reader).client.stats
     got = loop_thread.run(second())["token_ids"]
     assert got == reference(fam[1], GREEDY)
-    reader = next(w for w in stats(loop_thread, cluster) if w.startswith("prefill") and w != owner)
-    s = stats(loop_thread, cluster)[reader]
+    s = loop_thread.run(reader_stats())
     assert s["num_peer_import_failures"] == 1
     assert s["import_transfers_failed"] == 1
     assert cluster.backend.peer_fetches["lent"] >= 1
     # nothing leaked on the reader: every block free or only cached
     deadline = time.monotonic() + 10
-    while stats(loop_thread, cluster)[reader]["kv_blocks_used"] and time.monotonic() < deadline:
+    while loop_thread.run(reader_stats())["kv_blocks_used"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert stats(loop_thread, cluster)[reader]["kv_blocks_used"] == 0
+    assert loop_thread.run(reader_stats())["kv_blocks_used"] == 0

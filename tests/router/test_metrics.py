@@ -154,3 +154,36 @@ def test_kv_tier_capacity_usage_index_blocks_and_unreported_tiers():
     assert families["duet_kv_tier_unreported"].type == "counter"
     assert value("duet_kv_tier_unreported_total") == 7
     assert value("duet_kv_index_blocks", worker="prefill-0", tier="host") == 110
+
+
+def test_kv_offload_and_hit_source_series_from_worker_stats():
+    reg = registry_with_workers()
+    tiers = {"bytes": {"device_to_host": 7e6, "host_to_device": 3e6, "host_to_disk": 1e6, "disk_to_host": 5e5},
+             "seconds": {"device_to_host": 0.5, "host_to_device": 0.25, "host_to_disk": 0.125, "disk_to_host": 0.0625},
+             "stores_skipped": 3, "store_failures": {"host": 0, "disk": 4}, "load_failures": 2}
+    reg.update_stats("prefill-0", {**reg.get("prefill-0").stats, "kv_tiers": tiers, "num_peer_import_failures": 1,
+                                   "prefix_hit_tokens_by_source": {"device": 128, "host": 64, "disk": 32,
+                                                                   "peer": 16}}, 2.0)
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector("m", reg, peer_fetches=lambda: {"lent": 5, "gone": 1, "failed": 2}))
+    families = scrape(metrics)
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    w = dict(model_name="m", engine="prefill-0", worker="prefill-0", role="prefill")
+
+    def value(name, **labels):
+        return values[(name, tuple(sorted(labels.items())))]
+
+    assert families["vllm:kv_offload_total_bytes"].type == "counter"
+    assert value("vllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU", **w) == 7e6
+    assert value("vllm:kv_offload_total_bytes_total", transfer_type="DISK_to_CPU", **w) == 5e5
+    assert value("vllm:kv_offload_total_time_total", transfer_type="CPU_to_GPU", **w) == 0.25
+    assert value("vllm:kv_offload_stores_skipped_total", **w) == 3
+    assert value("duet_kv_tier_store_failures_total", tier="disk", **w) == 4
+    assert value("duet_kv_tier_load_failures_total", **w) == 2
+    assert [value("duet_prefix_hit_tokens_total", source=s, **w) for s in ("device", "host", "disk", "peer")] == [
+        128, 64, 32, 16]
+    assert value("duet_peer_import_failures_total", **w) == 1
+    assert [value("duet_peer_fetches_total", outcome=o) for o in ("lent", "gone", "failed")] == [5, 1, 2]
+    d = dict(w, engine="decode-0", worker="decode-0", role="decode")  # a worker without tiers has none of these
+    assert ("vllm:kv_offload_total_bytes_total", tuple(sorted(dict(d, transfer_type="GPU_to_CPU").items()))) \
+        not in values

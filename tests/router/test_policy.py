@@ -198,6 +198,16 @@ def test_peer_blocks_beyond_the_own_prefix_are_credited_and_named():
     assert CacheAwarePolicy(B, alpha=1, tier_weights=NO_PEER).choose(P, ["c0", "c1"], 32, matches, {}).worker == "c0"
 
 
+def test_peers_restrict_where_blocks_may_come_from():
+    """Only workers that lend blocks (prefill workers) are peers; with peers=() there is no peer term at all."""
+    matches = {"c0": TierMatch(host=2), "p9": TierMatch(device=1, disk=5), "c1": TierMatch(device=3)}
+    d = CacheAwarePolicy(B, alpha=1).choose(P, ["c0", "c1"], 32, matches, {}, peers={"c0", "c1"})
+    assert [(c.worker, c.peer, c.peer_blocks) for c in d.costs] == [("c0", "c1", 1), ("c1", None, 0)]
+    none = CacheAwarePolicy(B, alpha=1).choose(P, ["c0", "c1"], 32, matches, {}, peers=())
+    assert [(c.peer, c.peer_blocks) for c in none.costs] == [(None, 0), (None, 0)]
+    assert none.costs[0].effective_uncached_tokens == 32 - 4 * 0.75 * 2
+
+
 def test_the_peer_is_the_best_other_worker_with_stable_ties():
     matches = {"b": TierMatch(host=5), "a": TierMatch(disk=5), "c": TierMatch(device=2, disk=3), "d": TierMatch(1)}
     d = CacheAwarePolicy(B).choose(P, ["a", "b", "c", "d", "e"], 40, matches, {})

@@ -4,7 +4,7 @@
 const POLL_MS = 1500;
 const WINDOW_S = 300;          // the charts show the last five minutes (or since the first point, at least 60 s)
 const COLORS = { prefill: "#f2a33a", decode: "#36b9d6", p50: "#3ccf8e", p90: "#f2c94c", p99: "#f0605d",
-                 accent: "#8b8cf8", muted: "#8593a6", bad: "#f0605d" };
+                 accent: "#8b8cf8", muted: "#8593a6", bad: "#f0605d", tier: "#8b8cf8" };
 const SVG = "http://www.w3.org/2000/svg";
 
 const state = { key: sessionStorage.getItem("duet-key") || "", points: [], lastT: 0, access: null,
@@ -301,8 +301,31 @@ function workerCard(w, role) {
     bar,
     el("div", { class: "row" }, [el("span", { text: "KV " + (total ? used + " / " + total + " blocks" : "–") }),
                                  el("span", { text: w.pid ? "pid " + w.pid : "" })]),
+    ...lowerTiers(w),
     el("div", { class: "row" }, [el("span", { text: w.state === "dead" || w.state === "draining" ? (w.reason || "") : health })]),
   ]);
+}
+
+// the host and disk KV tiers a worker reported (kv_tiers: {tier: {blocks_total, blocks_used}}), and where its
+// prompts' KV came from (stats.prefix_hit_tokens_by_source)
+function lowerTiers(w) {
+  const rows = [];
+  for (const tier of ["host", "disk"]) {
+    const t = (w.kv_tiers || {})[tier];
+    if (!t || !t.blocks_total) continue;
+    const frac = t.blocks_used / t.blocks_total;
+    rows.push(el("div", { class: "tier", "data-tier": tier }, [
+      el("span", { class: "tier-name", text: tier }),
+      el("div", { class: "bar thin" }, [el("span", { style: "width:" + (frac * 100).toFixed(1) + "%;background:" + COLORS.tier })]),
+      el("span", { text: fmtNumber(t.blocks_used, 0) + " / " + fmtNumber(t.blocks_total, 0) }),
+    ]));
+  }
+  const hits = (w.stats || {}).prefix_hit_tokens_by_source;
+  if (hits && (hits.host || hits.disk || hits.peer)) {
+    rows.push(el("div", { class: "row hits" }, [el("span", { text: "hit tokens: device " + fmtNumber(hits.device, 0) +
+      " · host " + fmtNumber(hits.host, 0) + " · disk " + fmtNumber(hits.disk, 0) + " · peer " + fmtNumber(hits.peer, 0) })]));
+  }
+  return rows;
 }
 const fmtUptime = (s) => (s < 90 ? s.toFixed(0) + " s" : s < 5400 ? (s / 60).toFixed(0) + " min" : (s / 3600).toFixed(1) + " h");
 
