@@ -1,4 +1,4 @@
-"""e. KV tiers and peers on the GPU scenario: what a host tier, peer fetches and a disk tier buy.
+"""d. KV tiers and peers on the GPU scenario: what a host tier, peer fetches and a disk tier buy.
 
     python -m bench.simulate tiers [--configs colocated-4,colocated-8] [--arms abcd] [--limit N]
     python -m bench.simulate tier-weights [--config colocated-4] [--rate R]
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import Scenario, trace
@@ -67,7 +68,7 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
     for name in configs:
         dep = parse_config(name, sc.local_prefill_max_tokens)
         n = num_workers(dep)
-        rates = tuple(r * n / 4 for r in (*sc.rates, sc.rates[-1] + 1))  # one rate past the GPU sweep
+        rates = tuple(r * n / 4 for r in sc.rates)
         for arm in arms:
             spec = arm_spec(arm, host_blocks, disk_blocks)
             lower = (spec.host_blocks + spec.disk_blocks) if spec else 0
@@ -76,6 +77,9 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
             for rate in rates:
                 doc = run_at(with_tiers(sc, spec), dep, rate)
                 runs.append(doc)
+                print(f"  {name} ({arm}) {rate:g} req/s: goodput {doc['summary']['goodput']:.3f}, hit "
+                      f"{doc['sim']['prefix_hit_rate']:.1%} (LRU {lru:.1%}), {doc['sim']['wall_s']:.0f} s",
+                      file=sys.stderr, flush=True)
                 src = doc["sim"]["hit_sources"]
                 rows.append(row(doc, sc, arm=arm, arm_name=ARM_NAMES[arm], workers=n, lru=lru, lru_lower=lru_lower,
                                 hit_lru=doc["sim"]["prefix_hit_rate"] / lru, hit_device=src["device"],
@@ -86,7 +90,7 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
         r["vs_a"] = r["goodput"] / base["goodput"] if base and base["goodput"] else None
     text = tables(rows)
     summary = headline(rows, sc.rates[-1])
-    print(f"\n## e. KV tiers and peers ({sc.name}; host {host_blocks} blocks = {host_bytes / GIB:g} GiB, disk "
+    print(f"\n## d. KV tiers and peers ({sc.name}; host {host_blocks} blocks = {host_bytes / GIB:g} GiB, disk "
           f"{disk_blocks} blocks = {disk_bytes / GIB:g} GiB per worker; device {dev} blocks)\n{text}\n\n{summary}")
     path = save(f"{sc.name}-tiers", {"study": "tiers", "scenario": sc.describe(), "host_blocks": host_blocks,
                                      "disk_blocks": disk_blocks, "rows": rows, "table": text, "headline": summary,
@@ -166,14 +170,16 @@ def plot_tiers(rows: list[dict], path, sc: Scenario) -> None:
             vals = [100 * mean[a][key] for a in arms]
             ax.bar(x, vals, bottom=bottom, color=color, label=label, width=0.6)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.plot(x, [100 * mean[a]["lru"] for a in arms], "k_", markersize=40, mew=2,
-                label="global LRU, same total capacity")
+        for i, a in enumerate(arms):
+            ax.hlines(100 * mean[a]["lru"], i - 0.36, i + 0.36, colors="k", lw=2,
+                      label="global LRU of the same total capacity" if i == 0 else None)
+        ax.set_ylim(0, 1.45 * max(bottom + [100 * mean[a]["lru"] for a in arms]))  # room for the legend
         ax.set_xticks(list(x), [f"({a}) {ARM_NAMES[a]}" for a in arms], fontsize=8)
         ax.set_ylabel("prompt tokens from cache, % (mean over rates)")
         ax.set_title(f"{name}: prefix hit rate by source")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"duet simulated: KV tiers and peer fetches, {sc.hardware.name}, Mooncake trace "
-                 f"({sc.workload['limit']} requests)")
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"duet, simulated: KV tiers and peer fetches\n{sc.hardware.name}, Mooncake trace, "
+                 f"first {sc.workload['limit']} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -212,7 +218,7 @@ def sweep_tier_weights(sc: Scenario, out_dir, config: str = "colocated-4", rate:
     text = table(rows, cols)
     note = ("" if takes_weights else "\nTODO: the tier weights (host, disk, peer) are not swept: this router's "
             "policy has no TierWeights (tiers-router has not landed); alpha only.")
-    print(f"\n## e2. routing weights, {config} at {rate:g} req/s, arm (d) ({sc.name})\n{text}{note}")
+    print(f"\n## d2. routing weights, {config} at {rate:g} req/s, arm (d) ({sc.name})\n{text}{note}")
     save(f"{sc.name}-tier-weights", {"study": "tier-weights", "config": config, "rate": rate, "rows": rows,
                                      "table": text + note}, out_dir)
     return {"rows": rows, "table": text + note}

@@ -6,8 +6,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
     python -m bench.simulate autoscale [--hardware cpu|gpu]      # b. autoscaler vs every fixed P:D split
     python -m bench.simulate routing   [--hardware cpu|gpu]      # c. cache_aware vs least_loaded vs round_robin
     python -m bench.simulate tiers --hardware gpu [--configs colocated-4,colocated-8] [--arms abcd]
-                                                                 # e. KV tiers and peers (bench/sim_tiers_study.py)
-    python -m bench.simulate tier-weights --hardware gpu         # e2. the routing weights on tiers
+                                                                 # d. KV tiers and peers (bench/sim_tiers_study.py)
+    python -m bench.simulate tier-weights --hardware gpu         # d2. the routing weights on tiers
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
 
