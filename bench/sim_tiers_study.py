@@ -170,9 +170,13 @@ def plot_tiers(rows: list[dict], path, sc: Scenario) -> None:
             vals = [100 * mean[a][key] for a in arms]
             ax.bar(x, vals, bottom=bottom, color=color, label=label, width=0.6)
             bottom = [b + v for b, v in zip(bottom, vals)]
+        lower = {a: next(r["lru_lower"] for r in rs if r["arm"] == a) for a in arms}
         for i, a in enumerate(arms):
             ax.hlines(100 * mean[a]["lru"], i - 0.36, i + 0.36, colors="k", lw=2,
                       label="global LRU of the same total capacity" if i == 0 else None)
+            if lower[a] < mean[a]["lru"] - 1e-9:
+                ax.hlines(100 * lower[a], i - 0.36, i + 0.36, colors="k", lw=1.5, linestyles="--",
+                          label="global LRU of the lower tiers' capacity" if a == "b" else None)
         ax.set_ylim(0, 1.45 * max(bottom + [100 * mean[a]["lru"] for a in arms]))  # room for the legend
         ax.set_xticks(list(x), [f"({a}) {ARM_NAMES[a]}" for a in arms], fontsize=8)
         ax.set_ylabel("prompt tokens from cache, % (mean over rates)")
