@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
     ap.add_argument("--configs", default="colocated-4,colocated-8", help="tiers: the worker configurations")
     ap.add_argument("--arms", default="abcd", help="tiers: (a) device, (b) +host, (c) +host+peers, (d) +disk")
+    ap.add_argument("--host-gib", type=float, default=128.0, help="tiers: host tier per worker, GiB")
+    ap.add_argument("--disk-gib", type=float, default=1024.0, help="tiers: disk tier per worker, GiB")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
     ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
     ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.study in ("all", "routing"):
             study_routing(sc, args.out_dir)
         if args.study == "tiers":
-            study_tiers(sc, args.out_dir, tuple(args.configs.split(",")), args.arms)
+            study_tiers(sc, args.out_dir, tuple(args.configs.split(",")), args.arms, args.host_gib * 2**30,
+                        args.disk_gib * 2**30)
         if args.study == "tier-weights":
             sweep_tier_weights(sc, args.out_dir, args.config if args.config != "2P+2D" else "colocated-4", args.rate)
         print(f"({sc.name}: {time.perf_counter() - t1:.0f} s)")
