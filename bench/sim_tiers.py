@@ -199,27 +199,24 @@ class TierFeed:
                 if new:
                     out.append(BlockStored(e.worker, tuple(new), None))
             elif isinstance(e, BlockRemoved):
-                gone = []
-                for h in e.block_hashes:
-                    tiers = held.get(h)
-                    if tiers is None:
-                        continue
-                    tiers.discard(e.tier)
-                    if not tiers:
-                        del held[h]
-                        gone.append(h)
-                if gone:
-                    out.append(BlockRemoved(e.worker, tuple(gone)))
+                out += self._drop(held, e.worker, e.block_hashes, e.tier)
             elif isinstance(e, AllCleared):  # the device tier was reset: the lower tiers keep theirs
-                gone = []
-                for h, tiers in list(held.items()):
-                    tiers.discard(Tier.DEVICE)
-                    if not tiers:
-                        del held[h]
-                        gone.append(h)
-                if gone:
-                    out.append(BlockRemoved(e.worker, tuple(gone)))
+                out += self._drop(held, e.worker, list(held), Tier.DEVICE)
         return out
+
+    @staticmethod
+    def _drop(held: dict[int, set], worker: str, hashes: Iterable[int], tier: Tier) -> list[KVEvent]:
+        """``tier`` no longer holds ``hashes``: a removal for those no tier holds any more."""
+        gone = []
+        for h in hashes:
+            tiers = held.get(h)
+            if tiers is None:
+                continue
+            tiers.discard(tier)
+            if not tiers:
+                del held[h]
+                gone.append(h)
+        return [BlockRemoved(worker, tuple(gone))] if gone else []
 
 
 def match_total(m) -> int:

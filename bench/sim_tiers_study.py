@@ -85,9 +85,10 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
                                 hit_lru=doc["sim"]["prefix_hit_rate"] / lru, hit_device=src["device"],
                                 hit_tiers=src["tiers"], hit_peer=src["peer"],
                                 peer_fetches=doc["sim"]["counters"].get("peer_fetches", 0)))
+    device_only = {(r["config"], r["rate"]): r["goodput"] for r in rows if r["arm"] == "a"}
     for r in rows:  # goodput against arm (a) at the same rate
-        base = next((b for b in rows if b["config"] == r["config"] and b["arm"] == "a" and b["rate"] == r["rate"]), None)
-        r["vs_a"] = r["goodput"] / base["goodput"] if base and base["goodput"] else None
+        base = device_only.get((r["config"], r["rate"]))
+        r["vs_a"] = r["goodput"] / base if base else None
     text = tables(rows)
     summary = headline(rows, sc.rates[-1])
     print(f"\n## d. KV tiers and peers ({sc.name}; host {host_blocks} blocks = {host_bytes / GIB:g} GiB, disk "
