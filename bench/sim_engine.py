@@ -130,7 +130,7 @@ class SimEngine:
         return request
 
     def start_after_peer_fetch(self, request_id: str, prompt: tuple[int, ...], max_tokens: int, now_s: float,
-                               remote_decode: bool, hashes: list[int], peer: "SimEngine") -> int:
+                               remote_decode: bool, hashes: list[int], peer: SimEngine) -> int:
         """The modelled peer import: the prompt's blocks this engine lacks on every tier and ``peer`` holds on
         its device or host tier are fetched into our host tier, then the request is added (and loads them
         like any host hit). Returns the blocks fetched (0: added at once)."""
