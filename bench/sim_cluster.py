@@ -11,6 +11,9 @@ preemption); ``cluster.autoscaler.decide`` on observations built as cluster/pool
 What is modelled: the forward pass (``Hardware.step_model``), the KV handoff (``Hardware.transfer``: one
 transfer thread per decode worker, pulls run one after another), a one-way router↔worker message delay
 (``net_s``), a new worker's start-up (``startup_s``). Events and load reports reach the router at once.
+With ``Hardware.tiers`` every worker also has lower KV tiers (the real ``TierManager``, copies timed by
+bench/sim_tiers.py's ``SimMover``; an idle engine is woken when a copy lands) and, with ``tiers.peers``,
+fetches the longer prefix a peer holds before computing a prompt.
 
 The request path is router/dispatch.py's: route D; if D would compute at most ``local_prefill_max_tokens``
 of the prompt (or there is no prefill worker: colocated), D runs it all; else route P, P prefills and
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from cluster.autoscaler import AutoscalerConfig
 from engine.hashing import BlockHasher
@@ -33,7 +36,11 @@ from router.policy import DEFAULT_ALPHA, NO_PEER_FETCH, Role, TierWeights, make_
 
 from bench.sim_autoscale import Autoscaling
 from bench.sim_engine import Sampled, SimEngine
+from bench.sim_records import Flight, SimResult, SimWorker
+from bench.sim_tiers import TierFeed, TierSpec, best_peer, tier_counters
 from bench.stepmodel import StepModel, TransferModel
+
+__all__ = ["ClusterSim", "Deployment", "Flight", "Hardware", "SimResult", "SimWorker"]
 
 HORIZON_S = 1e5  # a run that has not finished this long after its last arrival has stalled: stop it
 
@@ -76,72 +83,21 @@ class Hardware:
     net_s: float = 0.0005  # one-way router <-> worker message
     startup_s: float = 20.0  # a worker the autoscaler adds is ready this long after it was asked for
     lease_timeout_s: float = 60.0
+    tiers: TierSpec | None = None  # lower KV tiers per worker (block bytes: ``transfer.bytes_per_block``)
 
     def describe(self) -> dict:
         return {"name": self.name, "step_model": self.step_model.describe(), "transfer": self.transfer.describe(),
                 "block_size": self.block_size, "num_blocks": self.num_blocks, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "net_s": self.net_s,
-                "startup_s": self.startup_s, "lease_timeout_s": self.lease_timeout_s}
-
-
-@dataclass
-class Flight:
-    """One request's way through the simulated cluster."""
-
-    index: int
-    arrival_s: float
-    prompt: tuple[int, ...]
-    output_len: int
-    hashes: list[int]
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    first_s: float | None = None
-    last_s: float | None = None
-    done_s: float | None = None
-    lease_expired: bool = False
-    recomputed: bool = False
-    error: str | None = None
-
-    @property
-    def rid(self) -> str:
-        return f"r{self.index}"
-
-
-@dataclass
-class SimWorker:
-    name: str
-    role: Role
-    engine: SimEngine
-    state: str = "ready"  # starting | ready | draining | dead
-    ready_s: float = float("-inf")
-    busy: bool = False
-    inbox: list = field(default_factory=list)
-    waiting_handoffs: list = field(default_factory=list)  # decode: flights waiting for blocks
-    handoff_retry_sig: tuple | None = None  # decode: the pool when they last failed
-    xfer_free_s: float = 0.0  # decode: when its transfer thread is free
-
-
-@dataclass
-class SimResult:
-    flights: list[Flight]
-    itl_s: list[float]
-    engines: list[SimEngine]
-    counters: dict[str, int]
-    autoscaling: Autoscaling | None
-
-    def prefix_hit_rate(self) -> float:
-        """Prompt tokens found in the prefix cache of the worker that computes the prompt / prompt tokens,
-        at each request's first admission there (a preempted request finding its own blocks again is not
-        a hit; the engine's own counters include those)."""
-        hit = sum(e.prompt_tokens_hit for e in self.engines)
-        total = sum(e.prompt_tokens_computed for e in self.engines)
-        return hit / total if total else 0.0
+                "startup_s": self.startup_s, "lease_timeout_s": self.lease_timeout_s,
+                "tiers": self.tiers.describe() if self.tiers is not None else None}
 
 
 class ClusterSim:
     def __init__(self, deployment: Deployment, hardware: Hardware, workload, autoscaler: AutoscalerConfig | None = None):
         self.dep, self.hw = deployment, hardware
         self.index, self.tracker = PrefixIndex(), LoadTracker()
+        self.feed = TierFeed()  # per-tier events -> the index (bench/sim_tiers.py)
         self.policies = {role: make_policy(name, hardware.block_size, alpha=deployment.alpha,
                                            tier_weights=deployment.tier_weights)
                          for role, name in ((Role.PREFILL, deployment.prefill_policy),
@@ -184,6 +140,10 @@ class ClusterSim:
             if f.done_s is None and f.error is None:
                 f.error = "not finished (the simulated cluster stalled)"
         self.counters["preemptions"] = sum(e.scheduler.num_preemptions for e in self.engines)
+        for e in self.engines:
+            e.drain_tiers()
+        if self.hw.tiers is not None:
+            self.counters.update(tier_counters([e.tiers for e in self.engines]))
         return SimResult(self.flights, self.itl_s, self.engines, self.counters, self.autoscaling)
 
     # ---- workers -------------------------------------------------------------------------------------
@@ -192,7 +152,8 @@ class ClusterSim:
         self.next_index[role] += 1
         hw = self.hw
         engine = SimEngine(name, block_size=hw.block_size, num_blocks=hw.num_blocks, max_num_seqs=hw.max_num_seqs,
-                           max_num_batched_tokens=hw.max_num_batched_tokens)
+                           max_num_batched_tokens=hw.max_num_batched_tokens, tiers=hw.tiers,
+                           bytes_per_block=hw.transfer.bytes_per_block)
         w = self.workers[name] = SimWorker(name, role, engine, state, ready_s)
         self.engines.append(engine)
         self.inflight[name] = 0
@@ -233,6 +194,7 @@ class ClusterSim:
                 self._admit(now, w, f)
             w.handoff_retry_sig = self._pool_sig(w) if w.waiting_handoffs else None
         engine = w.engine
+        engine.sync_tiers(now)
         sched = None
         if engine.has_work():
             sched, shape = engine.begin_step(now)
@@ -241,6 +203,7 @@ class ClusterSim:
         self._publish(w)
         if sched is None:
             w.busy = False
+            self._wake_for_copies(w)
             self._check_drained(now, w)
             return
         w.busy = True
@@ -253,8 +216,22 @@ class ClusterSim:
         only a simultaneous evict-and-store of equal size)."""
         return w.engine.pool.num_free_blocks, w.engine.pool.num_cached_blocks
 
+    def _wake_for_copies(self, w: SimWorker) -> None:
+        """An idle engine with copies in flight looks at them when the next one lands (the real loop waits
+        on the mover: ``Engine.step``'s ``sync_tiers(wait_s)``, the publisher's ``take_events``)."""
+        t = w.engine.next_wake_s()
+        if t is not None and t != w.wake_s:
+            w.wake_s = t
+            self.at(t, self._wake, w)
+
+    def _wake(self, now: float, w: SimWorker) -> None:
+        if w.wake_s == now:
+            w.wake_s = float("inf")
+        if not w.busy and w.state != "dead":
+            self._iterate(now, w)
+
     def _step_done(self, now: float, w: SimWorker, sched) -> None:
-        outputs = w.engine.end_step(sched)
+        outputs = w.engine.end_step(sched, now)
         for out in outputs:
             self._on_output(now, w, out)
         self._iterate(now, w)
@@ -262,7 +239,7 @@ class ClusterSim:
     def _publish(self, w: SimWorker) -> None:
         events = w.engine.take_events()
         if w.state in ("ready", "draining"):
-            self.index.apply_all(events)
+            self.index.apply_all(self.feed.forward(events))
             self.tracker.report(w.engine.load(w.role.value))
 
     def _check_drained(self, now: float, w: SimWorker) -> None:
@@ -289,7 +266,8 @@ class ClusterSim:
         if not prefill or uncached_d <= self.dep.local_prefill_max_tokens:
             self.counters["local_prefill"] += 1
             self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=uncached_d, num_kv_blocks=total_blocks)
-            self.send(now, wd, lambda t: self._start(t, wd, f, remote_decode=False))
+            peer = self._peer(d, f)
+            self.send(now, wd, lambda t: self._start(t, wd, f, remote_decode=False, peer=peer))
             return
         self.counters["disaggregated"] += 1
         p = route(self.policies[Role.PREFILL], self.index, self.tracker, Role.PREFILL, prefill, f.hashes, n)
@@ -298,12 +276,25 @@ class ClusterSim:
         self.tracker.dispatch(f.rid, p.worker, num_prefill_tokens=n - p.overlap_blocks * B, num_kv_blocks=-(-n // B))
         self.inflight[p.worker] += 1
         wp = self.workers[p.worker]
-        self.send(now, wp, lambda t: self._start(t, wp, f, remote_decode=True))
+        peer = self._peer(p, f)
+        self.send(now, wp, lambda t: self._start(t, wp, f, remote_decode=True, peer=peer))
 
-    def _start(self, now: float, w: SimWorker, f: Flight, remote_decode: bool) -> None:
-        """Engine thread: the request enters the engine, or is refused (it could never fit the KV cache)."""
+    def _peer(self, decision, f: Flight) -> SimWorker | None:
+        """The peer to fetch the longer prefix from (bench/sim_tiers.py), when the workers fetch from peers."""
+        if self.hw.tiers is None or not self.hw.tiers.peers:
+            return None
+        name, num_blocks = best_peer(decision, self.index, f.hashes, decision.worker)
+        return self.workers[name] if name is not None and num_blocks > 0 else None
+
+    def _start(self, now: float, w: SimWorker, f: Flight, remote_decode: bool, peer: SimWorker | None = None) -> None:
+        """Engine thread: the request enters the engine (after a peer fetch, if the router named a peer), or
+        is refused (it could never fit the KV cache)."""
         try:
-            w.engine.add(f.rid, f.prompt, f.output_len, now, remote_decode=remote_decode)
+            if peer is not None and peer.state != "dead":
+                w.engine.start_after_peer_fetch(f.rid, f.prompt, f.output_len, now, remote_decode, f.hashes,
+                                                peer.engine)
+            else:
+                w.engine.add(f.rid, f.prompt, f.output_len, now, remote_decode=remote_decode)
         except ValueError as e:
             self._fail(now, f, str(e))
 

@@ -9,8 +9,15 @@ leaves out what does not (sampling, detokenizing, logprobs, stop strings). Sampl
 ``SAMPLED_TOKEN``; outputs never become anyone's prefix in the trace, so their value does not matter.
 
 A step is split in two as time passes in the simulator: ``begin_step(now_s)`` schedules it (blocks are
-allocated, preemptions happen) and returns its shape; ``end_step(sched)`` is the state after the forward
-pass, when the step's tokens exist.
+allocated, preemptions happen) and returns its shape; ``end_step(sched, now_s)`` is the state after the
+forward pass, when the step's tokens exist.
+
+With lower KV tiers (``tiers``: a ``bench.sim_tiers.TierSpec``) the engine runs the real ``TierManager`` on a
+``SimMover`` and ``sync_tiers`` mirrors ``Engine.sync_tiers``: finished loads go back to the scheduler
+(``finish_load``), newly cached blocks are written through to the host tier, pinned until the store lands.
+The cluster calls ``sync_tiers`` at every pass of the engine loop and wakes an idle engine when its mover's
+next job finishes (``next_wake_s``). ``start_after_peer_fetch`` is the modelled peer import
+(bench/sim_tiers.py): the request enters the scheduler when the peer's blocks have landed on the host tier.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from engine.kv_events import KVEvent, WorkerLoad
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
+from bench.sim_tiers import SimMover, SimTierManager, TierSpec
 from bench.stepmodel import StepShape, step_shape
 
 SAMPLED_TOKEN = 1
@@ -45,12 +53,19 @@ class RemotePlan:
 
 class SimEngine:
     def __init__(self, worker_id: str, *, block_size: int, num_blocks: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True, tiers: TierSpec | None = None,
+                 bytes_per_block: float = 0.0) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, worker_id)
         self.hasher = BlockHasher(block_size)
-        self.scheduler = Scheduler(self.pool, self.hasher, max_num_seqs, max_num_batched_tokens, True)
+        self.mover = SimMover(tiers, bytes_per_block) if tiers is not None else None
+        self.tiers = SimTierManager(tiers, self.mover, self.pool.record, worker_id) if tiers is not None else None
+        self.pool.track_new_cached = tiers is not None  # as engine.kv_mover.build_tiers sets it
+        self.scheduler = Scheduler(self.pool, self.hasher, max_num_seqs, max_num_batched_tokens, True, self.tiers)
+        self.importing: dict[int, tuple] = {}  # peer-import job id -> the request's add() arguments
+        self._loaded_tokens: dict[str, int] = {}  # request -> prompt tokens loaded from a lower tier ...
+        self._peer_tokens: dict[str, int] = {}  # ... of which fetched from a peer first
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill role: handed off, blocks pinned until released
         self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
@@ -58,7 +73,9 @@ class SimEngine:
         self.queue_times: list[tuple[float, float]] = []  # (t_s, queue_s) at each first scheduling
         self._computes_prompt: set[str] = set()  # entered without its KV: its prompt runs here
         self.prompt_tokens_computed = 0  # prompts admitted to be computed here (first admission only) ...
-        self.prompt_tokens_hit = 0  # ... and their tokens found in the prefix cache
+        self.prompt_tokens_hit = 0  # ... and their tokens found in the prefix cache (any tier, or a peer)
+        self.prompt_tokens_hit_tiers = 0  # ... of those, loaded from this engine's host or disk tier
+        self.prompt_tokens_hit_peer = 0  # ... or fetched from a peer (then loaded from the host tier)
 
     # ---- queries -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -66,12 +83,31 @@ class SimEngine:
 
     def is_idle(self) -> bool:
         """Holds nothing a drain must wait for: no request, no pinned handoff, no KV in flight."""
-        return not (self.requests or self.held or self.remote_pending)
+        return not (self.requests or self.held or self.remote_pending or self.importing
+                    or (self.tiers is not None and self.tiers.num_jobs_in_flight))
 
     def load(self, role: str) -> WorkerLoad:
         s = self.scheduler
         return WorkerLoad(self.worker_id, role, len(s.running), len(s.waiting), self.pool.num_used_blocks,
-                          self.pool.num_blocks, s.queued_prefill_tokens())
+                          self.pool.num_blocks, s.queued_prefill_tokens(),
+                          tiers=self.tiers.usage() if self.tiers is not None else ())
+
+    def next_wake_s(self) -> float | None:
+        """When the mover's next job finishes (the engine loop must look at it then), if any is in flight."""
+        return self.mover.next_completion_s() if self.mover is not None else None
+
+    def held_prefix(self, hashes: list[int], prompt: tuple[int, ...], first: int, limit: int, *,
+                    disk: bool = True) -> int:
+        """Blocks ``first, first+1, … < limit`` of a prompt this engine holds now, contiguous, on its device or
+        a lower tier (the disk tier only with ``disk``): what a peer fetch could read here."""
+        B, n = self.block_size, 0
+        for i in range(first, limit):
+            tokens = tuple(prompt[i * B:(i + 1) * B])
+            if self.pool.get_cached_block(hashes[i], tokens) is None and not (
+                    self.tiers is not None and self.tiers.holds(hashes[i], tokens, disk=disk)):
+                break
+            n += 1
+        return n
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,6 +129,50 @@ class SimEngine:
         self.scheduler.add(request)
         return request
 
+    def start_after_peer_fetch(self, request_id: str, prompt: tuple[int, ...], max_tokens: int, now_s: float,
+                               remote_decode: bool, hashes: list[int], peer: SimEngine) -> int:
+        """The modelled peer import: the prompt's blocks this engine lacks on every tier and ``peer`` holds on
+        its device or host tier are fetched into our host tier, then the request is added (and loads them
+        like any host hit). Returns the blocks fetched (0: added at once)."""
+        B = self.block_size
+        if self.blocks_needed(len(prompt) + max_tokens) > self.pool.num_blocks:
+            self.add(request_id, prompt, max_tokens, now_s, remote_decode)  # raises: refused up front
+        limit = (len(prompt) - 1) // B  # the scheduler never takes the last prompt token's block from a cache
+        own = self.held_prefix(hashes, prompt, 0, limit)
+        n = peer.held_prefix(hashes, prompt, own, limit, disk=False)
+        job = self.tiers.import_from_peer([(hashes[i], tuple(prompt[i * B:(i + 1) * B]))
+                                           for i in range(own, own + n)]) if n else None
+        if job is None:
+            self.add(request_id, prompt, max_tokens, now_s, remote_decode)
+            return 0
+        self.importing[job.job_id] = (request_id, prompt, max_tokens, now_s, remote_decode)
+        self._peer_tokens[request_id] = sum(1 for op in job.ops if op.kind == "fetch") * B
+        return self._peer_tokens[request_id] // B
+
+    # ---- lower tiers (engine.Engine.sync_tiers) --------------------------------------------------------
+    def sync_tiers(self, now_s: float) -> None:
+        """Apply the mover's finished jobs at ``now_s`` (loaded requests rejoin the queue, peer imports enter
+        it) and write newly cached blocks through to the host tier."""
+        if self.tiers is None:
+            return
+        self.mover.advance_to(now_s)
+        for job in self.tiers.poll():
+            self._loaded_tokens.setdefault(job.request_id, job.num_loaded * self.block_size)
+            self.scheduler.finish_load(job.request_id, job.num_loaded)
+        done, self.tiers.peer_done = self.tiers.peer_done, []
+        for job in done:
+            request_id, prompt, max_tokens, added_s, remote_decode = self.importing.pop(job.job_id)
+            self.add(request_id, prompt, max_tokens, added_s, remote_decode)  # queue time counts from arrival
+        new = self.pool.take_new_cached()
+        if new:
+            pinned = self.tiers.offload(new, lambda blocks: self.pool.free_blocks(reversed(blocks)))
+            self.pool.touch(pinned)
+
+    def drain_tiers(self) -> None:
+        """Let every copy in flight land (the end of a run: nothing is left pinned)."""
+        while self.mover is not None and (t := self.mover.next_completion_s()) is not None:
+            self.sync_tiers(t)
+
     # ---- the step --------------------------------------------------------------------------------
     def begin_step(self, now_s: float) -> tuple[SchedulerOutput, StepShape]:
         sched = self.scheduler.schedule()
@@ -105,11 +185,16 @@ class SimEngine:
                 self._computes_prompt.discard(rid)
                 self.prompt_tokens_computed += s.request.num_prompt_tokens
                 self.prompt_tokens_hit += s.request.num_computed_tokens
+                loaded = self._loaded_tokens.pop(rid, 0)
+                peer = min(self._peer_tokens.pop(rid, 0), loaded)
+                self.prompt_tokens_hit_tiers += loaded - peer
+                self.prompt_tokens_hit_peer += peer
         return sched, step_shape(sched)
 
-    def end_step(self, sched: SchedulerOutput) -> list[Sampled]:
+    def end_step(self, sched: SchedulerOutput, now_s: float = 0.0) -> list[Sampled]:
         completed = [s.request for s in sched.scheduled if s.completes_sequence]  # before the counts advance
         self.scheduler.on_step_computed(sched)
+        self.sync_tiers(now_s)  # as Engine.step: the new blocks are pinned for their store before any free
         out = []
         for request in completed:
             request.append_output_token(SAMPLED_TOKEN)

@@ -5,6 +5,9 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
     python -m bench.simulate disagg    [--hardware cpu|gpu]      # a. disaggregated vs colocated, rate sweep
     python -m bench.simulate autoscale [--hardware cpu|gpu]      # b. autoscaler vs every fixed P:D split
     python -m bench.simulate routing   [--hardware cpu|gpu]      # c. cache_aware vs least_loaded vs round_robin
+    python -m bench.simulate tiers --hardware gpu [--configs colocated-4,colocated-8] [--arms abcd]
+                                                                 # d. KV tiers and peers (bench/sim_tiers_study.py)
+    python -m bench.simulate tier-weights --hardware gpu         # d2. the routing weights on tiers
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
 
@@ -29,6 +32,7 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
+from bench.sim_tiers_study import study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
 POLICY_NAMES = ("cache_aware", "least_loaded", "round_robin")
@@ -53,7 +57,8 @@ _RUNS: dict[tuple, dict] = {}  # studies share runs (same scenario, deployment, 
 
 
 def run_at(sc: Scenario, dep: Deployment, rate: float, autoscaler=None) -> dict:
-    key = (sc.name, tuple(sorted(sc.workload.items())), sc.hardware.num_blocks, dep, rate, autoscaler)
+    key = (sc.name, tuple(sorted(sc.workload.items())), sc.hardware.num_blocks, sc.hardware.tiers, dep, rate,
+           autoscaler)
     if key not in _RUNS:
         reqs, scale = at_rate(trace(sc.workload), rate)
         doc = simulate_run(dep, sc.hardware, reqs, workload_desc(sc.workload, scale, len(reqs)), sc.slo, autoscaler)
@@ -210,7 +215,8 @@ def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "run", "calibration-check"])
+    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "run",
+                                      "calibration-check"])
     ap.add_argument("--hardware", default=None, help="cpu, gpu or cpu,gpu (default: both for all, else cpu)")
     ap.add_argument("--limit", type=int, help="trace window (requests; default 1000)")
     ap.add_argument("--link", default="rdma", choices=["rdma", "nvlink"], help="GPU KV transfer link")
@@ -219,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="2P+2D", help="run: colocated-N or NP+MD")
     ap.add_argument("--rate", type=float, help="run: request rate (req/s); default the scenario's middle rate")
     ap.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
+    ap.add_argument("--configs", default="colocated-4,colocated-8", help="tiers: the worker configurations")
+    ap.add_argument("--arms", default="abcd", help="tiers: (a) device, (b) +host, (c) +host+peers, (d) +disk")
+    ap.add_argument("--host-gib", type=float, default=128.0, help="tiers: host tier per worker, GiB")
+    ap.add_argument("--disk-gib", type=float, default=1024.0, help="tiers: disk tier per worker, GiB")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
     ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
     ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
@@ -251,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
             study_autoscale(sc, args.out_dir)
         if args.study in ("all", "routing"):
             study_routing(sc, args.out_dir)
+        if args.study == "tiers":
+            study_tiers(sc, args.out_dir, tuple(args.configs.split(",")), args.arms, args.host_gib * 2**30,
+                        args.disk_gib * 2**30)
+        if args.study == "tier-weights":
+            sweep_tier_weights(sc, args.out_dir, args.config if args.config != "2P+2D" else "colocated-4", args.rate)
         print(f"({sc.name}: {time.perf_counter() - t1:.0f} s)")
     print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
 

@@ -16,11 +16,16 @@ from bench.metrics import percentile, stats, summarize
 from bench.sim_check import calibration_check, deployment_of
 from bench.sim_cluster import ClusterSim, Deployment, Hardware
 from bench.sim_scenarios import CALIBRATION, cpu_hardware, simulate_run
+from bench.sim_tiers import SimMover, TierFeed, TierSpec, global_lru_hit_rate, match_total
 from bench.simulate import parse_config
 from bench.stepmodel import (FittedStepModel, RooflineStepModel, StepShape, TransferModel, feature_names, fit,
                              TOKEN_KNOTS)
 from bench.workloads import BenchRequest
 from cluster.autoscaler import AutoscalerConfig
+from engine.hashing import BlockHasher
+from engine.kv_events import BlockRemoved, BlockStored, Tier
+from engine.kv_tiers import Job, Op
+from router.index import PrefixIndex
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.25}
 B = 16
@@ -249,3 +254,84 @@ def test_calibration_check_rebuilds_a_random_workload_from_the_real_lengths(tmp_
     path.write_text(json.dumps({"summary": {}}))
     with pytest.raises(ValueError, match="not a benchmark document"):
         calibration_check(path, None, None, CALIBRATION, tmp_path)
+
+
+# ---- lower KV tiers and peer fetches (bench/sim_tiers.py) ----------------------------------------------
+
+def test_sim_mover_finishes_a_job_when_the_clock_passes_bytes_over_bandwidth():
+    spec = TierSpec(host_blocks=8, pcie_bytes_per_s=1e9, disk_write_bytes_per_s=1e8, rdma_bytes_per_s=2e9,
+                    peer_fixed_s=1e-3)
+    mover = SimMover(spec, bytes_per_block=1e6)
+    loads = Job(0, [Op("load", h, (h,), 0, 0) for h in range(3)])  # 3 MB over PCIe: 3 ms
+    mover.submit(loads)
+    mover.submit(Job(1, [Op("spill", 9, (9,), 1)]))  # then 1 MB to disk at 100 MB/s: done at 13 ms
+    mover.submit(Job(2, [Op("fetch", 7, (7,), 2)] * 4), "nic")  # its own channel: 1 ms + 4 MB / 2 GB/s = 3 ms
+    mover.advance_to(0.0029)
+    assert mover.completions() == []
+    mover.advance_to(0.003)
+    assert [c.job_id for c in mover.completions()] == [0, 2]
+    assert mover.next_completion_s() == pytest.approx(0.013)
+    mover.advance_to(mover.next_completion_s())
+    assert [c.job_id for c in mover.completions()] == [1] and mover.next_completion_s() is None
+
+
+def _tier_workload(num_prefixes: int = 8, rounds: int = 3) -> list[BenchRequest]:
+    """Each prefix (16 blocks) comes back every ``num_prefixes`` requests: too late for a 48-block device
+    cache, in time for a host tier."""
+    reqs = workloads.shared_prefix_requests(vocab=5000, num=num_prefixes, num_prefixes=num_prefixes, prefix_len=256,
+                                            suffix_len=16, output_len=2, seed=3)
+    return [dataclasses.replace(reqs[i % num_prefixes], arrival_s=1.0 * i) for i in range(num_prefixes * rounds)]
+
+
+def _tier_run(dep: Deployment, tiers: TierSpec | None, reqs) -> tuple[dict, ClusterSim]:
+    hw = dataclasses.replace(hardware(flat_model(0.01, 0.001), num_blocks=48), tiers=tiers)
+    sim = ClusterSim(dep, hw, reqs)
+    res = sim.run()
+    assert all(f.done_s is not None for f in res.flights)
+    for engine in res.engines:  # every copy landed, every block back: the accounting is exact
+        engine.pool.check()
+        assert engine.pool.num_used_blocks == 0 and engine.is_idle()
+        if engine.tiers is not None:
+            engine.tiers.check()
+            assert engine.tiers.num_jobs_in_flight == 0 and not engine.scheduler.loading
+    return {"hit": res.prefix_hit_rate(), **res.hit_sources(), **res.counters}, sim
+
+
+def test_a_host_tier_raises_the_hit_rate_and_its_loads_complete():
+    reqs = _tier_workload()
+    without, _ = _tier_run(parse_config("colocated-1", 64), None, reqs)
+    with_host, sim = _tier_run(parse_config("colocated-1", 64), TierSpec(host_blocks=256, pcie_bytes_per_s=1e6), reqs)
+    assert without["hit"] == pytest.approx(0.0)  # the device cache never holds a prefix when it returns
+    # rounds 2 and 3 load back the 16 prefix blocks (a prompt is 17 blocks; the last holds the last prompt token)
+    assert with_host["tiers"] > 0.5 and with_host["hit"] == pytest.approx(with_host["tiers"] + with_host["device"])
+    assert with_host["tier_loads"] == 16 and with_host["tier_loaded_host_blocks"] == 16 * 16
+    assert sim.workers["decode-0"].engine.load("both").tiers[0].blocks_total == 256  # the router sees the tier
+
+
+def test_peer_fetch_brings_a_prefix_another_worker_holds():
+    reqs = _tier_workload(num_prefixes=3, rounds=2)  # round robin puts each prefix's 2nd use on the other worker
+    dep = parse_config("colocated-2", 64, "round_robin")
+    no_peers, _ = _tier_run(dep, TierSpec(host_blocks=256), reqs)
+    peers, _ = _tier_run(dep, TierSpec(host_blocks=256, peers=True), reqs)
+    assert no_peers["hit"] == pytest.approx(0.0) and no_peers["peer_fetches"] == 0
+    assert peers["peer_fetches"] == 3 and peers["peer_blocks"] == 3 * 16
+    assert peers["peer"] == pytest.approx(peers["hit"]) and peers["hit"] > 0.4
+
+
+def test_tier_feed_keeps_a_block_indexed_while_some_tier_holds_it():
+    index, feed = PrefixIndex(), TierFeed()
+    index.apply_all(feed.forward([BlockStored("w", (1, 2), None), BlockStored("w", (1, 2), None, Tier.HOST)]))
+    index.apply_all(feed.forward([BlockRemoved("w", (1, 2))]))  # evicted from the device: still on the host
+    assert match_total(index.match([1, 2]).get("w", 0)) == 2
+    index.apply_all(feed.forward([BlockRemoved("w", (2,), Tier.HOST)]))
+    assert match_total(index.match([1, 2]).get("w", 0)) == 1
+
+
+def test_global_lru_reference_counts_token_hits_like_the_scheduler():
+    B = 4
+    a, b = tuple(range(1, 13)), tuple(range(100, 112))  # 3 blocks each
+    hasher = BlockHasher(B)
+    prompts = [(p, hasher(p)) for p in (a, b, a)]
+    # capacity 6: the second `a` finds its blocks; only 2 of 3 count (the last prompt token's block is computed)
+    assert global_lru_hit_rate(prompts, 6, B) == pytest.approx(2 * B / 36)
+    assert global_lru_hit_rate(prompts, 3, B) == 0.0  # `b` evicted all of `a`
