@@ -205,3 +205,34 @@ def test_lower_tier_config_is_checked(model_dir, tmp_path):
         EngineConfig(model=str(model_dir), kv_disk_bytes=1 << 20, kv_disk_dir=str(tmp_path))  # no host tier
     with pytest.raises(ConfigError):
         Engine(EngineConfig(model=str(model_dir), num_blocks=4, kv_host_bytes=10))  # not one block
+
+
+@pytest.fixture
+def small_filesystem(tmp_path, model_dir):
+    """A tmpfs holding about three blocks: a disk tier configured larger than the disk it is on fills it (ENOSPC)."""
+    import subprocess
+
+    probe = Engine(EngineConfig(model=str(model_dir), num_blocks=2))
+    size_kib = 3 * probe.runner.bytes_per_block // 1024 + 8
+    probe.close()
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount_point)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_full_disk_tier_is_counted_and_served(model_dir, small_filesystem):
+    prompts = families(n_families=6)
+    expected = run_rounds(make_engine(model_dir), prompts, GREEDY, rounds=2)
+    # the tier believes it has 200 blocks; the filesystem holds about three of them
+    engine = make_engine(model_dir, num_blocks=12, host_blocks=12, disk_blocks=200, disk_dir=str(small_filesystem))
+    assert run_rounds(engine, prompts, GREEDY, rounds=2) == expected
+    stats = engine.tiers.stats
+    assert stats.store_failures["disk"] > 0  # ENOSPC: the block is simply not on disk
+    assert stats.stores["disk"] > 0  # what fitted was written
+    assert not list(small_filesystem.rglob("*.tmp")), "a failed write left a partial file"
+    engine.close()
