@@ -1,7 +1,8 @@
 """d. KV tiers and peers on the GPU scenario: what a host tier, peer fetches and a disk tier buy.
 
     python -m bench.simulate tiers [--configs colocated-4,colocated-8] [--arms abcd] [--limit N]
-    python -m bench.simulate tier-weights [--config colocated-4] [--rate R]
+    python -m bench.simulate tier-weights [--config colocated-4] [--rate R] [--alphas 4] [--weights "h,d,p;..."]
+                                          [--start N]
 
 Arms, on the same workers, routing and request rates: (a) device cache only, (b) + a host tier per worker,
 (c) + host + peer fetches, (d) + host + disk + peer fetches. Sizes per worker (``tier_sizes``): one H100's
