@@ -1,12 +1,14 @@
 """d. KV tiers and peers on the GPU scenario: what a host tier, peer fetches and a disk tier buy.
 
     python -m bench.simulate tiers [--configs colocated-4,colocated-8] [--arms abcd] [--limit N]
-    python -m bench.simulate tier-weights [--config colocated-4] [--rate R]
+    python -m bench.simulate tier-weights [--config colocated-4] [--rate R] [--alphas 4] [--weights "h,d,p;..."]
+                                          [--start N]
 
 Arms, on the same workers, routing and request rates: (a) device cache only, (b) + a host tier per worker,
 (c) + host + peer fetches, (d) + host + disk + peer fetches. Sizes per worker (``tier_sizes``): one H100's
 773 device blocks, a host tier of 128 GiB (1 TiB of DRAM per 8-GPU node: 2,048 blocks of 64 MiB), a disk tier
-of 1 TiB (16,384 blocks). Rates: the GPU scenario's, scaled by workers / 4.
+of 1 TiB (16,384 blocks). Rates: the GPU scenario's, scaled by workers / 4. Routing: cache_aware at the
+default tier weights (router.policy.DEFAULT_TIER_WEIGHTS), peer weight 0 in (a) and (b) (``arm_weights``).
 
 Per run: goodput, the prefix hit rate by source (bench/sim_records.py ``hit_sources``), and the reference
 hit rate of one global LRU holding the cluster's total capacity across tiers (device + host + disk blocks of
@@ -38,6 +40,14 @@ def tier_sizes(sc: Scenario, host_bytes: float = 128 * GIB, disk_bytes: float = 
 def arm_spec(arm: str, host_blocks: int, disk_blocks: int) -> TierSpec | None:
     return {"a": None, "b": TierSpec(host_blocks), "c": TierSpec(host_blocks, peers=True),
             "d": TierSpec(host_blocks, disk_blocks, peers=True)}[arm]
+
+
+def arm_weights(arm: str):
+    """The routing weights of an arm: the default's, with peers credited only where the workers fetch from
+    them ((c), (d)); (a) and (b) cannot fetch from a peer, so a peer's blocks are worth nothing there."""
+    from router.policy import DEFAULT_TIER_WEIGHTS, NO_PEER_FETCH
+
+    return DEFAULT_TIER_WEIGHTS if arm in "cd" else NO_PEER_FETCH
 
 
 def with_tiers(sc: Scenario, spec: TierSpec | None) -> Scenario:
@@ -75,7 +85,7 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
             lru = lru_reference(wl, B, n * (dev + lower))
             lru_lower = lru_reference(wl, B, n * lower) if spec else lru
             for rate in rates:
-                doc = run_at(with_tiers(sc, spec), dep, rate)
+                doc = run_at(with_tiers(sc, spec), dataclasses.replace(dep, tier_weights=arm_weights(arm)), rate)
                 runs.append(doc)
                 print(f"  {name} ({arm}) {rate:g} req/s: goodput {doc['summary']['goodput']:.3f}, hit "
                       f"{doc['sim']['prefix_hit_rate']:.1%} (LRU {lru:.1%}), {doc['sim']['wall_s']:.0f} s",
@@ -190,40 +200,46 @@ def plot_tiers(rows: list[dict], path, sc: Scenario) -> None:
     plt.close(fig)
 
 
+TIER_WEIGHT_GRID = ((0.75, 0.25, 0.5), (1.0, 1.0, 1.0), (1.0, 0.5, 0.5), (1.0, 1.0, 0.5), (1.0, 0.5, 1.0),
+                    (0.75, 0.5, 0.75), (0.5, 0.25, 0.25), (1.0, 1.0, 0.0))  # (host, disk, peer); Dynamo's first
+
+
 def sweep_tier_weights(sc: Scenario, out_dir, config: str = "colocated-4", rate: float | None = None,
                        alphas: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0),
-                       weights: tuple[tuple[float, float, float], ...] = ((1.0, 1.0, 1.0), (0.75, 0.25, 0.5),
-                                                                          (0.75, 0.5, 0.75), (0.5, 0.25, 0.25),
-                                                                          (1.0, 0.5, 0.5), (0.9, 0.5, 0.9)),
+                       weights: tuple[tuple[float, float, float], ...] = TIER_WEIGHT_GRID,
                        host_bytes: float = 128 * GIB, disk_bytes: float = 1024 * GIB) -> dict:
-    """The routing cost's weights on arm (d) (host + disk + peers): ``alpha`` always; the tier weights
-    (host, disk, peer) when the policy takes them (``router.policy.TierWeights`` and a ``tier_weights``
-    field on ``Deployment``, from tiers-router), each at the best alpha. Reports hit rate, TTFT, goodput."""
+    """The routing cost's weights on arm (d) (host + disk + peers): ``alpha`` at the default weights, then
+    the tier weights (host, disk, peer) of ``router.policy.TierWeights`` (``Deployment.tier_weights``), each
+    at the best alpha (pass ``alphas=(DEFAULT_ALPHA,)`` to hold alpha). Reports hit rate, TTFT, goodput."""
     from bench.simulate import parse_config, row, run_at, save, table
+    from router.policy import DEFAULT_TIER_WEIGHTS, TierWeights
 
     rate = rate or sc.rates[-1]
     host_blocks, disk_blocks = tier_sizes(sc, host_bytes, disk_bytes)
     scen = with_tiers(sc, arm_spec("d", host_blocks, disk_blocks))
-    dep = parse_config(config, sc.local_prefill_max_tokens)
+    dep = dataclasses.replace(parse_config(config, sc.local_prefill_max_tokens), tier_weights=DEFAULT_TIER_WEIGHTS)
     rows = []
-    for alpha in alphas:
-        doc = run_at(scen, dataclasses.replace(dep, alpha=alpha), rate)
-        rows.append(row(doc, sc, alpha=alpha, weights="-"))
-    best = max(rows, key=lambda r: r["goodput"])["alpha"]
-    takes_weights = "tier_weights" in {f.name for f in dataclasses.fields(Deployment)}
-    if takes_weights:
-        from router.policy import TierWeights
-
-        for host, disk, peer in weights:
-            w = TierWeights(host=host, disk=disk, peer=peer)
-            doc = run_at(scen, dataclasses.replace(dep, alpha=best, tier_weights=w), rate)
-            rows.append(row(doc, sc, alpha=best, weights=f"host {host:g}, disk {disk:g}, peer {peer:g}"))
+    if len(alphas) > 1:
+        for alpha in alphas:
+            doc = run_at(scen, dataclasses.replace(dep, alpha=alpha), rate)
+            rows.append(row(doc, sc, alpha=alpha, weights="(default)"))
+    best = max(rows, key=lambda r: r["goodput"])["alpha"] if rows else alphas[0]
+    for host, disk, peer in weights:
+        w = TierWeights(host=host, disk=disk, peer=peer)
+        doc = run_at(scen, dataclasses.replace(dep, alpha=best, tier_weights=w), rate)
+        rows.append(row(doc, sc, alpha=best, weights=f"host {host:g}, disk {disk:g}, peer {peer:g}",
+                        peer_fetches=doc["sim"]["counters"].get("peer_fetches", 0)))
+        print(f"  {config} {rate:g} req/s alpha {best:g} {rows[-1]['weights']}: goodput {rows[-1]['goodput']:.3f}, "
+              f"TTFT mean {rows[-1]['ttft_mean']:.2f} s, hit {rows[-1]['hit_rate']:.1%}, {doc['sim']['wall_s']:.0f} s",
+              file=sys.stderr, flush=True)
     cols = [("alpha", "alpha", "g"), ("weights", "tier weights", ""), ("hit_rate", "hit", ".1%"),
-            ("ttft_mean", "TTFT mean s", ".2f"), ("ttft_p90", "TTFT p90 s", ".2f"), ("goodput", "goodput", ".3f")]
+            ("ttft_mean", "TTFT mean s", ".2f"), ("ttft_p90", "TTFT p90 s", ".2f"), ("goodput", "goodput", ".3f"),
+            ("peer_fetches", "peer fetches", "d")]
     text = table(rows, cols)
-    note = ("" if takes_weights else "\nTODO: the tier weights (host, disk, peer) are not swept: this router's "
-            "policy has no TierWeights (tiers-router has not landed); alpha only.")
-    print(f"\n## d2. routing weights, {config} at {rate:g} req/s, arm (d) ({sc.name})\n{text}{note}")
-    save(f"{sc.name}-tier-weights", {"study": "tier-weights", "config": config, "rate": rate, "rows": rows,
-                                     "table": text + note}, out_dir)
-    return {"rows": rows, "table": text + note}
+    start = sc.workload.get("start", 0)
+    window = f"requests {start}..{start + sc.workload['limit'] - 1}"
+    print(f"\n## d2. routing weights, {config} at {rate:g} req/s, arm (d) ({sc.name}, trace {window})\n{text}")
+    save(f"{sc.name}-tier-weights-{config}-{rate:g}" + (f"-start{start}" if start else ""),
+         {"study": "tier-weights", "config": config, "rate": rate, "window": window, "rows": rows, "table": text},
+         out_dir)
+    return {"rows": rows, "table": text}

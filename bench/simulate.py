@@ -7,7 +7,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
     python -m bench.simulate routing   [--hardware cpu|gpu]      # c. cache_aware vs least_loaded vs round_robin
     python -m bench.simulate tiers --hardware gpu [--configs colocated-4,colocated-8] [--arms abcd]
                                                                  # d. KV tiers and peers (bench/sim_tiers_study.py)
-    python -m bench.simulate tier-weights --hardware gpu         # d2. the routing weights on tiers
+    python -m bench.simulate tier-weights --hardware gpu [--config colocated-4] [--rate 4] [--alphas 4]
+                                 [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
 
@@ -32,7 +33,7 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
-from bench.sim_tiers_study import study_tiers, sweep_tier_weights
+from bench.sim_tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
 POLICY_NAMES = ("cache_aware", "least_loaded", "round_robin")
@@ -210,7 +211,8 @@ def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
             out.append(gpu_scenario(limit=args.limit or 1000, link=args.link))
         else:
             raise SystemExit(f"unknown hardware {name!r} (cpu, gpu)")
-    return out
+    start = getattr(args, "start", 0) or 0
+    return [dataclasses.replace(sc, workload={**sc.workload, "start": start}) if start else sc for sc in out]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", default="abcd", help="tiers: (a) device, (b) +host, (c) +host+peers, (d) +disk")
     ap.add_argument("--host-gib", type=float, default=128.0, help="tiers: host tier per worker, GiB")
     ap.add_argument("--disk-gib", type=float, default=1024.0, help="tiers: disk tier per worker, GiB")
+    ap.add_argument("--alphas", default="1,2,4,8", help="tier-weights: the alphas (one: held, no alpha sweep)")
+    ap.add_argument("--weights", help="tier-weights: host,disk,peer triples separated by ';' (default: "
+                    "bench/sim_tiers_study.py TIER_WEIGHT_GRID)")
+    ap.add_argument("--start", type=int, default=0, help="the trace window's first request (default 0)")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
     ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
     ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
@@ -265,7 +271,10 @@ def main(argv: list[str] | None = None) -> None:
             study_tiers(sc, args.out_dir, tuple(args.configs.split(",")), args.arms, args.host_gib * 2**30,
                         args.disk_gib * 2**30)
         if args.study == "tier-weights":
-            sweep_tier_weights(sc, args.out_dir, args.config if args.config != "2P+2D" else "colocated-4", args.rate)
+            grid = (tuple(tuple(float(x) for x in t.split(",")) for t in args.weights.split(";"))
+                    if args.weights else TIER_WEIGHT_GRID)
+            sweep_tier_weights(sc, args.out_dir, args.config if args.config != "2P+2D" else "colocated-4", args.rate,
+                               tuple(float(a) for a in args.alphas.split(",")), grid)
         print(f"({sc.name}: {time.perf_counter() - t1:.0f} s)")
     print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
 

@@ -9,7 +9,7 @@
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
               salt_by_api_key: false,       # true: each API key is its own prefix-cache domain
-              tier_weights: {host: 0.75, disk: 0.25, peer: 0.5}}
+              tier_weights: {host: 1.0, disk: 1.0, peer: 0.5}}   # the defaults; {peer: 0}: no peer fetch
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
     autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
                  ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key

@@ -8,7 +8,10 @@ from router.policy import TierWeights
 
 def test_router_tier_weights_parse_with_defaults_for_missing_keys():
     config = ClusterConfig.from_dict({"model": "m", "router": {"tier_weights": {"host": 0.9, "peer": 0.1}}})
-    assert config.router.weights == TierWeights(host=0.9, disk=0.25, peer=0.1)
+    # the missing disk weight: the default's (1.0), lowered to the host weight given (disk <= host)
+    assert config.router.weights == TierWeights(host=0.9, disk=0.9, peer=0.1)
+    config = ClusterConfig.from_dict({"model": "m", "router": {"tier_weights": {"peer": 0}}})
+    assert config.router.weights == TierWeights(host=1.0, disk=1.0, peer=0.0)
     assert ClusterConfig.from_dict({"model": "m"}).router.weights == TierWeights()
 
 

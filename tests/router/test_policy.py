@@ -8,6 +8,8 @@ from engine.kv_events import BlockStored
 from router.index import PrefixIndex, TierMatch
 from router.load import LoadEstimate, LoadTracker
 from router.policy import (
+    DEFAULT_TIER_WEIGHTS,
+    NO_PEER_FETCH,
     CacheAwarePolicy,
     LeastLoadedPolicy,
     NoWorkersError,
@@ -22,6 +24,7 @@ from router.policy import (
 B = 4
 P, D = Role.PREFILL, Role.DECODE
 NO_PEER = TierWeights(peer=0)
+DYNAMO = TierWeights(host=0.75, disk=0.25, peer=0.5)  # Dynamo's router's weights: the formula tests' numbers
 
 
 def q(tokens):
@@ -149,7 +152,8 @@ def test_no_workers_and_bad_parameters():
 
 def test_decision_logged_at_debug_with_every_term(caplog):
     with caplog.at_level(logging.DEBUG, logger="router.policy"):
-        CacheAwarePolicy(B, alpha=2).choose(P, ["w0", "w1"], 20, {"w0": TierMatch(1, 2, 0)}, {"w0": q(24)})
+        CacheAwarePolicy(B, alpha=2, tier_weights=DYNAMO).choose(P, ["w0", "w1"], 20, {"w0": TierMatch(1, 2, 0)},
+                                                           {"w0": q(24)})
     msg = caplog.records[-1].getMessage()
     assert "cache_aware prefill -> w1" in msg
     # w0: 20 - 4 * (1 + 0.75 * 2) = 10 tokens; w1: 20 - 4 * 0.5 * 3 = 14 tokens, from its peer w0
@@ -175,7 +179,7 @@ def test_route_glues_index_loads_and_policy():
 def test_tier_weights_price_lower_tiers_between_a_device_hit_and_a_miss():
     # 32 prompt tokens = 8 blocks, each worker holds 4 leading blocks on a different tier; alpha 1, no load
     matches = {"dev": TierMatch(device=4), "host": TierMatch(host=4), "disk": TierMatch(disk=4)}
-    d = CacheAwarePolicy(B, alpha=1).choose(P, ["disk", "host", "dev", "none"], 32, matches, {})
+    d = CacheAwarePolicy(B, alpha=1, tier_weights=DYNAMO).choose(P, ["disk", "host", "dev", "none"], 32, matches, {})
     # the peer of everyone but "dev" is "dev" (most device blocks among equal totals), holding nothing more
     # none: 32 - 4 * 0.5 * 4 = 24 tokens; disk: 32 - 4 * 0.25 * 4 = 28; host: 32 - 4 * 0.75 * 4 = 20; dev: 16
     assert [c.effective_uncached_tokens for c in d.costs] == [28.0, 20.0, 16.0, 24.0]
@@ -188,7 +192,7 @@ def test_tier_weights_price_lower_tiers_between_a_device_hit_and_a_miss():
 def test_peer_blocks_beyond_the_own_prefix_are_credited_and_named():
     # p9 is a decode worker (not a candidate) holding 6 blocks; c0 holds 2 on host
     matches = {"c0": TierMatch(host=2), "p9": TierMatch(device=1, disk=5)}
-    d = CacheAwarePolicy(B, alpha=1).choose(P, ["c0", "c1"], 32, matches, {"c0": q(40)})
+    d = CacheAwarePolicy(B, alpha=1, tier_weights=DYNAMO).choose(P, ["c0", "c1"], 32, matches, {"c0": q(40)})
     c0, c1 = d.costs
     assert (c0.peer, c0.peer_blocks, c1.peer, c1.peer_blocks) == ("p9", 4, "p9", 6)
     # c0: 32 - 4 * (0.75 * 2 + 0.5 * 4) = 18 tokens + load 10; c1: 32 - 4 * 0.5 * 6 = 20 tokens
@@ -201,9 +205,9 @@ def test_peer_blocks_beyond_the_own_prefix_are_credited_and_named():
 def test_peers_restrict_where_blocks_may_come_from():
     """Only workers that lend blocks (prefill workers) are peers; with peers=() there is no peer term at all."""
     matches = {"c0": TierMatch(host=2), "p9": TierMatch(device=1, disk=5), "c1": TierMatch(device=3)}
-    d = CacheAwarePolicy(B, alpha=1).choose(P, ["c0", "c1"], 32, matches, {}, peers={"c0", "c1"})
+    d = CacheAwarePolicy(B, alpha=1, tier_weights=DYNAMO).choose(P, ["c0", "c1"], 32, matches, {}, peers={"c0", "c1"})
     assert [(c.worker, c.peer, c.peer_blocks) for c in d.costs] == [("c0", "c1", 1), ("c1", None, 0)]
-    none = CacheAwarePolicy(B, alpha=1).choose(P, ["c0", "c1"], 32, matches, {}, peers=())
+    none = CacheAwarePolicy(B, alpha=1, tier_weights=DYNAMO).choose(P, ["c0", "c1"], 32, matches, {}, peers=())
     assert [(c.peer, c.peer_blocks) for c in none.costs] == [(None, 0), (None, 0)]
     assert none.costs[0].effective_uncached_tokens == 32 - 4 * 0.75 * 2
 
@@ -236,7 +240,10 @@ def test_tier_weights_are_validated(bad):
 
 
 def test_tier_weights_defaults_and_make_policy():
-    assert TierWeights() == TierWeights.from_mapping({}) == TierWeights(host=0.75, disk=0.25, peer=0.5)
+    assert TierWeights() == TierWeights.from_mapping({}) == TierWeights(host=1.0, disk=1.0, peer=0.5)
+    assert DEFAULT_TIER_WEIGHTS == TierWeights() and NO_PEER_FETCH == TierWeights(peer=0.0)
+    assert TierWeights.from_mapping({"host": 0.5}) == TierWeights(host=0.5, disk=0.5)  # disk <= host
+    assert TierWeights.from_mapping({"host": 0.5, "disk": 0.25}).disk == 0.25
     weights = TierWeights.from_mapping({"peer": 0.0})
     policy = make_policy("cache_aware", B, alpha=2.0, tier_weights=weights)
     assert isinstance(policy, CacheAwarePolicy) and policy.alpha == 2.0 and policy.tier_weights == weights
