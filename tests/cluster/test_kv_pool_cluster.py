@@ -86,13 +86,13 @@ def test_outputs_equal_across_tiers_and_peers(loop_thread, pool_cluster, referen
     # what an operator sees: /metrics carries the tiers' traffic and where prompt KV came from
     from prometheus_client.parser import text_string_to_metric_families
 
-    deadline = time.monotonic() + 5  # stats are polled every second
+    deadline = time.monotonic() + 10  # the router polls workers' stats every second
     while time.monotonic() < deadline:
         samples = [s for f in text_string_to_metric_families(cluster.metrics.render().decode()) for s in f.samples]
 
         def total(name, **labels):
             return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
-        if total("duet_prefix_hit_tokens_total", source="peer") > 0:
+        if all(total("duet_prefix_hit_tokens_total", source=s) > 0 for s in ("device", "host", "disk", "peer")):
             break
         time.sleep(0.2)
     assert total("vllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU") > 0
