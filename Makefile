@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -91,6 +91,15 @@ bench-kvtransfer: install
 # shared-prefix workload on a real cluster (2 prefill + 1 decode actors): cache_aware vs round_robin
 bench-routing: install
 	$(PY) -m bench.bench_routing
+
+# KV tiers (issue 23), three ratio lines: a real cluster (1 prefill + 1 decode, SmolLM2) on revisited shared prefixes,
+# host tier vs none (prefill tokens computed, TTFT, equal outputs); engine throughput with the host tier vs none on
+# a workload with no reuse; the tier mover's block copies vs memcpy (and host->device GB/s on a GPU).
+# SMALL=1: the cluster part on the tiny model, fewer engine runs, 256 MiB of copies.
+bench-tiers: install
+	$(HUGEPAGES) $(PY) -m bench.bench_tiers $(if $(SMALL),--small,)
+	$(HUGEPAGES) $(PY) -m bench.bench_tiers_engine $(if $(SMALL),--small,)
+	$(PY) -m bench.bench_tiers_copy $(if $(SMALL),--total-mib 256 --repeats 3,)
 
 # Mooncake conversation trace against the real prefix index and block pools (no model)
 bench-routing-trace: install

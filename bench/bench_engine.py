@@ -34,30 +34,39 @@ import time
 import torch
 
 
-def workload(n: int, vocab: int, seed: int = 0, small: bool = False):
+def workload(n: int, vocab: int, seed: int = 0, small: bool = False, max_prompt: int | None = None,
+             out_range: tuple[int, int] | None = None):
+    """``n`` requests of random token ids, prompts 16..``max_prompt`` tokens, outputs in ``out_range``."""
     rng = random.Random(seed)
-    max_prompt, max_out = (64, 16) if small else (512, 128)
+    default_prompt, max_out = (64, 16) if small else (512, 128)
+    max_prompt = max_prompt or default_prompt
+    min_out, max_out = out_range or (min(16, max_out), max_out)
     reqs = []
     for _ in range(n):
         p_len = rng.randint(16, max_prompt)
-        o_len = rng.randint(min(16, max_out), max_out)
+        o_len = rng.randint(min_out, max_out)
         reqs.append(([rng.randrange(3, vocab) for _ in range(p_len)], o_len))
     return reqs
 
 
-def bench_duet(model_dir: str, reqs, block_size: int) -> tuple[float, int]:
+def bench_duet(model_dir: str, reqs, block_size: int, **config) -> tuple[float, int]:
+    """Seconds for a fresh engine to generate ``reqs`` all at once, and the output tokens; ``config``
+    overrides EngineConfig fields (prefix caching is off unless it says otherwise)."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 
-    engine = Engine(EngineConfig(model=model_dir, block_size=block_size, max_num_seqs=64,
-                                 max_num_batched_tokens=2048, kv_cache_bytes=1 << 30,
-                                 enable_prefix_caching=False))  # random prompts share nothing anyway
-    engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-    t0 = time.perf_counter()
-    res = engine.generate([p for p, _ in reqs],
-                          [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs])
-    elapsed = time.perf_counter() - t0
+    config = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_bytes": 1 << 30,
+              "enable_prefix_caching": False, **config}  # random prompts share nothing anyway
+    engine = Engine(EngineConfig(model=model_dir, block_size=block_size, **config))
+    try:
+        engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        t0 = time.perf_counter()
+        res = engine.generate([p for p, _ in reqs],
+                              [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs])
+        elapsed = time.perf_counter() - t0
+    finally:
+        engine.close()
     n_out = sum(len(r["token_ids"]) for r in res)
     assert n_out == sum(o for _, o in reqs)
     return elapsed, n_out

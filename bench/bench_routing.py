@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import tempfile
-import time
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def build_workload(systems: int, users: int, system_tokens: int, user_tokens: int, vocab: int,
@@ -37,37 +33,21 @@ def build_workload(systems: int, users: int, system_tokens: int, user_tokens: in
 
 
 async def run_policy(model: str, policy: str, workload: list[list[int]], args) -> dict:
-    from cluster.config import ClusterConfig
-    from cluster.launcher import Cluster
+    from bench.cluster_run import prefill_stats, serve_workload
     from engine.request import SamplingParams
 
-    config = ClusterConfig.load(None, {
+    run = await serve_workload({
         "model": model, "engine.num_blocks": 1024, "prefill.num_blocks": args.prefill_blocks,
         "prefill.num_workers": args.prefill,
         "decode.num_workers": 1, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5, "router.grpc_port": None,
-        "router.prefill_policy": policy, "router.local_prefill_max_tokens": 0})
-    cluster = await Cluster.start(config)
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-        sem = asyncio.Semaphore(args.concurrency)
-
-        async def one(i: int, ids: list[int]) -> None:
-            async with sem:
-                async for _ in cluster.backend.generate(f"{policy}-{i}", ids, params):
-                    pass
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, ids) for i, ids in enumerate(workload)))
-        elapsed = time.perf_counter() - t0
-        stats = {s["worker_id"]: s for s in await cluster.stats()}
-    finally:
-        await cluster.stop()
-    prefill = {w: s for w, s in stats.items() if s["role"] == "prefill"}
+        "router.prefill_policy": policy, "router.local_prefill_max_tokens": 0},
+        workload, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True), args.concurrency, policy)
+    prefill = {s["worker_id"]: s for s in prefill_stats(run.stats)}
     requests = {w: s["num_handoffs"] + s["num_finished"] for w, s in prefill.items()}
     mean = sum(requests.values()) / len(requests)
     return {"policy": policy, "computed": sum(s["num_computed_tokens"] for s in prefill.values()),
             "prompt_tokens": sum(len(r) for r in workload), "requests": requests,
-            "imbalance": max(requests.values()) / mean if mean else 0.0, "elapsed_s": elapsed}
+            "imbalance": max(requests.values()) / mean if mean else 0.0, "elapsed_s": run.elapsed_s}
 
 
 def main() -> None:
@@ -84,14 +64,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
+    from bench.cluster_run import init_ray  # first: it sets RAY_AUTH_MODE before ray is imported
     import ray
 
     from engine.tiny import make_tiny_model
 
     model = str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-routing-"), arch="llama"))
     workload = build_workload(args.systems, args.users, args.system_tokens, args.user_tokens, 500, args.seed)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 4), resources={"duet_worker": args.prefill + 1},
-             include_dashboard=False, log_to_driver=False)
+    init_ray(args.prefill + 1)
     print(f"workload: {len(workload)} requests = {args.systems} system prompts x {args.users} users, "
           f"{args.system_tokens}+{args.user_tokens} prompt tokens each; {args.prefill} prefill workers, 1 decode")
     results = {}
