@@ -56,6 +56,7 @@ class BlockShape:
         return n
 
 
+CHUNK_BYTES = 64 << 20  # one timed job's blocks: twice the L3, so no chunk finds the last one's bytes in cache
 SHAPES = (BlockShape("SmolLM2-135M fp32", 30, 3, 64, torch.float32),
           BlockShape("Llama-3.1-8B bf16", 32, 8, 128, torch.bfloat16))
 
@@ -100,29 +101,42 @@ def median_spread(rates: list[float]) -> str:
 
 
 def bench_cpu(shape: BlockShape, total_bytes: int, repeats: int) -> dict[str, float]:
-    """Median GB/s of the mover's stores and loads and of memcpy of the same blocks; prints each."""
+    """Median GB/s of the mover's stores and loads and of memcpy of the same blocks; prints each.
+
+    The two sides interleave at a fine grain, so that a noisy neighbour hits both alike: each pass walks the
+    cache in chunks of ``CHUNK_BYTES`` (twice the L3), the mover copying chunk i as one job while memcpy copies
+    chunk i + half (a region neither touched recently), until each side has copied every block once."""
     n = max(2, total_bytes // shape.nbytes)
     kv = torch.randn((n, *shape.dims)).to(shape.dtype)
     mover = TierMover(kv, n, None, "bench-copy")
     mover.host.copy_(kv)  # touch every host page before timing
     stores, loads = block_ops(n, seed=0)
-    store_pairs = [(op.host_slot, op.device_block) for op in stores]
-    load_pairs = [(op.device_block, op.host_slot) for op in loads]
+    per_chunk = max(1, CHUNK_BYTES // shape.nbytes)
+    chunks = [range(i, min(i + per_chunk, n)) for i in range(0, n, per_chunk)]
+    sides = {"store": ([[stores[b] for b in c] for c in chunks], mover.host, kv),
+             "load": ([[loads[b] for b in c] for c in chunks], kv, mover.host)}
     gb = n * shape.nbytes / 1e9
-    rates: dict[str, list[float]] = {k: [] for k in ("mover store", "mover load", "memcpy store", "memcpy load",
+    rates: dict[str, list[float]] = {k: [] for k in ("mover store", "memcpy store", "mover load", "memcpy load",
                                                       "memcpy whole")}
     job_id = 0
     try:
-        for _ in range(repeats):  # alternate, so that a noisy neighbour hits every side alike
+        for _ in range(repeats):
             rates["memcpy whole"].append(gb / memcpy_whole(mover.host, kv))
-            rates["mover store"].append(gb / run_job(mover, stores, job_id := job_id + 1))
-            rates["memcpy store"].append(gb / memcpy_blocks(mover.host, kv, store_pairs, shape.nbytes))
-            rates["mover load"].append(gb / run_job(mover, loads, job_id := job_id + 1))
-            rates["memcpy load"].append(gb / memcpy_blocks(kv, mover.host, load_pairs, shape.nbytes))
+            for direction, (jobs, dst, src) in sides.items():
+                mover_s = memcpy_s = 0.0
+                for i, ops in enumerate(jobs):
+                    mover_s += run_job(mover, ops, job_id := job_id + 1)
+                    other = jobs[(i + len(jobs) // 2) % len(jobs)]
+                    pairs = [(op.host_slot, op.device_block) if direction == "store" else (op.device_block, op.host_slot)
+                             for op in other]
+                    memcpy_s += memcpy_blocks(dst, src, pairs, shape.nbytes)
+                rates[f"mover {direction}"].append(gb / mover_s)
+                rates[f"memcpy {direction}"].append(gb / memcpy_s)
         assert torch.equal(mover.host[stores[0].host_slot], kv[0])  # the copies copied
     finally:
         mover.close()
-    print(f"{shape.name}: {n} blocks of {shape.nbytes / 2**20:.2f} MiB ({gb:.2f} GB) per pass, {repeats} passes")
+    print(f"{shape.name}: {n} blocks of {shape.nbytes / 2**20:.2f} MiB ({gb:.2f} GB) per pass in jobs of "
+          f"{per_chunk} blocks, {repeats} passes")
     for k, v in rates.items():
         print(f"  {k:<13} {median_spread(v)}")
     med = {k: statistics.median(v) for k, v in rates.items()}

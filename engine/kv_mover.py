@@ -19,6 +19,7 @@ Llama-3.1-8B at 16 tokens) — so every move is a large contiguous copy.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -112,6 +113,9 @@ class TierMover:
         cuda = kv.device.type == "cuda"
         self.host = torch.zeros((host_slots, *kv.shape[1:]), dtype=kv.dtype, pin_memory=cuda)
         self._host_bytes = self.host.view(torch.uint8).view(host_slots, -1)
+        self._block_bytes = self._host_bytes.shape[1]
+        if not kv.is_contiguous():  # a block is one contiguous range of the cache (block-major layout)
+            raise ValueError("the KV cache must be contiguous")
         self.disk = DiskFiles(disk_dir, worker_id, layout_hash(kv)) if disk_dir else None
         self._stream = torch.cuda.Stream(kv.device) if cuda else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,10 +184,10 @@ class TierMover:
     def _op(self, op: Op) -> None:
         t0 = time.perf_counter()
         if op.kind == "store":
-            self._copy(self.host[op.host_slot], self.kv[op.device_block])
+            self._copy(self.host, op.host_slot, self.kv, op.device_block)
             direction = "device_to_host"
         elif op.kind == "load":
-            self._copy(self.kv[op.device_block], self.host[op.host_slot])
+            self._copy(self.kv, op.device_block, self.host, op.host_slot)
             direction = "host_to_device"
         elif op.kind == "spill":
             self.disk.write(op.block_hash, op.token_ids, self._host_bytes[op.host_slot].numpy())
@@ -196,15 +200,22 @@ class TierMover:
             return
         else:
             raise ValueError(f"unknown mover op {op.kind!r}")
-        self.bytes_moved[direction] += self._host_bytes.shape[1]
+        self.bytes_moved[direction] += self._block_bytes
         self.seconds[direction] += time.perf_counter() - t0
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self._stream is None:
-            dst.copy_(src)
+    def _copy(self, dst: torch.Tensor, dst_block: int, src: torch.Tensor, src_block: int) -> None:
+        """Block ``src_block`` of ``src`` → block ``dst_block`` of ``dst`` (the cache or the host tensor)."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                dst[dst_block].copy_(src[src_block], non_blocking=True)
             return
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
+        # CPU: one memcpy on this thread (GIL released), not torch's copy_, which splits a block across the
+        # OpenMP team: a second team beside the engine's, whose threads its GEMMs are using (measured in
+        # bench/bench_tiers_copy.py: copy_ reached 0.70-0.80 of memcpy per 0.7 MiB block, ~26 us per op)
+        if not (0 <= dst_block < dst.shape[0] and 0 <= src_block < src.shape[0]):
+            raise IndexError(f"block {src_block} -> {dst_block} outside the tensors")
+        n = self._block_bytes
+        ctypes.memmove(dst.data_ptr() + dst_block * n, src.data_ptr() + src_block * n, n)
 
 
 def build_tiers(config, kv: torch.Tensor, bytes_per_block: int, pool) -> TierManager | None:
