@@ -49,9 +49,11 @@ def workload(n: int, vocab: int, seed: int = 0, small: bool = False, max_prompt:
     return reqs
 
 
-def bench_duet(model_dir: str, reqs, block_size: int, **config) -> tuple[float, int]:
+def bench_duet(model_dir: str, reqs, block_size: int, cpu_s: list[float] | None = None,
+               **config) -> tuple[float, int]:
     """Seconds for a fresh engine to generate ``reqs`` all at once, and the output tokens; ``config``
-    overrides EngineConfig fields (prefix caching is off unless it says otherwise)."""
+    overrides EngineConfig fields (prefix caching is off unless it says otherwise). ``cpu_s`` gets the
+    process's CPU seconds over the same span appended (every thread: the engine's, its helpers')."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
@@ -61,10 +63,12 @@ def bench_duet(model_dir: str, reqs, block_size: int, **config) -> tuple[float, 
     engine = Engine(EngineConfig(model=model_dir, block_size=block_size, **config))
     try:
         engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = engine.generate([p for p, _ in reqs],
                               [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs])
         elapsed = time.perf_counter() - t0
+        if cpu_s is not None:
+            cpu_s.append(time.process_time() - c0)
     finally:
         engine.close()
     n_out = sum(len(r["token_ids"]) for r in res)
