@@ -95,11 +95,11 @@ bench-routing: install
 # KV tiers (issue 23), three ratio lines: a real cluster (1 prefill + 1 decode, SmolLM2) on revisited shared prefixes,
 # host tier vs none (prefill tokens computed, TTFT, equal outputs); engine throughput with the host tier vs none on
 # a workload with no reuse; the tier mover's block copies vs memcpy (and host->device GB/s on a GPU).
-# SMALL=1: the cluster part on the tiny model, fewer engine runs, 256 MiB of copies.
+# SMALL=1 (a few minutes): the cluster and engine parts on the tiny model, 3 copy passes.
 bench-tiers: install
 	$(HUGEPAGES) $(PY) -m bench.bench_tiers $(if $(SMALL),--small,)
 	$(HUGEPAGES) $(PY) -m bench.bench_tiers_engine $(if $(SMALL),--small,)
-	$(PY) -m bench.bench_tiers_copy $(if $(SMALL),--total-mib 256 --repeats 3,)
+	$(PY) -m bench.bench_tiers_copy $(if $(SMALL),--repeats 3,)
 
 # Mooncake conversation trace against the real prefix index and block pools (no model)
 bench-routing-trace: install

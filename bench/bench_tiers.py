@@ -80,7 +80,7 @@ def make_setup(model: str, prompts: list[list[int]], prefix_tokens: int, device_
                **kw) -> Setup:
     """Size the tiers for ``prompts``: the prefill device tier holds ``device_fraction`` of the prefixes'
     blocks, the host tier every distinct block of the workload (prefixes and questions) and one request
-    more. The device tier must also hold the blocks of the requests in flight (at most ``concurrency`` hold
+    more, and at least the decode worker's device tier. The device tier must also hold the blocks of the requests in flight (at most ``concurrency`` hold
     prefill blocks: computing, or leased until the decode side has read them) and one more, or the prefill
     worker would only queue."""
     from engine.config import ModelConfig
@@ -95,7 +95,9 @@ def make_setup(model: str, prompts: list[list[int]], prefix_tokens: int, device_
         raise ValueError(f"a device tier of {device} blocks cannot hold {concurrency} requests of {per_request} "
                          "blocks in flight and one more: more prefixes, or less concurrency")
     total = working_set + sum(-(-(len(p) - prefix_tokens) // BLOCK_SIZE) for p in prompts)
-    return Setup(model, bytes_per_block, working_set, device, total + per_request, **kw)
+    # the decode worker gets the same host tier, and a host tier smaller than the device's is refused
+    host = max(total + per_request, kw.get("decode_blocks", Setup.decode_blocks))
+    return Setup(model, bytes_per_block, working_set, device, host, **kw)
 
 
 def ideal_computed(prompts: list[list[int]], prefix_tokens: int) -> int:
