@@ -49,6 +49,15 @@ def workload(n: int, vocab: int, seed: int = 0, small: bool = False, max_prompt:
     return reqs
 
 
+def make_bench_tiny_model() -> str:
+    """The tiny random Llama of ``--tiny`` (4 layers, hidden 256, vocab 2,048), written to a new temp dir."""
+    from engine.tiny import make_tiny_model
+
+    return str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-"), arch="llama", hidden_size=256, num_layers=4,
+                               num_heads=8, num_kv_heads=4, intermediate_size=688, vocab_size=2048,
+                               max_position_embeddings=2048))
+
+
 def bench_duet(model_dir: str, reqs, block_size: int, cpu_s: list[float] | None = None,
                **config) -> tuple[float, int]:
     """Seconds for a fresh engine to generate ``reqs`` all at once, and the output tokens; ``config``
@@ -181,11 +190,7 @@ def main() -> None:
 
             model_dir = str(ensure_hf_model().resolve())
     if args.tiny:
-        from engine.tiny import make_tiny_model
-
-        model_dir = str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-"), arch="llama", hidden_size=256,
-                                        num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688,
-                                        vocab_size=2048, max_position_embeddings=2048))
+        model_dir = make_bench_tiny_model()
     from engine.config import ModelConfig
 
     vocab = ModelConfig.from_checkpoint(model_dir).vocab_size

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
 import torch
 
-from bench.bench_engine import bench_duet, workload
+from bench.bench_engine import bench_duet, make_bench_tiny_model, workload
 
 TARGET_RATIO = 0.95
 
@@ -45,11 +44,7 @@ def main() -> None:
     if args.small:
         args.tiny, args.num_requests = True, 256
     if args.tiny:
-        from engine.tiny import make_tiny_model
-
-        model = str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-tiers-"), arch="llama", hidden_size=256,
-                                    num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688,
-                                    vocab_size=2048, max_position_embeddings=2048))
+        model = make_bench_tiny_model()
     else:
         from engine.default_model import default_model_path
 

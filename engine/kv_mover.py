@@ -211,7 +211,7 @@ class TierMover:
             return
         # CPU: one memcpy on this thread (GIL released), not torch's copy_, which splits a block across the
         # OpenMP team: a second team beside the engine's, whose threads its GEMMs are using (measured in
-        # bench/bench_tiers_copy.py: copy_ reached 0.70-0.80 of memcpy per 0.7 MiB block, ~26 us per op)
+        # bench/bench_tiers_copy.py: copy_ reached 0.4-0.8 of memcpy per 0.7 MiB block; docs/benchmarks.md)
         if not (0 <= dst_block < dst.shape[0] and 0 <= src_block < src.shape[0]):
             raise IndexError(f"block {src_block} -> {dst_block} outside the tensors")
         n = self._block_bytes
