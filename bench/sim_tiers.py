@@ -103,7 +103,7 @@ class SimMover:
         return self._done[0][0] if self._done else None
 
     def close(self) -> None:
-        pass
+        """Nothing to stop: simulated copies run on no thread."""
 
 
 class SimTierManager(TierManager):
