@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
@@ -28,7 +28,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams, check_prompt
 from engine.sampler import sample
 from engine.scheduler import Scheduler
-from engine.stopping import apply_stop_conditions, held_chars
+from engine.stopping import apply_stop_conditions
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
