@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from router.http_api import ApiError
+from router.http_errors import ApiError
 from router.policy import Role
 from router.registry import WorkerRegistry
 

@@ -26,67 +26,38 @@ is a 400 rather than an error inside a 200 stream. After that, a failure is an S
 With ``salt_by_api_key`` every request's block hashes are salted by the API key it came with (beside
 the client's ``cache_salt``): tenants never share prefix-cache hits (router/tenancy.py).
 
-Errors are always OpenAI bodies ``{"error": {message, type, param, code}}``: bad JSON, bad UTF-8, bad
-types and values are 400 (FastAPI's 422 included), an unknown model 404, a missing or wrong key 401;
-only a genuine fault is a 500, and it is logged.
+Errors are always OpenAI bodies ``{"error": {message, type, param, code}}`` (router/http_errors.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
 from router.openapi_doc import document
-from router.policy import NoWorkersError
-from router.tenancy import bearer_token, tenant_salt
-from router.openai_protocol import (
-    BadRequest, ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
-    ResponseBuilder, GenerationRequest, error_body,
+from router.http_errors import (
+    ApiError, ClientGone, ClientTooSlow, api_key_check, error_response, health_error, install_error_handlers, parse_body,
 )
+from router.tenancy import bearer_token, tenant_salt
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
+from router.openai_responses import ChatResponses, ChoiceState, CompletionResponses, ResponseBuilder
 
 log = logging.getLogger(__name__)
 
 _Body = TypeVar("_Body", bound=GenerationRequest)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
-_CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 MAX_BUFFERED_OUTPUTS = 4096  # per response: a client that stops reading is cut off beyond this
-
-
-class ApiError(Exception):
-    """An error with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.body = error_body(message, type, param, code)
-        self.headers = headers or {}
-
-
-class ClientGone(Exception):
-    """The client closed the connection."""
-
-
-class _ClientTooSlow(Exception):
-    """The client stopped reading a streamed response: its buffered outputs passed MAX_BUFFERED_OUTPUTS."""
 
 
 def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
@@ -102,7 +73,7 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
         raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
     app = FastAPI(title="duet", summary="OpenAI-compatible API over duet")
     server = _OpenAIServer(backend, served_model_names, max_request_bytes, salt_by_api_key)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_keys))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_keys))])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", server.chat_completions, methods=["POST"])
     v1.add_api_route("/models", server.list_models, methods=["GET"])
@@ -110,7 +81,7 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     app.include_router(v1)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
-    _install_error_handlers(app)
+    install_error_handlers(app)
     document(app, server.model_names)
     return app
 
@@ -125,7 +96,7 @@ class _OpenAIServer:
         self._accepted_names = {backend.card.model_id, *self.model_names}
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse_body(request, CompletionRequest, self.max_request_bytes)
+        body = await parse_body(request, CompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         tokenizer = self.backend.tokenizer
         prompts = body.prompts()
@@ -134,7 +105,7 @@ class _OpenAIServer:
         return await self._generate(request, body, prompt_ids, CompletionResponses, echo=echo)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse_body(request, ChatCompletionRequest, self.max_request_bytes)
+        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
         self._check_model(body.model)
         # the rendered template holds its own BOS: encode without adding special tokens
         prompt_ids = self.backend.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True)
@@ -159,10 +130,10 @@ class _OpenAIServer:
             health = self.backend.health()
         except Exception as e:  # a health probe must answer, whatever the backend does
             log.exception("backend health check failed")
-            return JSONResponse(_health_error(f"health check failed: {e}", {}), status_code=503)
+            return JSONResponse(health_error(f"health check failed: {e}", {}), status_code=503)
         if health.ok:
             return JSONResponse({**health.detail, "status": "ok"})
-        return JSONResponse(_health_error("the backend is not healthy", health.detail), status_code=503)
+        return JSONResponse(health_error("the backend is not healthy", health.detail), status_code=503)
 
     # ---- the one generation path -----------------------------------------------------------------
     async def _generate(self, request: Request, body: GenerationRequest, prompts: list[list[int]],
@@ -238,7 +209,7 @@ class _ChoiceRun:
         """The next (choice index, output), or None when every choice has finished."""
         while self._num_open:
             if self._overflowed:
-                raise _ClientTooSlow(f"the client stopped reading: more than {MAX_BUFFERED_OUTPUTS} outputs "
+                raise ClientTooSlow(f"the client stopped reading: more than {MAX_BUFFERED_OUTPUTS} outputs "
                                      "were waiting to be sent, so the request was aborted")
             item = self._buffered.pop() if self._buffered else await self._queue.get()
             if item is self._DISCONNECTED:
@@ -325,7 +296,7 @@ async def _stream_events(run: _ChoiceRun, builder: ResponseBuilder,
     except ClientGone:
         return
     except Exception as e:  # the status line is gone: report in band
-        yield _sse(_error_response(e)[1])
+        yield _sse(error_response(e)[1])
         yield _DONE
     finally:
         run.cancel()
@@ -333,151 +304,3 @@ async def _stream_events(run: _ChoiceRun, builder: ResponseBuilder,
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-# ---- request parsing, auth, errors -----------------------------------------------------------------
-
-
-async def _parse_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
-    raw = await read_body(request, max_bytes)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("the request body is not valid UTF-8") from None
-    try:  # parsed here too, only to tell malformed JSON from a wrong field in the message
-        parsed = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRequest("the request body nests too deeply") from None
-    if not isinstance(parsed, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return model.model_validate_json(text, strict=True)  # strict JSON mode: "5" is not an integer
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, or 413 as soon as it is known to be over ``max_bytes`` (never read whole into memory)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"the request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, f"the request body is over the limit of {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _api_key_check(api_keys: Sequence[str]):
-    keys = [k.encode() for k in api_keys]
-
-    async def check(request: Request) -> None:
-        if not keys:
-            return
-        token = bearer_token(request.headers.get("authorization", ""))
-        if token is None or not any(hmac.compare_digest(token.encode(), k) for k in keys):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
-
-    return check
-
-
-def _error_response(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """(status, OpenAI error body) for any exception; logs the ones that are our fault."""
-    exc = _as_api_error(exc)
-    if isinstance(exc, ApiError):
-        return exc.status_code, exc.body
-    if isinstance(exc, ClientGone):
-        return _CLIENT_GONE_STATUS, error_body("the client closed the connection", code="client_closed")
-    if isinstance(exc, InvalidRequestError):
-        return 400, error_body(str(exc), param=getattr(exc, "param", None))
-    if isinstance(exc, (ValidationError, RequestValidationError)):
-        return 400, _validation_error_body(exc.errors())
-    if isinstance(exc, StarletteHTTPException):
-        return exc.status_code, error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code))
-    log.error("internal error while serving a request", exc_info=exc)
-    return 500, error_body(f"internal server error: {type(exc).__name__}", "server_error", code="internal_error")
-
-
-def _as_api_error(exc: Exception) -> Exception:
-    """The front door's one status per overload/timeout condition (router/admission.py's table)."""
-    if isinstance(exc, OverloadedError):
-        return ApiError(429, str(exc), "rate_limit_error", code="overloaded",
-                        headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, QueueTimeoutError):
-        return ApiError(408, str(exc), "timeout_error", code="queue_timeout")
-    if isinstance(exc, DeadlineExceededError):
-        return ApiError(504, str(exc), "timeout_error", code="deadline_exceeded")
-    if isinstance(exc, NoWorkersError):
-        return ApiError(503, str(exc), "server_error", code="no_workers")
-    if isinstance(exc, _ClientTooSlow):
-        return ApiError(408, str(exc), "timeout_error", code="client_too_slow")
-    return exc
-
-
-def _error_headers(exc: Exception) -> dict[str, str]:
-    """Headers an error response must carry: Retry-After on 429, Allow on 405."""
-    exc = _as_api_error(exc)
-    if isinstance(exc, ApiError):
-        return exc.headers
-    if isinstance(exc, StarletteHTTPException):
-        return dict(exc.headers or {})
-    return {}
-
-
-def _validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
-    def where(error: Any) -> str:
-        return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-
-    described = "; ".join(f"{where(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:3])
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    # param names the top-level field: deeper locations hold pydantic's union tags ("stop.str")
-    param = where(errors[0]).split(".")[0] if errors else None
-    return error_body(f"invalid request: {described}{more}", param=param or None)
-
-
-def _health_error(message: str, detail: dict[str, Any]) -> dict[str, Any]:
-    return {**detail, "status": "unavailable", **error_body(message, "server_error", code="unhealthy")}
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
-        status, body = _error_response(exc)
-        return JSONResponse(body, status_code=status, headers=_error_headers(exc))
-
-    for exc_class in (ApiError, ClientGone, InvalidRequestError, ValidationError, RequestValidationError,
-                      StarletteHTTPException, OverloadedError, QueueTimeoutError, DeadlineExceededError,
-                      NoWorkersError):
-        app.add_exception_handler(exc_class, handle)
-    app.add_middleware(_InternalErrorMiddleware)
-
-
-class _InternalErrorMiddleware:
-    """Answers an unexpected exception with a 500 OpenAI body and keeps the connection.
-
-    Starlette's own catch-all re-raises after answering, which makes the server drop the keep-alive
-    connection; a client that pools connections then sees its next request reset.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:  # too late for a status: let the server close the connection
-                raise
-            status, body = _error_response(exc)
-            await JSONResponse(body, status_code=status, headers=_error_headers(exc))(scope, receive, send)

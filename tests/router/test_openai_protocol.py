@@ -7,9 +7,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from router.openai_protocol import (
-    ChatCompletionRequest, ChatResponses, ChoiceState, CompletionRequest, CompletionResponses,
-)
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import ChatResponses, ChoiceState, CompletionResponses
 
 
 class LetterTokenizer:
