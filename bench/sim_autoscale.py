@@ -38,6 +38,8 @@ class Autoscaling:
         self.history: deque[Observation] = deque(maxlen=HISTORY_KEPT)
         self._samples: list[tuple[str, float, str, float]] = []  # (kind, t_s, worker, value) since the last tick
         self._queue_seen: dict[str, int] = {}
+        self._work_seen: dict[str, dict] = {}  # per worker: its work counters at the last observation
+        self._arrived_seen = 0
         self.decisions: list[dict] = []
         self.timeline: list[dict] = []  # per tick: ready/starting/draining per role, targets
         self.t0_s = 0.0
@@ -71,15 +73,24 @@ class Autoscaling:
             for w in workers.values():
                 if w.role == role and w.state == "ready":
                     load = w.engine.load(role.value)
-                    out.append(WorkerSample(w.name, now - w.ready_s >= warmup, load.running, load.waiting,
-                                            load.queued_prefill_tokens, load.kv_blocks_used, load.kv_blocks_total))
+                    work, before = dict(w.engine.work), self._work_seen.get(w.name)
+                    self._work_seen[w.name] = work
+                    did = {k: v - before[k] for k, v in work.items()} if before is not None else {k: 0 for k in work}
+                    out.append(WorkerSample(
+                        w.name, now - w.ready_s >= warmup, load.running, load.waiting, load.queued_prefill_tokens,
+                        load.kv_blocks_used, load.kv_blocks_total, busy_s=did["busy_s"],
+                        prefill_tokens=did["prefill_tokens"], decode_steps=did["decode_steps"],
+                        decode_tokens=did["decode_tokens"], held_requests=len(w.engine.held),
+                        held_blocks=w.engine.held_blocks(), handoffs_waiting=len(w.waiting_handoffs)))
             return tuple(out)
 
         taken, self._samples = self._samples, []
         warm = [(k, v) for k, t, name, v in taken if t - workers[name].ready_s >= warmup]
+        arrived, self._arrived_seen = self.sim.prefill_tokens_arrived - self._arrived_seen, self.sim.prefill_tokens_arrived
         return Observation(now, samples(Role.PREFILL), samples(Role.DECODE),
                            ttft_s=tuple(v for k, v in warm if k == "ttft"),
-                           prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v in warm if k == "itl"))
+                           prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v in warm if k == "itl"),
+                           prefill_tokens_arrived=arrived)
 
     def _queue_times(self, now: float) -> tuple[float, ...]:
         bounds = LATENCY_BUCKETS_S
@@ -107,18 +118,27 @@ class Autoscaling:
 
     # ---- act ----------------------------------------------------------------------------------------
     def reconcile(self, now: float) -> None:
+        for role in Role if self.sim.hw.flip_s is not None else ():  # flips first: a rebalance's surplus
+            other = Role.DECODE if role == Role.PREFILL else Role.PREFILL  # workers change role, together
+            c, o = self._counts(role), self._counts(other)
+            for _ in range(min(self.targets[role] - c["ready"] - c["starting"], o["ready"] - self.targets[other])):
+                self._drain(now, other, flip_to=role)
         for role in Role:
             c = self._counts(role)
             if c["starting"] or c["draining"]:
-                continue  # one action per role at a time
+                continue  # one start or drain per role at a time
             if c["ready"] < self.targets[role]:
                 w = self.sim.add_worker(role, now, state="starting")
                 self.sim.at(now + self.sim.hw.startup_s, self._started, w)
             elif c["ready"] > self.targets[role]:
-                ready = [w for w in self.sim.workers.values() if w.role == role and w.state == "ready"]
-                victim = min(ready, key=lambda w: (self.sim.inflight[w.name], -w.ready_s))
-                victim.state = "draining"
-                self.sim._check_drained(now, victim)
+                self._drain(now, role)
+
+    def _drain(self, now: float, role: Role, flip_to: Role | None = None) -> None:
+        """As PoolManager: the least busy ready worker, among equals the youngest."""
+        ready = [w for w in self.sim.workers.values() if w.role == role and w.state == "ready"]
+        victim = min(ready, key=lambda w: (self.sim.inflight[w.name], -w.ready_s))
+        victim.state, victim.flip_to = "draining", flip_to
+        self.sim._check_drained(now, victim)
 
     def _started(self, now: float, w: SimWorker) -> None:
         self.sim.activate(w, now)

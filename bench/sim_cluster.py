@@ -82,6 +82,7 @@ class Hardware:
     max_num_batched_tokens: int
     net_s: float = 0.0005  # one-way router <-> worker message
     startup_s: float = 20.0  # a worker the autoscaler adds is ready this long after it was asked for
+    flip_s: float | None = 5.0  # a drained worker changes role in this long (None: no flips, drain + start)
     lease_timeout_s: float = 60.0
     tiers: TierSpec | None = None  # lower KV tiers per worker (block bytes: ``transfer.bytes_per_block``)
 
@@ -89,7 +90,7 @@ class Hardware:
         return {"name": self.name, "step_model": self.step_model.describe(), "transfer": self.transfer.describe(),
                 "block_size": self.block_size, "num_blocks": self.num_blocks, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "net_s": self.net_s,
-                "startup_s": self.startup_s, "lease_timeout_s": self.lease_timeout_s,
+                "startup_s": self.startup_s, "flip_s": self.flip_s, "lease_timeout_s": self.lease_timeout_s,
                 "tiers": self.tiers.describe() if self.tiers is not None else None}
 
 
@@ -109,6 +110,7 @@ class ClusterSim:
         self._events: list = []
         self._seq = itertools.count()
         self.itl_s: list[float] = []
+        self.prefill_tokens_arrived = 0  # uncached prompt tokens of requests that needed a prefill (the autoscaler's)
         self.counters = {"disaggregated": 0, "local_prefill": 0, "lease_expired": 0, "handoff_waits": 0,
                          "transferred_blocks": 0, "decode_hit_blocks": 0, "preemptions": 0}
         hasher = BlockHasher(hardware.block_size)  # the router's: the engine's exact hash chain
@@ -207,7 +209,9 @@ class ClusterSim:
             self._check_drained(now, w)
             return
         w.busy = True
-        self.at(now + self.hw.step_model.step_time_s(shape), self._step_done, w, sched)
+        step_s = self.hw.step_model.step_time_s(shape)
+        engine.count_step(step_s, shape)
+        self.at(now + step_s, self._step_done, w, sched)
 
     @staticmethod
     def _pool_sig(w: SimWorker) -> tuple[int, int]:
@@ -245,9 +249,20 @@ class ClusterSim:
     def _check_drained(self, now: float, w: SimWorker) -> None:
         if w.state == "draining" and not w.busy and not self.inflight[w.name] and w.engine.is_idle() \
                 and not w.waiting_handoffs and not w.inbox:
-            self.retire(w)
+            if w.flip_to is not None:  # a role flip: the engine (weights, prefix cache) stays, as in cluster/
+                w.role, w.state, w.flip_to = w.flip_to, "starting", None
+                self.at(now + self.hw.flip_s, self._flipped, w)
+            else:
+                self.retire(w)
             if self.autoscaling is not None:
                 self.autoscaling.reconcile(now)
+
+    def _flipped(self, now: float, w: SimWorker) -> None:
+        w.state, w.ready_s = "ready", now
+        self.counters["flips"] = self.counters.get("flips", 0) + 1
+        self._publish(w)
+        if self.autoscaling is not None:
+            self.autoscaling.reconcile(now)
 
     # ---- the router ---------------------------------------------------------------------------------
     def _arrive(self, now: float, f: Flight) -> None:
@@ -260,10 +275,13 @@ class ClusterSim:
         d = route(self.policies[Role.DECODE], self.index, self.tracker, Role.DECODE, decode, f.hashes, n)
         uncached_d = n - d.overlap_blocks * B
         total_blocks = -(-(n + f.output_len) // B)
+        if not prefill and uncached_d > self.dep.local_prefill_max_tokens:
+            self.prefill_tokens_arrived += uncached_d  # what a prefill pool would have computed
         f.decode_worker = d.worker
-        self.inflight[d.worker] += 1
         wd = self.workers[d.worker]
         if not prefill or uncached_d <= self.dep.local_prefill_max_tokens:
+            self.inflight[d.worker] += 1
+            f.at_decode = True
             self.counters["local_prefill"] += 1
             self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=uncached_d, num_kv_blocks=total_blocks)
             peer = self._peer(d, f)
@@ -271,6 +289,7 @@ class ClusterSim:
             return
         self.counters["disaggregated"] += 1
         p = route(self.policies[Role.PREFILL], self.index, self.tracker, Role.PREFILL, prefill, f.hashes, n)
+        self.prefill_tokens_arrived += n - p.overlap_blocks * B
         f.prefill_worker = p.worker
         self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=0, num_kv_blocks=total_blocks)
         self.tracker.dispatch(f.rid, p.worker, num_prefill_tokens=n - p.overlap_blocks * B, num_kv_blocks=-(-n // B))
@@ -301,7 +320,7 @@ class ClusterSim:
     def _fail(self, now: float, f: Flight, error: str) -> None:
         f.error = error
         for name in (f.prefill_worker, f.decode_worker):
-            if name is not None and self.tracker.finish(f.rid, name):
+            if name is not None and self.tracker.finish(f.rid, name) and (name != f.decode_worker or f.at_decode):
                 self._leave(now, self.workers[name])
         self._close(now, f)
 
@@ -318,10 +337,16 @@ class ClusterSim:
                 self._leave(now, w)
                 if out.handoff:
                     self.at(now + self.hw.lease_timeout_s, self._expire_lease, w, f)
+                    self._redirect(f)
+                    self.inflight[f.decode_worker] += 1  # it reaches D now: a drain of D waits for it from here
+                    f.at_decode = True
                     wd = self.workers[f.decode_worker]
                     self.send(t, wd, lambda t2: self._admit(t2, wd, f))
                     return
-                w = self.workers[f.decode_worker]  # ended at its first token: D is done with it too
+                self.tracker.finish(f.rid, f.decode_worker)  # ended at its first token: it never reached D
+                f.done_s = t
+                self._close(now, f)
+                return
             else:
                 self.tracker.prefill_done(f.rid, w.name)
         else:
@@ -334,6 +359,18 @@ class ClusterSim:
             f.done_s = t
             self._leave(now, w)
             self._close(now, f)
+
+    def _redirect(self, f: Flight) -> None:
+        """As ClusterBackend._redirect: a handoff whose decode worker began draining goes to a ready one."""
+        decode = self.ready(Role.DECODE)
+        if self.workers[f.decode_worker].state == "ready" or not decode:
+            return
+        d = route(self.policies[Role.DECODE], self.index, self.tracker, Role.DECODE, decode, f.hashes, len(f.prompt))
+        self.tracker.finish(f.rid, f.decode_worker)
+        f.decode_worker = d.worker
+        self.tracker.dispatch(f.rid, d.worker, num_prefill_tokens=0,
+                              num_kv_blocks=-(-(len(f.prompt) + f.output_len) // self.hw.block_size))
+        self.counters["decode_redirected"] = self.counters.get("decode_redirected", 0) + 1
 
     def _leave(self, now: float, w: SimWorker) -> None:
         self.inflight[w.name] -= 1

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from engine.block_pool import BlockPool
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
+from engine.remote_kv import handoff_reserve
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -54,8 +55,9 @@ class RemotePlan:
 class SimEngine:
     def __init__(self, worker_id: str, *, block_size: int, num_blocks: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool = True, tiers: TierSpec | None = None,
-                 bytes_per_block: float = 0.0) -> None:
+                 bytes_per_block: float = 0.0, reserve_tokens: int = 256) -> None:
         self.worker_id = worker_id
+        self.reserve_tokens = reserve_tokens  # EngineConfig.kv_handoff_reserve_tokens
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, worker_id)
         self.hasher = BlockHasher(block_size)
@@ -76,6 +78,18 @@ class SimEngine:
         self.prompt_tokens_hit = 0  # ... and their tokens found in the prefix cache (any tier, or a peer)
         self.prompt_tokens_hit_tiers = 0  # ... of those, loaded from this engine's host or disk tier
         self.prompt_tokens_hit_peer = 0  # ... or fetched from a peer (then loaded from the host tier)
+        self.work = {"busy_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0}  # as EngineStats
+
+    def count_step(self, step_s: float, shape: StepShape) -> None:
+        w = self.work
+        w["busy_s"] += step_s
+        w["prefill_tokens"] += shape.num_tokens - shape.num_decode_seqs
+        if shape.num_decode_seqs:
+            w["decode_steps"] += 1
+            w["decode_tokens"] += shape.num_decode_seqs
+
+    def held_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.held.values())
 
     # ---- queries -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -232,10 +246,12 @@ class SimEngine:
                              f"{self.worker_id} has {self.pool.num_blocks}")
         hits = self.pool.match_prefix(prompt_hashes[: n_prompt // self.block_size], prompt, self.block_size)
         need = self.blocks_needed(n_prompt) - len(hits)
-        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0)):
-            return None
         request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
         request.append_output_token(SAMPLED_TOKEN)  # the first token, sampled by the prefill worker
+        reserve = handoff_reserve(self.scheduler.running, request, self.blocks_needed(n_prompt), self.block_size,
+                                  self.reserve_tokens)  # as Engine.reserve_remote
+        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0) + reserve):
+            return None
         request.block_hashes = list(prompt_hashes)
         self.hasher.extend(request.block_hashes, request.all_token_ids)
         self.pool.touch(hits)

@@ -27,6 +27,7 @@ class Flight:
     first_s: float | None = None
     last_s: float | None = None
     done_s: float | None = None
+    at_decode: bool = False  # reached its decode worker (a drain of it waits); before that it may be redirected
     lease_expired: bool = False
     recomputed: bool = False
     error: str | None = None
@@ -48,6 +49,7 @@ class SimWorker:
     waiting_handoffs: list = field(default_factory=list)  # decode: flights waiting for blocks
     handoff_retry_sig: tuple | None = None  # decode: the pool when they last failed
     xfer_free_s: float = 0.0  # decode: when its transfer thread is free
+    flip_to: Role | None = None  # draining to change role (the autoscaler's rebalance), not to leave
     wake_s: float = float("inf")  # the engine loop's next wake-up for a copy that lands (lower tiers)
 
 

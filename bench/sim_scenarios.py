@@ -92,7 +92,7 @@ def cpu_scenario(calibration: Path = CALIBRATION, limit: int = 1000, threads: in
         rates=(0.25, 0.5, 0.75, 1.0, 1.5), autoscale_rates=(0.75, 1.5),
         autoscaler=AutoscalerConfig(enabled=True, interval_s=10.0, min_prefill=1, max_prefill=3, min_decode=1,
                                     max_decode=3, max_total_workers=4, ttft_slo_s=slo["ttft_s"],
-                                    itl_slo_s=slo["tpot_s"], warmup_s=10.0),
+                                    itl_slo_s=slo["tpot_s"], warmup_s=10.0, scale_down_intervals=12),
         budget=4, notes=("every worker has its own core (1 torch thread); the real 2-vCPU box shares 2 cores",))
 
 
@@ -107,7 +107,7 @@ def gpu_scenario(limit: int = 1000, link: str = "rdma") -> Scenario:
         autoscaler=AutoscalerConfig(enabled=True, interval_s=10.0, min_prefill=1, max_prefill=3, min_decode=1,
                                     max_decode=3, max_total_workers=4, ttft_slo_s=slo["ttft_s"],
                                     itl_slo_s=slo["tpot_s"], prefill_queued_tokens_high=32768,
-                                    decode_running_high=64, warmup_s=10.0),
+                                    decode_running_high=64, warmup_s=10.0, scale_down_intervals=12),
         budget=4, notes=("Dynamo's default max_local_prefill_length (1000) as the conditional-disagg threshold",))
 
 

@@ -9,6 +9,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
                                                                  # d. KV tiers and peers (bench/sim_tiers_study.py)
     python -m bench.simulate tier-weights --hardware gpu [--config colocated-4] [--rate 4] [--alphas 4]
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
+    python -m bench.simulate goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
+                                 # e. DistServe goodput: the autoscaler vs the best fixed split (bench/sim_goodput.py)
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
 
@@ -33,6 +35,7 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
+from bench.sim_goodput import WORKLOADS, report, study_goodput
 from bench.sim_tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
@@ -217,8 +220,8 @@ def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "run",
-                                      "calibration-check"])
+    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "goodput",
+                                      "run", "calibration-check"])
     ap.add_argument("--hardware", default=None, help="cpu, gpu or cpu,gpu (default: both for all, else cpu)")
     ap.add_argument("--limit", type=int, help="trace window (requests; default 1000)")
     ap.add_argument("--link", default="rdma", choices=["rdma", "nvlink"], help="GPU KV transfer link")
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", help="tier-weights: host,disk,peer triples separated by ';' (default: "
                     "bench/sim_tiers_study.py TIER_WEIGHT_GRID)")
     ap.add_argument("--start", type=int, default=0, help="the trace window's first request (default 0)")
+    ap.add_argument("--budgets", default="4,8", help="goodput: worker budgets")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="goodput: workloads")
+    ap.add_argument("--jobs", type=int, default=1, help="goodput: searches run in this many processes")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
     ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
     ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
@@ -248,7 +254,19 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("calibration-check needs --real")
         calibration_check(args.real, args.workload, args.threads, args.calibration, args.out_dir)
         return
-    hw = args.hardware or ("cpu,gpu" if args.study == "all" else "cpu")
+    hw = args.hardware or ("cpu,gpu" if args.study in ("all", "goodput") else "cpu")
+    if args.study == "goodput":
+        cases = study_goodput(scenarios(hw, args), tuple(int(b) for b in args.budgets.split(",")),
+                              tuple(args.workloads.split(",")), args.jobs)
+        text = report(cases)
+        print(f"\n## e. DistServe goodput (>= 90 % of requests meet both SLOs): autoscaler vs the best fixed split\n{text}")
+        save("goodput", {"study": "goodput", "cases": cases, "table": text}, args.out_dir)
+        lowest = min(cases, key=lambda c: c["lowest_ratio"])
+        print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
+        print(f"ratio: {lowest['lowest_ratio']:.3f} (lowest autoscaler / best-fixed-split goodput, per window and "
+              f"overall, over {len(cases)} cases; lowest: {lowest['scenario']} budget {lowest['budget']} "
+              f"{lowest['workload']})")
+        return
     for sc in scenarios(hw, args):
         if args.study == "run":
             doc = run_at(sc, parse_config(args.config, sc.local_prefill_max_tokens, args.policy),

@@ -2,37 +2,49 @@
 
     decisions = decide(history, pools, config)    # {Role: Decision(direction, target, reason, signals)}
 
-No Ray, no clock (times are in the observations), no I/O: cluster/pools.py observes the cluster and acts
-on the targets; tests replay signal series. Each role is judged on its own signals, never a mix
-(prefill is compute-bound, decode memory-bound; one average lets the wrong role scale):
+No Ray, no clock (times are in the observations), no I/O: cluster/pools.py (and the simulator) observe the
+cluster and act on the targets; tests replay signal series. Two halves:
 
-  prefill  queued prefill tokens per worker; TTFT p90 and prefill queue-time p90 against the TTFT SLO
-  decode   KV-cache use; running + waiting sequences per worker; inter-token latency p90 against its SLO
+**Predictive** (cluster/autoscale_estimate.py): each role's load in workers = its demand over a per-worker
+capacity learned online — prefill: uncached prompt tokens arriving per second over prompt tokens a worker
+computes per busy second (at ``prefill_target_utilization``); decode: every sequence decoding or waiting to
+(including the prompts prefill workers hold for decode) over the sequences a worker runs at the ITL target
+(a fitted step-time line) or over its KV blocks, whichever binds.
 
-The rules, in the order they are applied per role:
+**Reactive guards** (cluster/autoscale_signals.py): a load threshold or a latency p90 over its SLO in the
+latest interval, on warm workers only, asks for one more worker of the role that causes it — prefill latency
+while prefill workers hold blocks for decode, or handoffs wait for decode blocks, is decode's pressure.
+
+The rules, in order, per role:
 1. Pinned by the operator → hold. Target outside [min, max] → move it inside.
-2. An action in progress (a worker starting or draining, or ready ≠ target) → hold: one step at a time,
-   judged on the cluster that step produced — which includes waiting until a new worker is warm
-   (``warmup_s`` after it became ready) and the load had time to spread over it.
-3. Up (+1) when the latest interval shows pressure: a load signal over its threshold, averaged over the
-   *warm* workers only, or a latency p90 over its SLO, measured on warm workers' requests only (a new
-   worker's cold-start samples would otherwise scale again). Latency catches what an average hides: one
-   saturated worker behind an imbalanced router still pushes the p90 over the SLO. Capped by max and by
-   the total budget (prefill + decode targets).
-4. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the whole load would fit
-   in N−1 workers under ``scale_down_fraction`` of every threshold and SLO. The gap between the up
-   threshold and that fraction is the hysteresis: a steady load never flips between N and N−1.
-5. An idle interval is zero load and no latency samples, i.e. it fits anywhere: no NaN, so an idle
-   cluster drains to its minimum.
-Every decision carries its reason and the signals it was judged on.
+2. An action in progress (a worker starting, draining or changing role, or ready ≠ target), or a worker still
+   warming up → hold: one step at a time, judged on the cluster that step produced.
+3. Need = the estimate's workers, at least target + 1 under pressure (the estimate alone when it is larger).
+   Up (+1) when need > target and the budget (prefill + decode targets ≤ ``max_total_workers``) allows.
+4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
+   direction: n workers move — the surplus role −n and the short role +n in the same tick (code
+   ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
+   agrees. A move happens when one role needs more and the other has workers to spare (n = what one needs
+   and the other spares), or when both needs exceed the budget and the split that minimises the busier
+   role's load per worker lowers it by more than ``rebalance_margin`` (n = the distance to that split). This
+   is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules
+   step ±1.
+5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
+   ``scale_down_load_fraction`` of its capacity and the whole load would fit N−1 under ``scale_down_fraction``
+   of every threshold and SLO (the hysteresis: a steady load never flips between N and N−1). An idle interval
+   is zero load: an idle cluster drains to its minimum.
+Every decision carries its reason and the signals it was judged on (TTFT split into its parts included).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from cluster.autoscale_estimate import Estimate, estimate
+from cluster.autoscale_signals import misfit, percentile, pressure, signals
 from router.policy import Role
+
+__all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "percentile"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,15 @@ class AutoscalerConfig:
     scale_down_fraction: float = 0.5  # N−1 must carry the load under this fraction of every threshold
     scale_down_intervals: int = 3
     warmup_s: float = 10.0  # a new worker's samples are left out this long after it became ready
+    # the predictive half (cluster/autoscale_estimate.py)
+    prefill_tokens_per_s: float | None = None  # prior per-worker prefill rate until one is measured (None: none)
+    prefill_target_utilization: float = 0.7  # a prefill pool is sized to run this busy at the demand it sees
+    itl_target_fraction: float = 0.8  # decode sequences per worker are sized for ITL = this x itl_slo_s
+    estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
+    held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
+    rebalance_margin: float = 0.15  # a move must lower the bottleneck's load per worker by this fraction
+    rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
+    scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
 
     def __post_init__(self) -> None:
         from engine.errors import ConfigError
@@ -70,6 +91,13 @@ class AutoscalerConfig:
         if min(self.ttft_slo_s, self.itl_slo_s, self.decode_kv_usage_high) <= 0 or \
                 min(self.prefill_queued_tokens_high, self.decode_running_high) < 1:
             raise ConfigError("autoscaler: SLOs and thresholds must be positive")
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
+            raise ConfigError("autoscaler.prefill_tokens_per_s must be > 0 (or null: learned)")
+        for name in ("prefill_target_utilization", "itl_target_fraction", "held_blocks_high", "scale_down_load_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"autoscaler.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.rebalance_margin < 0 or min(self.estimate_window, self.rebalance_intervals) < 1:
+            raise ConfigError("autoscaler: rebalance_margin must be >= 0, estimate_window and rebalance_intervals >= 1")
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == Role.PREFILL else (self.min_decode, self.max_decode)
@@ -90,6 +118,15 @@ class WorkerSample:
     queued_prefill_tokens: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # what the interval's work was (differences of the worker's counters over the interval)
+    busy_s: float = 0.0  # seconds its engine spent in steps
+    prefill_tokens: int = 0  # prompt tokens it computed
+    decode_steps: int = 0  # steps that sampled decode tokens ...
+    decode_tokens: int = 0  # ... and the tokens they sampled
+    # the decode backlog, wherever it waits (at the end of the interval)
+    held_requests: int = 0  # prefill: handed-off prompts whose blocks it holds under a lease for decode ...
+    held_blocks: int = 0  # ... and those blocks
+    handoffs_waiting: int = 0  # decode: handoffs waiting for free blocks
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,8 @@ class Observation:
     ttft_s: tuple[float, ...] = ()
     prefill_queue_s: tuple[float, ...] = ()
     itl_s: tuple[float, ...] = ()
+    prefill_tokens_arrived: int = 0  # uncached prompt tokens of the interval's requests that needed a prefill
+    ttft_parts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # queue, compute, ... samples (s)
 
 
 @dataclass(frozen=True)
@@ -119,127 +158,184 @@ class Decision:
     direction: str  # up | down | hold
     target: int
     reason: str  # for people
-    code: str  # for metrics labels (few values): below_min, queued_prefill_tokens, ttft_slo, fits_in_fewer, ...
+    code: str  # for metrics labels (few values): below_min, queued_prefill_tokens, rebalance, fits_in_fewer, ...
     signals: Mapping[str, float | None] = field(default_factory=dict)
     t_s: float | None = None
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile; 0.0 for no samples (an idle interval has no latency to complain about)."""
-    if not samples:
-        return 0.0
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+def other_role(role: Role) -> Role:
+    return Role.DECODE if role == Role.PREFILL else Role.PREFILL
 
 
 def decide(history: Sequence[Observation], pools: Mapping[Role, PoolState], config: AutoscalerConfig) -> dict[Role, Decision]:
     history = list(history)  # a deque (the pool manager keeps one) does not slice
-    out: dict[Role, Decision] = {}
-    for role in (Role.PREFILL, Role.DECODE):
-        other = Role.DECODE if role == Role.PREFILL else Role.PREFILL
-        out[role] = _decide_role(role, history, pools[role], pools[other].target, config)
+    cfg = config
+    t_s = history[-1].t_s if history else None
+    memo: dict[int, Estimate] = {}
+    if history:
+        memo[len(history) - 1] = estimate(history, cfg)
+    sigs = {role: _role_signals(role, history, memo.get(len(history) - 1), cfg) for role in Role}
+
+    def decision(role: Role, direction: str, target: int, code: str, reason: str) -> Decision:
+        return Decision(role, direction, target, reason, code, sigs[role], t_s)
+
+    out = {role: _guard(role, history, pools[role], sigs[role], cfg, decision) for role in Role}
+    free = [role for role in Role if out[role] is None]
+    if not free:
+        return out
+    needs = {role: _need(role, history, len(history) - 1, pools[role].target, cfg, memo) for role in Role}
+    targets = {role: pools[role].target for role in Role}
+    if len(free) == 2:
+        move = _rebalance(history, targets, cfg, memo)
+        if move is not None:
+            src, dst, n, why = move
+            out[src] = decision(src, "down", targets[src] - n, "rebalance", why)
+            out[dst] = decision(dst, "up", targets[dst] + n, "rebalance", why)
+            return out
+    for role in free:
+        out[role] = _step(role, history, targets, needs[role], cfg, decision, memo)
     return out
 
 
-def _decide_role(role: Role, history: Sequence[Observation], pool: PoolState, other_target: int,
-                 cfg: AutoscalerConfig) -> Decision:
+def _role_signals(role: Role, history: Sequence[Observation], est: Estimate | None, cfg: AutoscalerConfig) -> dict:
+    if not history:
+        return {}
+    need = (est.prefill if role == Role.PREFILL else est.decode)
+    return {**signals(role, history[-1], cfg), **need.signals}
+
+
+def _guard(role: Role, history, pool: PoolState, sig, cfg: AutoscalerConfig, decision) -> Decision | None:
+    """Rules 1-2: the decisions that do not look at the load."""
     lo, hi = cfg.bounds(role)
-    t_s = history[-1].t_s if history else None
-    signals = _signals(role, history[-1], cfg) if history else {}
-
-    def decision(direction: str, target: int, code: str, reason: str) -> Decision:
-        return Decision(role, direction, target, reason, code, signals, t_s)
-
     if pool.pinned:
-        return decision("hold", pool.target, "pinned", "pinned by the operator")
+        return decision(role, "hold", pool.target, "pinned", "pinned by the operator")
     if pool.target < lo:
-        return decision("up", lo, "below_min", f"target {pool.target} is below the minimum {lo}")
+        return decision(role, "up", lo, "below_min", f"target {pool.target} is below the minimum {lo}")
     if pool.target > hi:
-        return decision("down", hi, "above_max", f"target {pool.target} is above the maximum {hi}")
+        return decision(role, "down", hi, "above_max", f"target {pool.target} is above the maximum {hi}")
     if pool.starting or pool.draining or pool.ready != pool.target:
-        return decision("hold", pool.target, "in_progress", f"action in progress ({pool.ready} ready, "
+        return decision(role, "hold", pool.target, "in_progress", f"action in progress ({pool.ready} ready, "
                         f"{pool.starting} starting, {pool.draining} draining, target {pool.target})")
     if not history:
-        return decision("hold", pool.target, "no_data", "no observations yet")
-    if signals.get("warming_workers"):
-        return decision("hold", pool.target, "warming", f"{signals['warming_workers']} worker(s) still warming up: "
+        return decision(role, "hold", pool.target, "no_data", "no observations yet")
+    if sig.get("warming_workers"):
+        return decision(role, "hold", pool.target, "warming", f"{sig['warming_workers']} worker(s) still warming up: "
                         "the load has not spread over them yet")
-    pressure = _pressure(role, signals, cfg)
-    if pressure is not None:
-        code, why = pressure
-        if pool.target >= hi:
-            return decision("hold", pool.target, "at_max", f"{why}, but the pool is at its maximum {hi}")
-        if pool.target + 1 + other_target > cfg.budget:
-            return decision("hold", pool.target, "budget", f"{why}, but the budget of {cfg.budget} workers is used")
-        return decision("up", pool.target + 1, code, why)
-    if pool.target <= lo:
-        return decision("hold", pool.target, "at_min", "no pressure; at the minimum")
-    window = history[-cfg.scale_down_intervals:]
-    if len(window) < cfg.scale_down_intervals:
-        return decision("hold", pool.target, "short_history", f"no pressure; {len(window)} of "
+    return None
+
+
+def _need(role: Role, history: Sequence[Observation], i: int, target: int, cfg: AutoscalerConfig,
+          memo: dict[int, Estimate]) -> tuple[float, int, tuple[str, str] | None]:
+    """(load in workers, workers needed, pressure) as of observation ``i``: the estimate, raised to target + 1
+    under pressure; an unmeasurable estimate counts as the current target. Not capped at the role's maximum
+    (the caller says "at_max"). ``memo``: the estimates of this decide() call, by observation index."""
+    if i not in memo:
+        memo[i] = estimate(history, cfg, upto=i)
+    est = memo[i]
+    need = est.prefill if role == Role.PREFILL else est.decode
+    learned = bool(need.signals.get("decode_seq_capacity_learned"))
+    push = pressure(role, signals(role, history[i], cfg), cfg, seq_capacity_learned=learned)
+    load = need.load if need.load is not None else float(target)
+    if push is not None:
+        load = max(load, target + 1.0)
+    return load, max(cfg.bounds(role)[0], need.workers if need.load is not None else target,
+                     target + 1 if push else 0), push
+
+
+def _step(role: Role, history, targets: Mapping[Role, int], need, cfg: AutoscalerConfig, decision, memo) -> Decision:
+    """Rules 3 and 5 for one role."""
+    target, other = targets[role], targets[other_role(role)]
+    lo, hi = cfg.bounds(role)
+    load, workers, push = need
+    if workers > target:
+        code, why = push if push is not None else ("predicted_demand", f"predicted load {load:.2f} workers "
+                                                   f"needs {workers} (> {target})")
+        if target >= hi:
+            return decision(role, "hold", target, "at_max", f"{why}, but the pool is at its maximum {hi}")
+        if target + 1 + other > cfg.budget:
+            return decision(role, "hold", target, "budget", f"{why}, but the budget of {cfg.budget} workers is used")
+        return decision(role, "up", target + 1, code, why)
+    if target <= lo:
+        return decision(role, "hold", target, "at_min", "no pressure; at the minimum")
+    window = range(len(history) - cfg.scale_down_intervals, len(history))
+    if window.start < 0:
+        return decision(role, "hold", target, "short_history", f"no pressure; {len(history)} of "
                         f"{cfg.scale_down_intervals} intervals observed before a scale-down")
-    misfit = next((r for r in (_misfit(role, obs, pool.target - 1, cfg) for obs in window) if r), None)
-    if misfit is not None:
-        return decision("hold", pool.target, "no_fit", f"no pressure, but the load would not fit in "
-                        f"{pool.target - 1}: {misfit}")
-    return decision("down", pool.target - 1, "fits_in_fewer", f"the load fitted in {pool.target - 1} worker(s) "
+    for i in window:
+        load_i, workers_i, push_i = _need(role, history, i, target, cfg, memo)
+        measured = (memo[i].prefill if role == Role.PREFILL else memo[i].decode).load is not None
+        if push_i is not None or measured and (workers_i > target - 1 or
+                                               load_i > (target - 1) * cfg.scale_down_load_fraction):
+            return decision(role, "hold", target, "no_fit", f"no pressure, but the predicted load {load_i:.2f} "
+                            f"workers at t={history[i].t_s:g} needs {workers_i}")
+        why = misfit(role, history[i], target - 1, cfg)
+        if why is not None:
+            return decision(role, "hold", target, "no_fit", f"no pressure, but the load would not fit in "
+                            f"{target - 1}: {why}")
+    return decision(role, "down", target - 1, "fits_in_fewer", f"the load fitted in {target - 1} worker(s) "
                     f"under {cfg.scale_down_fraction:.0%} of every threshold for {cfg.scale_down_intervals} intervals")
 
 
-def _signals(role: Role, obs: Observation, cfg: AutoscalerConfig) -> dict[str, float | None]:
-    """The role's signals in the latest interval, load averaged over warm workers."""
-    samples = obs.prefill if role == Role.PREFILL else obs.decode
-    warm = [s for s in samples if s.warm]
-    n = len(warm)
-    if role == Role.PREFILL:
-        return {"warm_workers": n, "warming_workers": len(samples) - n,
-                "queued_prefill_tokens_per_worker": sum(s.queued_prefill_tokens for s in warm) / n if n else None,
-                "ttft_p90_s": percentile(obs.ttft_s, 90), "prefill_queue_p90_s": percentile(obs.prefill_queue_s, 90),
-                "requests": len(obs.ttft_s)}
-    total = sum(s.kv_blocks_total for s in warm)
-    return {"warm_workers": n, "warming_workers": len(samples) - n,
-            "kv_usage": sum(s.kv_blocks_used for s in warm) / total if total else None,
-            "running_per_worker": sum(s.running + s.waiting for s in warm) / n if n else None,
-            "itl_p90_s": percentile(obs.itl_s, 90), "tokens": len(obs.itl_s)}
+def best_split(loads: Mapping[Role, float], budget: int, cfg: AutoscalerConfig) -> tuple[int, float]:
+    """(prefill workers, bottleneck load per worker) of the split of ``budget`` that minimises the busier
+    role's load per worker; ties go to more decode workers (decode's backlog also stalls prefill)."""
+    lo_p, hi_p = cfg.bounds(Role.PREFILL)
+    lo_d, hi_d = cfg.bounds(Role.DECODE)
+    best = None
+    for p in range(max(lo_p, budget - hi_d), min(hi_p, budget - lo_d) + 1):
+        rho = per_worker(loads, p, budget - p)
+        if best is None or rho < best[1] - 1e-12:
+            best = (p, rho)
+    return best if best is not None else (lo_p, float("inf"))
 
 
-def _pressure(role: Role, sig: Mapping[str, float | None], cfg: AutoscalerConfig) -> tuple[str, str] | None:
-    """(code, reason) when the latest interval asks for one more worker, else None."""
-    if role == Role.PREFILL:
-        checks = [("queued_prefill_tokens_per_worker", cfg.prefill_queued_tokens_high, "queued_prefill_tokens",
-                   "queued prefill tokens per worker"),
-                  ("ttft_p90_s", cfg.ttft_slo_s, "ttft_slo", "TTFT p90 (s) over the SLO"),
-                  ("prefill_queue_p90_s", cfg.ttft_slo_s, "prefill_queue_slo",
-                   "prefill queue time p90 (s) over the TTFT SLO")]
-    else:
-        checks = [("kv_usage", cfg.decode_kv_usage_high, "kv_usage", "KV-cache use"),
-                  ("running_per_worker", cfg.decode_running_high, "running_seqs", "running sequences per worker"),
-                  ("itl_p90_s", cfg.itl_slo_s, "itl_slo", "inter-token latency p90 (s) over the SLO")]
-    for key, limit, code, label in checks:
-        value = sig.get(key)
-        if value is not None and value > limit:
-            return code, f"{label}: {value:.3g} > {limit:.3g}"
-    return None
+def per_worker(loads: Mapping[Role, float], p: int, d: int) -> float:
+    """The bottleneck's load per worker of a split (no prefill worker: the decode workers prefill too)."""
+    if d <= 0:
+        return float("inf")
+    if p == 0:
+        return (loads[Role.PREFILL] + loads[Role.DECODE]) / d
+    return max(loads[Role.PREFILL] / p, loads[Role.DECODE] / d)
 
 
-def _misfit(role: Role, obs: Observation, n: int, cfg: AutoscalerConfig) -> str | None:
-    """Why the interval's whole load would not fit in ``n`` workers with the hysteresis margin (None: it fits)."""
-    f = cfg.scale_down_fraction
-    samples = obs.prefill if role == Role.PREFILL else obs.decode
-    if role == Role.PREFILL:
-        checks = [(sum(s.queued_prefill_tokens for s in samples) / n, f * cfg.prefill_queued_tokens_high,
-                   "queued prefill tokens per worker"),
-                  (percentile(obs.ttft_s, 90), f * cfg.ttft_slo_s, "TTFT p90 (s)"),
-                  (percentile(obs.prefill_queue_s, 90), f * cfg.ttft_slo_s, "prefill queue p90 (s)")]
-    else:
-        per_worker_blocks = sum(s.kv_blocks_total for s in samples) / len(samples) if samples else 0
-        used = sum(s.kv_blocks_used for s in samples)
-        checks = [(used / (n * per_worker_blocks) if per_worker_blocks else 0.0, f * cfg.decode_kv_usage_high,
-                   "KV-cache use"),
-                  (sum(s.running + s.waiting for s in samples) / n, f * cfg.decode_running_high,
-                   "running sequences per worker"),
-                  (percentile(obs.itl_s, 90), f * cfg.itl_slo_s, "inter-token latency p90 (s)")]
-    for value, limit, label in checks:
-        if value >= limit and value > 0:
-            return f"{label} {value:.3g} >= {limit:.3g} at t={obs.t_s:g}"
-    return None
+def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg: AutoscalerConfig,
+               memo: dict[int, Estimate]) -> tuple[Role, Role, int, str] | None:
+    """Rule 4: (from role, to role, workers, reason) when workers should move at the budget, else None."""
+    if len(history) < cfg.rebalance_intervals:
+        return None
+    p, d = targets[Role.PREFILL], targets[Role.DECODE]
+    if p + d < cfg.budget:
+        return None  # below the budget: rule 3 grows the short role instead
+    budget = p + d
+    moves = []
+    for i in range(len(history) - cfg.rebalance_intervals, len(history)):
+        needs = {role: _need(role, history, i, targets[role], cfg, memo) for role in Role}
+        loads = {role: needs[role][0] for role in Role}
+        short = [role for role in Role if needs[role][1] > targets[role]]
+        if not short:
+            return None  # nobody needs more: rule 5 may scale down
+        if len(short) == 1 and needs[other_role(short[0])][1] < targets[other_role(short[0])]:
+            # one role is short and the other has workers to spare: trade what one needs and the other spares
+            dst = short[0]
+            src = other_role(dst)
+            n = min(needs[dst][1] - targets[dst], targets[src] - max(needs[src][1], cfg.bounds(src)[0]),
+                    cfg.bounds(dst)[1] - targets[dst])
+            if n < 1:
+                return None
+            best_p = p + n if dst == Role.PREFILL else p - n
+            moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p)))
+            continue
+        best_p, best_rho = best_split(loads, budget, cfg)
+        now_rho = per_worker(loads, p, d)
+        if best_p == p or now_rho <= (1 + cfg.rebalance_margin) * best_rho:
+            return None
+        moves.append((best_p, loads, now_rho, best_rho))
+    if len({m[0] > p for m in moves}) != 1:
+        return None  # the intervals disagree on the direction
+    best_p, loads, now_rho, best_rho = moves[-1]
+    n = min(abs(m[0] - p) for m in moves)  # as far as every interval agrees
+    src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
+    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} / decode "
+                         f"{loads[Role.DECODE]:.2f} workers; {p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
+                         f"worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
+                         f"{src.value} → {dst.value}")

@@ -32,6 +32,10 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts at it)
+    # decode role: a handoff is admitted only if the blocks left free still let every sequence already here grow
+    # by this many tokens (or to its max_tokens, if sooner): a full decode worker stops admitting instead of
+    # preempting a running sequence and recomputing its long prompt (engine/remote_kv.py). 0: no reserve.
+    kv_handoff_reserve_tokens: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -54,6 +58,9 @@ class EngineConfig:
             raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if isinstance(self.kv_handoff_reserve_tokens, bool) or not isinstance(self.kv_handoff_reserve_tokens, int) \
+                or self.kv_handoff_reserve_tokens < 0:
+            raise ConfigError(f"kv_handoff_reserve_tokens must be an integer >= 0, got {self.kv_handoff_reserve_tokens!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in ("auto", "torch", "cpu", "triton"):

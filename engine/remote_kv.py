@@ -9,6 +9,24 @@ from engine.request import Request, RequestStatus
 from engine.stopping import held_chars
 
 
+def growth_blocks(request: Request, block_size: int, reserve_tokens: int, num_blocks: int | None = None) -> int:
+    """Blocks ``request`` may still take to grow by ``reserve_tokens`` (or to its max_tokens, if sooner), holding
+    ``num_blocks`` (default: the blocks it holds)."""
+    end = min(request.num_prompt_tokens + request.params.max_tokens, request.num_tokens + reserve_tokens)
+    held = len(request.blocks) if num_blocks is None else num_blocks
+    return max(0, -(-end // block_size) - held)
+
+
+def handoff_reserve(running, request: Request, num_blocks: int, block_size: int, reserve_tokens: int) -> int:
+    """Blocks a decode worker keeps free when it admits ``request`` (which will hold ``num_blocks``): room for
+    it and every running sequence to grow by ``reserve_tokens``. 0 when nothing runs (admitted whenever its
+    prompt fits: never a deadlock) or with no reserve."""
+    if not running or reserve_tokens <= 0:
+        return 0
+    return (sum(growth_blocks(r, block_size, reserve_tokens) for r in running)
+            + growth_blocks(request, block_size, reserve_tokens, num_blocks))
+
+
 class RemoteKVMixin:
     # ---- disaggregation: prefill role ------------------------------------------------------------
     def _hand_off(self, request: Request) -> KVHandoff:
@@ -57,7 +75,9 @@ class RemoteKVMixin:
         n_prompt = request.num_prompt_tokens
         hits = self.pool.match_prefix(request.block_hashes, request.all_token_ids, B)[: n_prompt // B]
         need = len(handoff.block_ids) - len(hits)
-        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0)):
+        reserve = handoff_reserve(self.scheduler.running, request, len(handoff.block_ids), B,
+                                  self.config.kv_handoff_reserve_tokens)
+        if not self.pool.can_allocate(need + sum(1 for b in hits if b.ref_count == 0) + reserve):
             return None
         self.pool.touch(hits)
         request.blocks = hits + self.pool.allocate(need)

@@ -99,8 +99,8 @@ class ClusterBackend(Backend):
         self.decode_policy = decode_policy or CacheAwarePolicy(hasher.block_size)
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.metrics = metrics
-        self.counters = {"disaggregated": 0, "local_prefill": 0, "errors": 0, "aborted": 0, "replaced": 0,
-                         "migrated": 0}
+        self.counters = {"disaggregated": 0, "local_prefill": 0, "decode_redirected": 0, "errors": 0, "aborted": 0,
+                         "replaced": 0, "migrated": 0}
         # blocks borrowed from a peer for a prefill: lent, not held any more, asking failed (computed instead)
         self.peer_fetches = {"lent": 0, "gone": 0, "failed": 0}
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
@@ -223,7 +223,7 @@ class ClusterBackend(Backend):
         if p.peer is not None and p.peer in prefill:  # the cluster pool: read what the peer holds, not compute it
             borrow = (prefill[p.peer], hashes[:p.overlap_blocks + p.peer_blocks])
         return self._disaggregated(rid, ids, params, prefill[p.worker], decode[d.worker],
-                                   len(ids) - p.overlap_blocks * B, total_blocks, timing, borrow)
+                                   len(ids) - p.overlap_blocks * B, total_blocks, timing, borrow, hashes)
 
     def _count_route(self, role: Role, outcome: str) -> None:
         if self.metrics is not None:
@@ -264,7 +264,7 @@ class ClusterBackend(Backend):
         return lent
 
     async def _disaggregated(self, rid, ids, params, p: WorkerClient, d: WorkerClient, uncached: int,
-                             total_blocks: int, timing: RequestTiming | None, borrow=None):
+                             total_blocks: int, timing: RequestTiming | None, borrow=None, hashes=()):
         # D is committed to this request from now: its predicted load counts it (so requests arriving together
         # spread over the decode pool) and a drain must wait for it
         self.inflight[d.worker_id] += 1
@@ -288,6 +288,7 @@ class ClusterBackend(Backend):
                 yield self._timed(timing, p, first)
                 return
             yield self._timed(timing, p, dataclasses.replace(first, finished=False, finish_reason=None, handoff=None))
+            d = self._redirect(rid, d, hashes, len(ids), total_blocks)
             done = False
             try:
                 async for out in self._guard(d.decode(handoff), rid, d):
@@ -303,6 +304,22 @@ class ClusterBackend(Backend):
         finally:
             self.tracker.finish(rid, d.worker_id)
             self.inflight[d.worker_id] -= 1
+
+    def _redirect(self, rid: str, d: WorkerClient, hashes, num_tokens: int, total_blocks: int) -> WorkerClient:
+        """The decode worker chosen at arrival began draining (a scale-down, or a role flip) while the prompt was
+        prefilled: nothing runs there yet, so the handoff goes to a ready decode worker instead (counted)."""
+        decode = self.decode
+        if d.worker_id in decode or not decode:
+            return d
+        new = decode[route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(decode), list(hashes),
+                           num_tokens, peers=()).worker]
+        self.tracker.finish(rid, d.worker_id)
+        self.inflight[d.worker_id] -= 1
+        self.inflight[new.worker_id] += 1
+        self.tracker.dispatch(rid, new.worker_id, num_prefill_tokens=0, num_kv_blocks=total_blocks)
+        self.counters["decode_redirected"] += 1
+        log.info("%s: decode worker %s is draining; the handoff goes to %s", rid, d.worker_id, new.worker_id)
+        return new
 
     async def _call(self, coro, rid: str, worker: WorkerClient):
         try:

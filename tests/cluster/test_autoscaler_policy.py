@@ -149,3 +149,93 @@ def test_config_is_validated():
                 dict(scale_down_fraction=1.0), dict(max_total_workers=1), dict(ttft_slo_s=0)):
         with pytest.raises(ConfigError):
             AutoscalerConfig(**bad)
+
+
+# ---- the predictive half, decode pressure where it shows, rebalancing (issue 24) ----------------------------
+
+BUDGET4 = dataclasses.replace(CFG, max_total_workers=4, rebalance_intervals=2)
+
+
+def loaded(t, *, p=2, d=2, arrived=0, busy=0.0, computed=0, held=0, held_blocks=0, waiting_handoffs=0,
+           running=0, used=0, ttft=(), itl=(), steps=0, tokens=0, dbusy=0.0):
+    """An interval with the predictive signals: prefill tokens that arrived, what prefill workers computed
+    in how much busy time, the decode backlog held on prefill workers and waiting on decode workers."""
+    pre = tuple(WorkerSample(f"prefill-{i}", True, busy_s=busy / p, prefill_tokens=computed // p,
+                             held_requests=held // p, held_blocks=held_blocks // p, kv_blocks_total=100)
+                for i in range(p))
+    dec = tuple(WorkerSample(f"decode-{i}", True, running=running // d, kv_blocks_used=used // d, kv_blocks_total=100,
+                             handoffs_waiting=waiting_handoffs // d, busy_s=dbusy / d, decode_steps=steps // d,
+                             decode_tokens=tokens // d) for i in range(d))
+    return Observation(t, pre, dec, ttft_s=tuple(ttft), itl_s=tuple(itl), prefill_tokens_arrived=arrived)
+
+
+def test_prefill_latency_caused_by_decode_scales_decode_not_prefill():
+    """The GPU finding: decode is full, prefill workers keep the handed-off blocks, their queues stall and
+    TTFT breaks the SLO. The old policy grew prefill; the pressure belongs to decode."""
+    o = loaded(0, p=1, d=1, held=6, held_blocks=60, ttft=[3.0] * 10, used=95, running=8)
+    out = decide([o], steady(1, 1), BUDGET4)
+    assert out[P].direction == "hold" and (out[D].direction, out[D].target) == ("up", 2)
+    assert out[D].code in ("kv_usage", "prefill_blocks_held_for_decode")
+    assert out[P].signals["prefill_blocks_held_for_decode"] == pytest.approx(0.6)
+    waiting = loaded(0, p=1, d=1, waiting_handoffs=3, ttft=[3.0] * 10)
+    out = decide([waiting], steady(1, 1), BUDGET4)
+    assert out[P].direction == "hold" and (out[D].direction, out[D].code) == ("up", "handoffs_waiting")
+
+
+def test_prefill_capacity_is_learned_and_sizes_the_pool():
+    # each interval (2 s): 1,000 tokens computed in 2 busy seconds = 500 tok/s per worker; 2,000 tok/s arrive
+    hist = [loaded(t * 2, p=1, d=1, arrived=4000, busy=2.0, computed=1000) for t in range(3)]
+    d = decide(hist, steady(1, 1), CFG)[P]
+    assert d.signals["prefill_capacity_tokens_per_s"] == pytest.approx(500)
+    assert d.signals["prefill_load_workers"] == pytest.approx(2000 / (500 * CFG.prefill_target_utilization))
+    assert (d.direction, d.target, d.code) == ("up", 2, "predicted_demand")  # one step at a time below the budget
+
+
+def test_decode_sequence_capacity_is_fitted_from_step_times():
+    """step = 20 ms + 2 ms x batch: at the 0.1 s ITL target x 0.8 a worker runs (0.08 - 0.02) / 0.002 = 30."""
+    hist = []
+    for t, batch in enumerate((5, 10, 20, 40)):
+        steps = 100
+        hist.append(loaded(t * 2, p=1, d=1, steps=steps, tokens=steps * batch, dbusy=steps * (0.02 + 0.002 * batch),
+                           running=batch))
+    d = decide(hist, steady(1, 1), CFG)[D]
+    assert d.signals["decode_seq_capacity_learned"] == 1.0
+    assert d.signals["decode_seq_capacity"] == pytest.approx(30.0)
+    assert d.signals["decode_load_workers"] == pytest.approx(40 / 30)  # the backlog of the latest interval
+
+
+def test_rebalance_moves_workers_at_the_budget_when_the_intervals_agree():
+    # 2P+2D at the budget of 4; prefill needs ~3 workers (learned 500 tok/s, 1,050 tok/s arriving), decode idle
+    busy = [loaded(t * 2, arrived=2100, busy=4.0, computed=2000) for t in range(2)]
+    out = decide(busy[:1], steady(2, 2), BUDGET4)
+    assert out[P].direction == out[D].direction == "hold" and out[P].code == "budget"  # one interval: no move
+    out = decide(busy, steady(2, 2), BUDGET4)
+    assert (out[P].direction, out[P].target, out[P].code) == ("up", 3, "rebalance")
+    assert (out[D].direction, out[D].target, out[D].code) == ("down", 1, "rebalance")
+    assert "decode → prefill" in out[P].reason and out[P].reason == out[D].reason
+    # both roles over the budget: the split that evens their load per worker, when it helps by the margin
+    both = [loaded(t * 2, p=3, d=1, arrived=2100, busy=6.0, computed=3000, running=30) for t in range(2)]
+    out = decide(both, steady(3, 1), dataclasses.replace(BUDGET4, decode_running_high=10))
+    assert (out[P].target, out[D].target) == (2, 2) and out[D].code == "rebalance"
+
+
+@pytest.mark.parametrize("arrived, held", [(1400, 0), (1500, 0), (1700, 0), (2100, 0), (0, 19), (0, 21),
+                                           (1500, 19), (2100, 21)])
+def test_steady_predicted_loads_keep_a_constant_split_for_40_intervals(arrived, held):
+    """Must-show 3: steady loads at and around each threshold (prefill 1,400 tok/s per worker = 2 workers at
+    500 tok/s x 0.7; decode 20 sequences per worker) never flap, rebalancing and scaling included."""
+    cfg = dataclasses.replace(BUDGET4, max_total_workers=5)
+    targets = {P: 2, D: 2}
+    seen = []
+    for t in range(40):
+        p, d = targets[P], targets[D]
+        o = loaded(t * 2, p=p, d=d, arrived=arrived * 2, busy=min(2.0 * p, arrived * 2 / 500),
+                   computed=arrived * 2, held=held, running=held * 0 + 10 * d)
+        for role, dec in decide([*(seen[-31:]), o], {r: PoolState(targets[r], targets[r]) for r in (P, D)},
+                                cfg).items():
+            targets[role] = dec.target
+        seen.append(o)
+        if t == 10:
+            settled = dict(targets)
+        if t > 10:
+            assert targets == settled, (t, targets, settled)

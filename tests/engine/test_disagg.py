@@ -200,3 +200,28 @@ def test_received_kv_filling_the_pool_cannot_deadlock_the_decode_engine(model_di
     assert D.scheduler.num_preemptions >= 1
     D.pool.check()
     assert D.pool.num_used_blocks == 0
+
+
+def test_a_decode_engine_keeps_room_for_its_running_sequences_to_grow(model_dir):
+    """The handoff watermark (kv_handoff_reserve_tokens): a full decode worker stops admitting instead of
+    admitting and then preempting a running sequence (which recomputes its whole prompt)."""
+    P = engine(model_dir)
+    sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    P.add_request("a", prompt_token_ids=list(range(3, 80)), params=sp, remote_decode=True)  # 77 tokens: 5 blocks
+    handoff = next(o.handoff for o in P.step() if o.handoff)
+
+    def decode_engine(reserve: int, hog: bool) -> Engine:
+        D = engine(model_dir, num_blocks=15, kv_handoff_reserve_tokens=reserve)
+        if hog:  # 40 tokens (3 blocks) that will grow to 104 (7 blocks): 4 more
+            D.add_request("hog", prompt_token_ids=list(range(100, 140)), params=sp)
+            D.step()
+            assert D.scheduler.running
+        return D
+
+    # 12 blocks free; the handoff takes 5 and both sequences may grow by 64 tokens: 4 + 4 more
+    assert decode_engine(0, hog=True).reserve_remote(handoff) is not None  # no reserve: 5 <= 12
+    assert decode_engine(64, hog=True).reserve_remote(handoff) is None  # 5 + 8 > 12: wait for room
+    assert decode_engine(32, hog=True).reserve_remote(handoff) is not None  # 5 + 2 + 2 <= 12
+    assert decode_engine(64, hog=False).reserve_remote(handoff) is not None  # alone: admitted when its prompt fits
+    with pytest.raises(Exception, match="kv_handoff_reserve_tokens"):
+        engine(model_dir, kv_handoff_reserve_tokens=-1)

@@ -1,0 +1,242 @@
+"""DistServe goodput in the simulator: the autoscaler against the best fixed P:D split, per window and overall.
+
+    python -m bench.simulate goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift]
+                                     [--limit N] [--jobs J]
+
+Goodput is DistServe's: the highest request rate at which >= 90 % of requests meet both the TTFT and the TPOT
+target. Each configuration's rate is searched on a geometric grid (``GRID_STEP`` apart: exponential steps
+from a first guess, then bisection), assuming attainment falls as the rate grows. Per window: the requests
+are cut into ``WINDOWS`` equal slices in arrival order (the same requests at every rate), and a window's
+goodput is the highest grid rate at which >= 90 % *of that window's* requests meet both targets — so a
+configuration that is right for one phase of a workload and wrong for another shows it.
+
+Configurations at budget B: every fixed split pP+(B-p)D, p = 1 .. B-1 (the best of them per window and
+overall is the baseline), the autoscaler (cluster.autoscaler.decide with min 1 / max B-1 per role and
+``max_total_workers`` B, starting from an even split: a cluster that was up before the load), and colocated-B
+as a reference (not a P:D split: reported, not in the ratio).
+
+Workloads, from the scenario's Mooncake window (bench/sim_scenarios.py):
+- ``mooncake``: the trace as it is;
+- ``burst``: the third quarter of the requests arrives 3x as fast (the arrival gaps there divided by 3);
+- ``shift``: the input/output mix turns over at half-time — the first half prompt-heavy (outputs / 4), the
+  second half decode-heavy (prompts cut to a quarter, whole blocks; outputs x 4 up to the scenario's cap).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable
+
+from bench.metrics import meets_slo
+from bench.sim_cluster import Deployment
+from bench.sim_scenarios import Scenario, at_rate, simulate_run, trace, workload_desc
+
+# SLOs of this study: the TTFT target grows with the prompt (bench.metrics.meets_slo), because the idle
+# cluster itself misses a flat target on the trace's long prompts (CPU idle TTFT p90 5 s, GPU 1.3 s, p99 6.6 s)
+# and 90 % attainment would then be out of reach at any rate. Idle attainment with these: 0.99 (both).
+GOODPUT_SLO = {"cpu": {"ttft_s": 2.0, "ttft_per_token_s": 0.010, "tpot_s": 0.25},
+               "gpu": {"ttft_s": 1.0, "ttft_per_token_s": 0.0001, "tpot_s": 0.05}}
+WINDOWS = 4
+ATTAINMENT = 0.9
+GRID_STEP = 1.1
+MAX_STEPS = 60  # grid indices searched each way from the first guess
+WORKLOADS = ("mooncake", "burst", "shift")
+
+
+def spread(reqs: list) -> list:
+    """The trace's timestamps lie on a 3-second grid (bursts of up to 28 requests at one instant, whatever the
+    rate): requests that share a timestamp are spread evenly until the next one, so a slower rate really is
+    less load (docs/simulator.md). Order and mean rate are kept."""
+    out, i = [], 0
+    while i < len(reqs):
+        j = i
+        while j < len(reqs) and reqs[j].arrival_s == reqs[i].arrival_s:
+            j += 1
+        t0 = reqs[i].arrival_s
+        gap = (reqs[j].arrival_s - t0) if j < len(reqs) else 0.0
+        out += [dataclasses.replace(r, arrival_s=t0 + gap * (m / (j - i))) for m, r in enumerate(reqs[i:j])]
+        i = j
+    return out
+
+
+def make_workload(name: str, sc: Scenario) -> list:
+    """The scenario's trace window (its grid spread out) reshaped as ``name``, at the trace's own time scale."""
+    reqs = spread(trace(sc.workload))
+    n = len(reqs)
+    if name == "mooncake":
+        return reqs
+    if name == "burst":
+        lo, hi = n // 2, 3 * n // 4
+        out, shift = [], 0.0
+        for i, r in enumerate(reqs):
+            if lo < i < hi:
+                gap = r.arrival_s - reqs[i - 1].arrival_s
+                shift += gap - gap / 3
+            out.append(dataclasses.replace(r, arrival_s=r.arrival_s - shift))
+        return out
+    if name == "shift":
+        B, cap = sc.workload["block_tokens"], sc.workload["max_output"]
+        out = []
+        for i, r in enumerate(reqs):
+            if i < n // 2:
+                out.append(dataclasses.replace(r, output_len=max(1, r.output_len // 4)))
+            else:
+                keep = max(B, len(r.prompt) // 4 // B * B) if len(r.prompt) > B else len(r.prompt)
+                out.append(dataclasses.replace(r, prompt=r.prompt[:keep], output_len=min(cap, r.output_len * 4)))
+        return out
+    raise ValueError(f"workload {name!r}: use one of {', '.join(WORKLOADS)}")
+
+
+def attainment(doc: dict, slo: dict, windows: int = WINDOWS) -> tuple[float, list[float]]:
+    """(overall, per window) fraction of requests meeting both targets; windows in arrival order."""
+    recs = sorted(doc["requests"], key=lambda r: r["index"])
+    good = [bool(r["ok"] and meets_slo(r, slo)) for r in recs]
+    n = len(good)
+    cuts = [round(k * n / windows) for k in range(windows + 1)]
+    per = [sum(good[a:b]) / (b - a) if b > a else 1.0 for a, b in zip(cuts, cuts[1:])]
+    return (sum(good) / n if n else 0.0), per
+
+
+def highest(pred: Callable[[int], bool], guess: int) -> int | None:
+    """The largest grid index k with pred(k), pred assumed to hold below some k and fail above; None: none
+    within MAX_STEPS below the guess."""
+    if pred(guess):
+        lo, step = guess, 1
+        while step <= MAX_STEPS and pred(guess + step):
+            lo, step = guess + step, step * 2
+        hi = guess + step  # fails (or is past the search)
+    else:
+        hi, step = guess, 1
+        while True:
+            if step > MAX_STEPS:
+                return None
+            if pred(guess - step):
+                lo = guess - step
+                break
+            hi, step = guess - step, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclasses.dataclass
+class Search:
+    """One configuration's goodput search on one workload (runs cached by grid index)."""
+
+    sc: Scenario
+    reqs: list
+    dep: Deployment
+    autoscaler: object = None
+    base_rate: float = 1.0
+    runs: dict = dataclasses.field(default_factory=dict)  # k -> (overall, per window, summary extras)
+
+    def rate(self, k: int) -> float:
+        return self.base_rate * GRID_STEP ** k
+
+    def measure(self, k: int) -> tuple[float, list[float]]:
+        if k not in self.runs:
+            reqs, scale = at_rate(self.reqs, self.rate(k))
+            slo = GOODPUT_SLO[self.sc.name]
+            doc = simulate_run(self.dep, self.sc.hardware, reqs, workload_desc(self.sc.workload, scale, len(reqs)),
+                               slo, self.autoscaler)
+            overall, per = attainment(doc, slo)
+            auto = doc["sim"]["autoscaler"]
+            self.runs[k] = (overall, per, {"mean_prefill": auto["mean_prefill_ready"],
+                                           "mean_decode": auto["mean_decode_ready"],
+                                           "decisions": len(auto["decisions"])} if auto else {})
+        return self.runs[k][:2]
+
+    def goodput(self, guess: int = 0) -> dict:
+        overall = highest(lambda k: self.measure(k)[0] >= ATTAINMENT, guess)
+        g = overall if overall is not None else guess
+        per = [highest(lambda k, w=w: self.measure(k)[1][w] >= ATTAINMENT, g) for w in range(WINDOWS)]
+        at = self.runs.get(overall, (None, None, {}))[2] if overall is not None else {}
+        return {"config": self.dep.name, "goodput": self._r(overall), "windows": [self._r(k) for k in per],
+                "runs": len(self.runs), **at}
+
+    def _r(self, k: int | None) -> float:
+        return 0.0 if k is None else round(self.rate(k), 4)
+
+
+def autoscaler_config(sc: Scenario, budget: int, reqs: list):
+    """The scenario's autoscaler at this budget; its flat TTFT target is the study's at the p90 prompt."""
+    slo = GOODPUT_SLO[sc.name]
+    lengths = sorted(len(r.prompt) for r in reqs)
+    ttft = slo["ttft_s"] + slo["ttft_per_token_s"] * lengths[int(0.9 * (len(lengths) - 1))]
+    return dataclasses.replace(sc.autoscaler, min_prefill=1, max_prefill=budget - 1, min_decode=1,
+                               max_decode=budget - 1, max_total_workers=budget, ttft_slo_s=ttft,
+                               itl_slo_s=slo["tpot_s"])
+
+
+def configs(sc: Scenario, budget: int, reqs: list) -> list[tuple[Deployment, object]]:
+    lp = sc.local_prefill_max_tokens
+    out = [(Deployment(f"{p}P+{budget - p}D", p, budget - p, local_prefill_max_tokens=lp), None)
+           for p in range(1, budget)]
+    half = budget // 2
+    out.append((Deployment(f"autoscaler ({half}P+{budget - half}D start)", half, budget - half,
+                           local_prefill_max_tokens=lp), autoscaler_config(sc, budget, reqs)))
+    out.append((Deployment(f"colocated-{budget}", 0, budget, local_prefill_max_tokens=lp), None))
+    return out
+
+
+def _search_task(args) -> dict:
+    sc, workload, dep, auto, base = args
+    return Search(sc, make_workload(workload, sc), dep, auto, base).goodput()
+
+
+def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads: tuple[str, ...],
+                  jobs: int = 1) -> list[dict]:
+    """Every (scenario, budget, workload) case: each configuration's goodput, overall and per window, and
+    the autoscaler's ratio to the best fixed split."""
+    tasks, keys = [], []
+    for sc in scenarios:
+        base = sc.autoscale_rates[0]
+        for budget in budgets:
+            for wl in workloads:
+                for dep, auto in configs(sc, budget, make_workload(wl, sc)):
+                    tasks.append((sc, wl, dep, auto, base * budget / 4))
+                    keys.append((sc.name, budget, wl))
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_search_task, tasks))
+    else:
+        results = [_search_task(t) for t in tasks]
+    cases: dict[tuple, list[dict]] = {}
+    for key, res in zip(keys, results):
+        cases.setdefault(key, []).append(res)
+    return [best_of_fixed_and_ratio(key, rows) for key, rows in cases.items()]
+
+
+def best_of_fixed_and_ratio(key: tuple, rows: list[dict]) -> dict:
+    scenario, budget, wl = key
+    fixed = [r for r in rows if "P+" in r["config"] and not r["config"].startswith("autoscaler")]
+    auto = next(r for r in rows if r["config"].startswith("autoscaler"))
+    coloc = next(r for r in rows if r["config"].startswith("colocated"))
+    best = max(fixed, key=lambda r: r["goodput"])
+    best_w = [max(r["windows"][w] for r in fixed) for w in range(WINDOWS)]
+    ratio = auto["goodput"] / best["goodput"] if best["goodput"] else math.nan
+    ratios_w = [a / b if b else math.nan for a, b in zip(auto["windows"], best_w)]
+    return {"scenario": scenario, "budget": budget, "workload": wl, "configs": rows,
+            "best_fixed": best["config"], "best_fixed_goodput": best["goodput"], "best_fixed_windows": best_w,
+            "autoscaler_goodput": auto["goodput"], "autoscaler_windows": auto["windows"],
+            "colocated_goodput": coloc["goodput"], "ratio": ratio, "window_ratios": ratios_w,
+            "lowest_ratio": min([ratio, *ratios_w])}
+
+
+def report(cases: list[dict]) -> str:
+    """The table: per case the best fixed split, the autoscaler, colocated; goodput overall and per window."""
+    def ws(values) -> str:
+        return " / ".join(f"{v:.3g}" for v in values)
+
+    lines = ["| hardware | budget | workload | best fixed split (req/s) | autoscaler (req/s) | ratio | per window: "
+             "best fixed | per window: autoscaler | window ratios | colocated |", "|---" * 10 + "|"]
+    for c in cases:
+        lines.append(f"| {c['scenario']} | {c['budget']} | {c['workload']} | {c['best_fixed']} {c['best_fixed_goodput']:.3g}"
+                     f" | {c['autoscaler_goodput']:.3g} | **{c['ratio']:.2f}** | {ws(c['best_fixed_windows'])} | "
+                     f"{ws(c['autoscaler_windows'])} | {ws(c['window_ratios'])} | {c['colocated_goodput']:.3g} |")
+    return "\n".join(lines)

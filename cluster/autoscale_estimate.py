@@ -1,0 +1,133 @@
+"""How many workers each role needs: demand over capacity, both measured from the observation history.
+
+    est = estimate(history, config)      # Estimate(prefill=RoleNeed, decode=RoleNeed)
+
+Pure (no clock, no I/O): the autoscaler's policy (cluster/autoscaler.py) calls it on the same history it
+judges, so a replayed history gives the same estimates.
+
+Prefill (compute-bound): demand = uncached prompt tokens that arrived needing a prefill, per second (the
+router counts them as it routes, whether or not a prefill worker exists), plus the prefill workers' queued
+tokens over the TTFT target (a backlog must be worked off within it); capacity = prompt tokens a
+prefill worker computes per busy second, learned from the history (``prefill_tokens_per_s`` is the prior
+until a prefill worker has been busy), derated to ``prefill_target_utilization`` so bursts still meet the
+TTFT target. Demand is the *largest* of the last ``estimate_window`` intervals: the trace's arrivals come in
+bursts, and a pool sized for the mean misses the TTFT target on every burst.
+
+Decode (memory-bound): its load is every sequence that decodes or waits to — running and waiting on the
+decode workers, handoffs waiting there for free blocks, *and* the requests whose prompt KV prefill workers
+hold under a lease on decode's behalf (their blocks stay pinned there until decode pulls them: the decode
+backlog shows up on prefill workers, which is where the old policy mistook it for prefill pressure).
+Two capacities per decode worker, the tighter one binds:
+- sequences at the ITL target: a line ``step_s = a + b * batch`` fitted to the decode workers' (mean batch,
+  mean step time) per interval over the history, solved for ``itl_slo_s * itl_target_fraction``; the prior
+  ``decode_running_high`` until the points span enough batch sizes to fit;
+- KV blocks: ``decode_kv_usage_high`` of a worker's blocks, against the blocks the load holds (decode's used
+  blocks + the blocks prefill workers hold for decode).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MIN_FIT_POINTS = 4
+MIN_FIT_SPAN = 2.0  # the fitted batches must span at least this factor (max/min) to trust the slope
+
+
+@dataclass(frozen=True)
+class RoleNeed:
+    """One role's load in worker units: ``load`` = demand / per-worker capacity (None: not measurable yet)."""
+
+    load: float | None
+    demand: float | None
+    capacity: float | None
+    basis: str  # what bound it ("prefill_tokens", "decode_seqs", "decode_kv_blocks", "unknown")
+    signals: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> int | None:
+        """Whole workers that carry ``load`` (0 for no load)."""
+        return None if self.load is None else math.ceil(self.load - 1e-9)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    prefill: RoleNeed
+    decode: RoleNeed
+
+
+def interval_of(history: Sequence, i: int, default_s: float) -> float:
+    return history[i].t_s - history[i - 1].t_s if i > 0 and history[i].t_s > history[i - 1].t_s else default_s
+
+
+def estimate(history: Sequence, cfg, *, upto: int | None = None) -> Estimate:
+    """The estimate as of observation ``upto`` (default: the latest), from the observations up to it."""
+    hist = list(history)[: (len(history) if upto is None else upto + 1)]
+    return Estimate(_prefill(hist, cfg), _decode(hist, cfg))
+
+
+def _prefill(hist: Sequence, cfg) -> RoleNeed:
+    if not hist:
+        return RoleNeed(None, None, None, "unknown")
+    window = range(max(0, len(hist) - cfg.estimate_window), len(hist))
+    arriving = max(hist[i].prefill_tokens_arrived / interval_of(hist, i, cfg.interval_s) for i in window)
+    backlog = sum(s.queued_prefill_tokens for s in hist[-1].prefill) / cfg.ttft_slo_s
+    demand = arriving + backlog
+    tokens = sum(s.prefill_tokens for o in hist for s in o.prefill if s.warm)
+    busy = sum(s.busy_s for o in hist for s in o.prefill if s.warm)
+    learned = tokens / busy if busy >= cfg.interval_s * 0.5 and tokens > 0 else None
+    capacity = learned if learned is not None else cfg.prefill_tokens_per_s
+    signals = {"prefill_demand_tokens_per_s": demand, "prefill_backlog_tokens_per_s": backlog,
+               "prefill_capacity_tokens_per_s": capacity,
+               "prefill_capacity_learned": float(learned is not None)}
+    if capacity is None:
+        return RoleNeed(None if demand > 0 else 0.0, demand, None, "unknown", signals)
+    load = demand / (capacity * cfg.prefill_target_utilization)
+    signals["prefill_load_workers"] = load
+    return RoleNeed(load, demand, capacity, "prefill_tokens", signals)
+
+
+def _decode(hist: Sequence, cfg) -> RoleNeed:
+    if not hist:
+        return RoleNeed(None, None, None, "unknown")
+    window = hist[-cfg.estimate_window:]
+    seqs = max(decode_backlog(o) for o in window)
+    blocks = max(sum(s.kv_blocks_used for s in o.decode) + sum(s.held_blocks for s in o.prefill) for o in window)
+    totals = [s.kv_blocks_total for o in window for s in o.decode if s.kv_blocks_total]
+    kv_cap = (sum(totals) / len(totals)) * cfg.decode_kv_usage_high if totals else None
+    fit = fit_step_time(hist)
+    target = cfg.itl_slo_s * cfg.itl_target_fraction
+    seq_cap = float(cfg.decode_running_high)
+    if fit is not None and fit[1] > 0:
+        seq_cap = max(1.0, (target - fit[0]) / fit[1])
+    by_seqs = seqs / seq_cap
+    by_kv = blocks / kv_cap if kv_cap else 0.0
+    signals = {"decode_backlog_seqs": float(seqs), "decode_seq_capacity": seq_cap,
+               "decode_seq_capacity_learned": float(fit is not None and fit[1] > 0),
+               "decode_kv_blocks_needed": float(blocks), "decode_kv_capacity_blocks": kv_cap,
+               "decode_load_workers": max(by_seqs, by_kv)}
+    if by_kv > by_seqs:
+        return RoleNeed(by_kv, float(blocks), kv_cap, "decode_kv_blocks", signals)
+    return RoleNeed(by_seqs, float(seqs), seq_cap, "decode_seqs", signals)
+
+
+def decode_backlog(obs) -> int:
+    """Sequences that decode or wait to: on decode workers, waiting there for blocks, or held on prefill."""
+    return (sum(s.running + s.waiting + s.handoffs_waiting for s in obs.decode)
+            + sum(s.held_requests for s in obs.prefill))
+
+
+def fit_step_time(hist: Sequence) -> tuple[float, float] | None:
+    """Least-squares ``step_s = a + b * batch`` over warm decode workers' intervals with decode steps."""
+    pts = [(s.decode_tokens / s.decode_steps, s.busy_s / s.decode_steps)
+           for o in hist for s in o.decode if s.warm and s.decode_steps > 0 and s.busy_s > 0]
+    if len(pts) < MIN_FIT_POINTS:
+        return None
+    xs = [x for x, _ in pts]
+    if max(xs) < MIN_FIT_SPAN * min(xs):
+        return None
+    n = len(pts)
+    mx, my = sum(xs) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return my - b * mx, b

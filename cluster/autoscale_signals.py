@@ -1,0 +1,103 @@
+"""The autoscaler's reactive signals: what one interval shows per role, which pressure asks for a worker, and
+whether a role's load would fit in one worker fewer (cluster/autoscaler.py applies them; pure).
+
+Pressure is attributed to the role that causes it. Prefill workers hold a handed-off prompt's blocks under a
+lease until the decode worker pulls them; when decode is full those leases pile up, the prefill workers run
+out of free blocks and their queues stall — TTFT over the SLO with the *decode* pool as the cause. So: while
+prefill workers hold more than ``held_blocks_high`` of their blocks for decode, or handoffs wait on decode
+workers for free blocks, prefill's latency and queue signals count as decode pressure, not prefill's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from router.policy import Role
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile; 0.0 for no samples (an idle interval has no latency to complain about)."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def signals(role: Role, obs, cfg) -> dict[str, float | None]:
+    """The role's signals in the latest interval, load averaged over warm workers."""
+    samples = obs.prefill if role == Role.PREFILL else obs.decode
+    warm = [s for s in samples if s.warm]
+    n = len(warm)
+    held = sum(s.held_blocks for s in obs.prefill)
+    prefill_total = sum(s.kv_blocks_total for s in obs.prefill)
+    common = {"warm_workers": n, "warming_workers": len(samples) - n,
+              "prefill_blocks_held_for_decode": held / prefill_total if prefill_total else 0.0,
+              "handoffs_waiting_for_decode_blocks": sum(s.handoffs_waiting for s in obs.decode)}
+    if role == Role.PREFILL:
+        return {**common,
+                "queued_prefill_tokens_per_worker": sum(s.queued_prefill_tokens for s in warm) / n if n else None,
+                "ttft_p90_s": percentile(obs.ttft_s, 90), "prefill_queue_p90_s": percentile(obs.prefill_queue_s, 90),
+                "requests": len(obs.ttft_s), **{f"ttft_{k}_p90_s": percentile(v, 90) for k, v in obs.ttft_parts.items()}}
+    total = sum(s.kv_blocks_total for s in warm)
+    return {**common, "kv_usage": sum(s.kv_blocks_used for s in warm) / total if total else None,
+            "running_per_worker": sum(s.running + s.waiting for s in warm) / n if n else None,
+            "itl_p90_s": percentile(obs.itl_s, 90), "tokens": len(obs.itl_s)}
+
+
+def decode_backs_up(sig: Mapping[str, float | None], cfg) -> tuple[str, str] | None:
+    """(code, reason) when the decode pool's backlog shows: blocks held for it on prefill, handoffs waiting."""
+    held = sig.get("prefill_blocks_held_for_decode") or 0.0
+    if held > cfg.held_blocks_high:
+        return "prefill_blocks_held_for_decode", (f"prefill workers hold {held:.0%} of their KV blocks for decode "
+                                                  f"(> {cfg.held_blocks_high:.0%}): decode does not pull fast enough")
+    waiting = sig.get("handoffs_waiting_for_decode_blocks") or 0
+    if waiting > 0:
+        return "handoffs_waiting", f"{waiting:g} handoff(s) wait for free decode KV blocks"
+    return None
+
+
+def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_learned: bool = False
+             ) -> tuple[str, str] | None:
+    """(code, reason) when the latest interval asks for one more worker of ``role``, else None."""
+    backlog = decode_backs_up(sig, cfg)
+    if role == Role.PREFILL:
+        if backlog is not None:  # prefill's latency is decode's backlog: not a reason for more prefill
+            return None
+        checks = [("queued_prefill_tokens_per_worker", cfg.prefill_queued_tokens_high, "queued_prefill_tokens",
+                   "queued prefill tokens per worker"),
+                  ("ttft_p90_s", cfg.ttft_slo_s, "ttft_slo", "TTFT p90 (s) over the SLO"),
+                  ("prefill_queue_p90_s", cfg.ttft_slo_s, "prefill_queue_slo",
+                   "prefill queue time p90 (s) over the TTFT SLO")]
+    else:
+        checks = [("kv_usage", cfg.decode_kv_usage_high, "kv_usage", "KV-cache use")]
+        if not seq_capacity_learned:  # the learned ITL capacity replaces the fixed sequence threshold
+            checks.append(("running_per_worker", cfg.decode_running_high, "running_seqs", "running sequences per worker"))
+        checks.append(("itl_p90_s", cfg.itl_slo_s, "itl_slo", "inter-token latency p90 (s) over the SLO"))
+    for key, limit, code, label in checks:
+        value = sig.get(key)
+        if value is not None and value > limit:
+            return code, f"{label}: {value:.3g} > {limit:.3g}"
+    return backlog if role == Role.DECODE else None
+
+
+def misfit(role: Role, obs, n: int, cfg) -> str | None:
+    """Why the interval's whole load would not fit in ``n`` workers with the hysteresis margin (None: it fits)."""
+    f = cfg.scale_down_fraction
+    samples = obs.prefill if role == Role.PREFILL else obs.decode
+    if role == Role.PREFILL:
+        checks = [(sum(s.queued_prefill_tokens for s in samples) / n, f * cfg.prefill_queued_tokens_high,
+                   "queued prefill tokens per worker"),
+                  (percentile(obs.ttft_s, 90), f * cfg.ttft_slo_s, "TTFT p90 (s)"),
+                  (percentile(obs.prefill_queue_s, 90), f * cfg.ttft_slo_s, "prefill queue p90 (s)")]
+    else:
+        per_worker_blocks = sum(s.kv_blocks_total for s in samples) / len(samples) if samples else 0
+        used = sum(s.kv_blocks_used for s in samples) + sum(s.held_blocks for s in obs.prefill)
+        checks = [(used / (n * per_worker_blocks) if per_worker_blocks else 0.0, f * cfg.decode_kv_usage_high,
+                   "KV-cache use"),
+                  (sum(s.running + s.waiting + s.handoffs_waiting for s in samples) / n, f * cfg.decode_running_high,
+                   "running sequences per worker"),
+                  (percentile(obs.itl_s, 90), f * cfg.itl_slo_s, "inter-token latency p90 (s)")]
+    for value, limit, label in checks:
+        if value >= limit and value > 0:
+            return f"{label} {value:.3g} >= {limit:.3g} at t={obs.t_s:g}"
+    return None

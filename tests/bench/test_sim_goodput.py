@@ -1,0 +1,90 @@
+"""DistServe goodput in the simulator (bench/sim_goodput.py) and the autoscaler's rebalancing by role flips
+(bench/sim_autoscale.py, cluster/autoscaler.py): the search, the windows, the workload shapes, and a run in
+which the policy moves workers from one role to the other."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.metrics import meets_slo
+from bench.sim_goodput import (WINDOWS, attainment, best_of_fixed_and_ratio, highest, make_workload, spread)
+from bench.sim_scenarios import cpu_scenario
+from bench.workloads import BenchRequest
+from cluster.autoscaler import AutoscalerConfig
+from tests.bench.test_simulate import Deployment, hardware, prompt, run
+
+
+def test_highest_finds_the_last_passing_grid_index_from_any_guess():
+    for edge in (-7, 0, 3, 40):
+        for guess in (-3, 0, 5):
+            calls = []
+
+            def pred(k, edge=edge):
+                calls.append(k)
+                return k <= edge
+
+            assert highest(pred, guess) == edge
+            assert len(set(calls)) <= 14  # exponential steps then bisection, not a scan
+    assert highest(lambda k: False, 0) is None
+
+
+def test_attainment_by_windows_in_arrival_order():
+    slo = {"ttft_s": 1.0, "tpot_s": 0.1}
+    recs = [{"index": i, "ok": True, "ttft_s": 0.5 if i < 6 else 2.0, "tpot_s": 0.05, "prompt_tokens": 10}
+            for i in range(8)]
+    overall, per = attainment({"requests": recs[::-1]}, slo, windows=4)
+    assert overall == 0.75 and per == [1.0, 1.0, 1.0, 0.0]
+    # a TTFT target that grows with the prompt
+    long = {"ok": True, "ttft_s": 3.0, "tpot_s": 0.05, "prompt_tokens": 1000}
+    assert meets_slo(long, {"ttft_s": 1.0, "ttft_per_token_s": 0.002, "tpot_s": 0.1})
+    assert not meets_slo(long, {"ttft_s": 1.0, "ttft_per_token_s": 0.001, "tpot_s": 0.1})
+
+
+def test_spread_and_workload_shapes():
+    reqs = [BenchRequest(prompt(32, i), 8, t) for i, t in enumerate((0.0, 0.0, 0.0, 3.0, 6.0, 6.0))]
+    assert [r.arrival_s for r in spread(reqs)] == [0.0, 1.0, 2.0, 3.0, 6.0, 6.0]  # the last tick has no next
+    sc = cpu_scenario(limit=200)
+    base = make_workload("mooncake", sc)
+    burst, shift = make_workload("burst", sc), make_workload("shift", sc)
+    assert [r.prompt for r in burst] == [r.prompt for r in base]
+    gaps = lambda rs, a, b: rs[b].arrival_s - rs[a].arrival_s  # noqa: E731
+    assert gaps(burst, 101, 149) == pytest.approx(gaps(base, 101, 149) / 3)
+    assert gaps(burst, 0, 100) == pytest.approx(gaps(base, 0, 100))
+    first, second = shift[:100], shift[100:]
+    assert all(s.output_len == max(1, b.output_len // 4) for s, b in zip(first, base))
+    assert sum(len(r.prompt) for r in second) < sum(len(r.prompt) for r in base[100:]) / 3
+    assert sum(r.output_len for r in second) > 2 * sum(r.output_len for r in base[100:])
+    with pytest.raises(ValueError):
+        make_workload("nope", sc)
+
+
+def test_case_ratio_is_against_the_best_fixed_split_per_window_and_overall():
+    rows = [{"config": "1P+3D", "goodput": 1.0, "windows": [2.0, 1.0, 1.0, 1.0]},
+            {"config": "3P+1D", "goodput": 1.5, "windows": [1.0, 2.0, 1.5, 1.5]},
+            {"config": "autoscaler (2P+2D start)", "goodput": 1.35, "windows": [1.8, 1.8, 1.5, 1.2]},
+            {"config": "colocated-4", "goodput": 9.0, "windows": [9.0] * WINDOWS}]
+    row = best_of_fixed_and_ratio(("cpu", 4, "mooncake"), rows)
+    assert row["best_fixed"] == "3P+1D" and row["ratio"] == pytest.approx(0.9)
+    assert row["best_fixed_windows"] == [2.0, 2.0, 1.5, 1.5]
+    assert row["window_ratios"] == pytest.approx([0.9, 0.9, 1.0, 0.8]) and row["lowest_ratio"] == pytest.approx(0.8)
+    assert row["colocated_goodput"] == 9.0  # reported, not the baseline
+
+
+def test_the_autoscaler_flips_a_worker_to_the_short_role_at_the_budget():
+    """Long prompts with two output tokens at the budget of 4 (2P+2D): prefill is short, decode idle. The
+    policy moves decode workers to prefill (code rebalance) and the simulated pool flips them in place."""
+    reqs = [BenchRequest(prompt(240, 10_000 * (i + 1)), 2, 0.25 * i) for i in range(120)]
+    cfg = AutoscalerConfig(enabled=True, interval_s=2.0, min_prefill=1, max_prefill=3, min_decode=1, max_decode=3,
+                           max_total_workers=4, ttft_slo_s=2.0, itl_slo_s=0.25, warmup_s=1.0)
+    doc = run(Deployment("auto", 2, 2), reqs, hardware(startup_s=30.0, flip_s=1.0), autoscaler=cfg)
+    auto = doc["sim"]["autoscaler"]
+    moves = [d for d in auto["decisions"] if d["code"] == "rebalance"]
+    assert moves and moves[0]["role"] in ("prefill", "decode") and "decode → prefill" in moves[0]["reason"]
+    assert {d["role"]: d["target"] for d in moves[:2]} == {"prefill": 3, "decode": 1}
+    assert doc["sim"]["counters"]["flips"] >= 1 and doc["summary"]["completed"] == 120
+    assert max(t["prefill_ready"] for t in auto["timeline"]) == 3  # no 30 s start: the flip took 1 s
+    no_flip = run(Deployment("auto", 2, 2), reqs, hardware(startup_s=30.0, flip_s=None), autoscaler=cfg)
+    assert "flips" not in no_flip["sim"]["counters"]  # drain + a 30 s start instead
+    assert no_flip["sim"]["counters"]["decode_redirected"] >= 1  # handoffs aimed at the draining worker went on
+    assert doc["summary"]["ttft_s"]["mean"] < no_flip["summary"]["ttft_s"]["mean"]
