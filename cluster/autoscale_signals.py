@@ -76,7 +76,9 @@ def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_l
     for key, limit, code, label in checks:
         value = sig.get(key)
         if value is not None and value > limit:
-            return code, f"{label}: {value:.3g} > {limit:.3g}"
+            parts = [f"{p} {sig[f'ttft_{p}_p90_s']:.3g}" for p in ("queue", "compute", "router")
+                     if code == "ttft_slo" and sig.get(f"ttft_{p}_p90_s")]
+            return code, f"{label}: {value:.3g} > {limit:.3g}" + (f" (p90 s: {', '.join(parts)})" if parts else "")
     return backlog if role == Role.DECODE else None
 
 

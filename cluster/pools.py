@@ -42,6 +42,8 @@ from router.registry import WorkerRecord, WorkerState
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
+WORK_COUNTERS = {"busy_s": "busy_s", "prefill_tokens": "num_prefill_tokens_computed",  # WorkerSample <- stats()
+                 "decode_steps": "num_decode_steps", "decode_tokens": "num_decode_tokens"}
 HISTORY_KEPT = 32
 
 
@@ -72,6 +74,8 @@ class PoolManager(Operator):
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
         self._queue_time_seen: dict[str, dict] = {}
+        self._work_seen: dict[str, dict] = {}
+        self._routed_seen = 0
         self.timeline_series = None  # cluster.dashboard.Timeline once started (needs metrics)
 
     # ---- lifecycle of the manager ----------------------------------------------------------------
@@ -316,13 +320,16 @@ class PoolManager(Operator):
         def samples(role: Role) -> tuple[WorkerSample, ...]:
             out = []
             for rec in self.registry.ready(role):
-                load = rec.load
+                load, stats = rec.load, rec.stats
+                did = self._work_done(rec.worker_id, stats)
                 out.append(WorkerSample(
                     rec.worker_id, warm=rec.age_s(now_s) >= warmup,
                     running=load.running if load else 0, waiting=load.waiting if load else 0,
                     queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
                     kv_blocks_used=load.kv_blocks_used if load else 0,
-                    kv_blocks_total=load.kv_blocks_total if load else 0))
+                    kv_blocks_total=load.kv_blocks_total if load else 0, **did,
+                    held_requests=stats.get("num_held", 0), held_blocks=stats.get("leases_held_blocks", 0),
+                    handoffs_waiting=stats.get("waiting_for_blocks", 0)))
             return tuple(out)
 
         def warm_at(worker: str, t_s: float) -> bool:
@@ -332,10 +339,25 @@ class PoolManager(Operator):
             return ready_s is not None and t_s - ready_s >= warmup
 
         latencies = self.metrics.take_samples() if self.metrics is not None else []
-        ttft = tuple(s.value_s for s in latencies if s.kind == "ttft" and warm_at(s.worker, s.t_s))
-        itl = tuple(s.value_s for s in latencies if s.kind == "itl" and warm_at(s.worker, s.t_s))
-        return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=ttft,
-                           prefill_queue_s=self._queue_time_samples(now_s), itl_s=itl)
+        warm = collections.defaultdict(list)
+        for s in latencies:
+            if warm_at(s.worker, s.t_s):
+                warm[s.kind].append(s.value_s)
+        routed = self.backend.prefill_tokens_routed
+        arrived, self._routed_seen = routed - self._routed_seen, routed
+        return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
+                           prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
+                           prefill_tokens_arrived=arrived,
+                           ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")})
+
+    def _work_done(self, worker_id: str, stats: dict) -> dict:
+        """What the worker's engine did since the last observation (differences of its EngineStats counters)."""
+        now = {k: stats.get(f, 0) for k, f in WORK_COUNTERS.items()}
+        before = self._work_seen.get(worker_id)
+        self._work_seen[worker_id] = now
+        if before is None:
+            return {k: 0 for k in now}
+        return {k: max(0, v - before[k]) for k, v in now.items()}
 
     def _queue_time_samples(self, now_s: float) -> tuple[float, ...]:
         """Prefill queue times of the interval, from the growth of warm prefill workers' queue-time histograms

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -50,6 +51,11 @@ class EngineStats:
     # slower paths taken because a faster one failed: the torch reference kernels instead of the C ones (the C
     # library would not build), eager decode instead of a CUDA graph (a capture failed); the log says which
     kernel_fallbacks: int = 0
+    # what the steps did, for the autoscaler's capacity estimates (cluster/autoscale_estimate.py)
+    busy_s: float = 0.0  # seconds spent in steps that ran the model
+    num_prefill_tokens_computed: int = 0  # prompt tokens the steps ran (chunks of more than one token)
+    num_decode_steps: int = 0  # steps with decode rows (one new token) ...
+    num_decode_tokens: int = 0  # ... and those rows
 
 
 class Engine(RemoteKVMixin):
@@ -191,6 +197,14 @@ class Engine(RemoteKVMixin):
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0, steps = time.perf_counter(), self.stats.num_steps
+        try:
+            return self._step()
+        finally:
+            if self.stats.num_steps != steps:  # a step that ran the model: its whole time counts as busy
+                self.stats.busy_s += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         self.sync_tiers()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
@@ -198,12 +212,17 @@ class Engine(RemoteKVMixin):
             if self.scheduler.loading:  # only loads in flight: wait for one rather than spin
                 self.sync_tiers(wait_s=0.005)
             return outputs
+        decode_rows = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
         logits, sampled = self.runner.execute(sched)
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self.scheduler.on_step_computed(sched)
         self.sync_tiers()
-        self.stats.num_steps += 1
-        self.stats.num_computed_tokens += sched.num_batched_tokens
+        st = self.stats
+        st.num_steps += 1
+        st.num_computed_tokens += sched.num_batched_tokens
+        st.num_prefill_tokens_computed += sched.num_batched_tokens - decode_rows
+        st.num_decode_steps += decode_rows > 0
+        st.num_decode_tokens += decode_rows
         if not sampled:
             return outputs
         requests = [s.request for s in sampled]
@@ -272,6 +291,7 @@ class Engine(RemoteKVMixin):
             num_cached_tokens=request.num_cached_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             error=request.error,
+            ttft_parts=_ttft_parts(request) if n_new and len(request.output_token_ids) == n_new else None,
             **self._prompt_logprobs_once(request),
         )
 
@@ -347,3 +367,11 @@ class Engine(RemoteKVMixin):
         """Stop the mover thread and remove the disk tier's files."""
         if self.tiers is not None:
             self.tiers.mover.close()
+
+
+def _ttft_parts(request: Request) -> dict[str, float] | None:
+    """Queue and compute time of a request's first token here (None for one that arrived with its KV)."""
+    start = request.first_scheduled_time
+    if start is None:
+        return None
+    return {"queue_s": start - request.arrival_time, "compute_s": time.monotonic() - start}

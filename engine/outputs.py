@@ -25,3 +25,6 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     handoff: KVHandoff | None = None  # prefill role: set on the output that ends with reason "remote"
+    # on the first token's output: where its time went in this engine (the router splits TTFT with it):
+    # queue_s = arrival -> first scheduled, compute_s = first scheduled -> first token
+    ttft_parts: dict[str, float] | None = None

@@ -219,6 +219,7 @@ class Request:
     seed: int  # the request's sampling seed (its own, or one the engine drew)
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when a step first ran it (not counting a preemption's restart)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -311,7 +311,8 @@ class Scheduler:
 
     def _observe_queue_time(self, request: Request) -> None:
         if request.num_preemptions == 0:
-            self.queue_time.observe(time.monotonic() - request.arrival_time)
+            request.first_scheduled_time = time.monotonic()
+            self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """The model has run ``out``: advance computed counts and offer newly full blocks to the cache."""

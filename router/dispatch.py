@@ -103,6 +103,7 @@ class ClusterBackend(Backend):
                          "replaced": 0, "migrated": 0}
         # blocks borrowed from a peer for a prefill: lent, not held any more, asking failed (computed instead)
         self.peer_fetches = {"lent": 0, "gone": 0, "failed": 0}
+        self.prefill_tokens_routed = 0  # uncached prompt tokens of requests that needed a prefill (cumulative)
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
@@ -211,6 +212,8 @@ class ClusterBackend(Backend):
             raise
         uncached_on_d = len(ids) - d.overlap_blocks * B
         total_blocks = -(-(len(ids) + params.max_tokens) // B)
+        if not prefill and uncached_on_d > self.local_prefill_max_tokens:
+            self.prefill_tokens_routed += uncached_on_d  # what a prefill pool would compute (the autoscaler's demand)
         if not prefill or uncached_on_d <= self.local_prefill_max_tokens:
             self.counters["local_prefill"] += 1
             self._count_route(Role.DECODE, "placed_again" if again else "local_prefill")
@@ -219,6 +222,7 @@ class ClusterBackend(Backend):
         p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids),
                   peers=set(prefill))  # prefill workers lend each other blocks
         self._count_route(Role.PREFILL, "placed_again" if again else "disaggregated")
+        self.prefill_tokens_routed += len(ids) - p.overlap_blocks * B
         borrow = None
         if p.peer is not None and p.peer in prefill:  # the cluster pool: read what the peer holds, not compute it
             borrow = (prefill[p.peer], hashes[:p.overlap_blocks + p.peer_blocks])

@@ -41,7 +41,7 @@ SAMPLE_WINDOW = 100_000  # latency samples kept for the autoscaler between two o
 @dataclass(frozen=True)
 class LatencySample:
     t_s: float  # time.monotonic() when observed
-    kind: str  # "ttft" | "itl"
+    kind: str  # "ttft" | "itl" | "ttft_queue" | "ttft_compute" | "ttft_router" (TTFT's parts)
     worker: str
     value_s: float
 
@@ -69,6 +69,10 @@ class RouterMetrics:
                                ("role", "policy", "outcome"), registry=r)
         self.migrations = Counter("duet_migrations", "Requests continued on another worker after theirs died "
                                   "mid-stream, by the role of the worker that died.", ("role",), registry=r)
+        self.ttft_parts = Histogram("duet_ttft_part_seconds", "Time to first token split into its parts: the "
+                                    "engine's queue (arrival to first scheduled), its compute (to the first token) "
+                                    "and the router's rest (admission, dispatch, network).", ("part",),
+                                    buckets=TTFT_BUCKETS_S, registry=r)
         self.autoscaler = Counter("duet_autoscaler_decisions", "Autoscaler decisions that changed a target, "
                                   "by role, direction and reason.", ("role", "direction", "reason"), registry=r)
         self._buffers: dict[str, deque[LatencySample]] = {}  # one per consumer (autoscaler, dashboard, ...)
@@ -121,6 +125,12 @@ class RequestTiming:
             if self.last_s is None:
                 m.ttft.labels(*labels).observe(now - self.start_s)
                 m._sample(LatencySample(now, "ttft", worker, now - self.start_s))
+                if out.ttft_parts:
+                    queue, compute = out.ttft_parts.get("queue_s", 0.0), out.ttft_parts.get("compute_s", 0.0)
+                    for part, value in (("queue", queue), ("compute", compute),
+                                        ("router", max(0.0, now - self.start_s - queue - compute))):
+                        m.ttft_parts.labels(part).observe(value)
+                        m._sample(LatencySample(now, f"ttft_{part}", worker, value))
                 gaps = [0.0] * (n - 1)
             else:
                 gaps = [(now - self.last_s) / n] * n

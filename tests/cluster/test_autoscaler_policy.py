@@ -239,3 +239,11 @@ def test_steady_predicted_loads_keep_a_constant_split_for_40_intervals(arrived, 
             settled = dict(targets)
         if t > 10:
             assert targets == settled, (t, targets, settled)
+
+
+def test_a_ttft_decision_names_its_parts():
+    o = dataclasses.replace(obs(ttft=[3.0] * 10), ttft_parts={"queue": (2.5,) * 10, "compute": (0.4,) * 10,
+                                                             "router": (0.1,) * 10})
+    d = decide([o], steady(), CFG)[P]
+    assert d.code == "ttft_slo" and "queue 2.5" in d.reason and "compute 0.4" in d.reason
+    assert d.signals["ttft_queue_p90_s"] == 2.5

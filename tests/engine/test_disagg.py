@@ -225,3 +225,19 @@ def test_a_decode_engine_keeps_room_for_its_running_sequences_to_grow(model_dir)
     assert decode_engine(64, hog=False).reserve_remote(handoff) is not None  # alone: admitted when its prompt fits
     with pytest.raises(Exception, match="kv_handoff_reserve_tokens"):
         engine(model_dir, kv_handoff_reserve_tokens=-1)
+
+
+def test_the_first_token_carries_its_queue_and_compute_time_and_engine_counts_its_work(model_dir):
+    P, D = engine(model_dir), engine(model_dir)
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    P.add_request("a", prompt_token_ids=list(range(3, 80)), params=sp, remote_decode=True)
+    first = next(o for o in P.step() if o.handoff)
+    parts = first.ttft_parts
+    assert parts is not None and parts["queue_s"] >= 0 and parts["compute_s"] > 0
+    assert P.stats.busy_s >= parts["compute_s"] * 0.5 and P.stats.num_prefill_tokens_computed == 77
+    plan = D.reserve_remote(first.handoff)
+    copy_blocks(P, D, plan)
+    assert D.commit_remote("a")
+    outs = [o for _ in range(4) for o in D.step()]
+    assert outs and all(o.ttft_parts is None for o in outs)  # arrived with its KV: no first token here
+    assert D.stats.num_decode_steps == 2 and D.stats.num_decode_tokens == 2 and D.stats.num_prefill_tokens_computed == 0
