@@ -113,8 +113,11 @@ bench-serve: install
 
 # the goodput simulator (no model): real router, index, block pools, scheduler and autoscaler policy over the
 # Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)
+# studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line
+SIM_JOBS ?= 2
 bench-sim: install
 	$(PY) -m bench.simulate all
+	$(PY) -m bench.simulate goodput --jobs $(SIM_JOBS)
 
 # re-measure this CPU's step times for the simulator (bench/calibration/cpu-smollm2.json)
 bench-calibrate: install

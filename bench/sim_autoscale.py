@@ -121,7 +121,8 @@ class Autoscaling:
         for role in Role if self.sim.hw.flip_s is not None else ():  # flips first: a rebalance's surplus
             other = Role.DECODE if role == Role.PREFILL else Role.PREFILL  # workers change role, together
             c, o = self._counts(role), self._counts(other)
-            for _ in range(min(self.targets[role] - c["ready"] - c["starting"], o["ready"] - self.targets[other])):
+            coming = sum(1 for w in self.sim.workers.values() if w.flip_to == role)  # draining to become one
+            for _ in range(min(self.targets[role] - c["ready"] - c["starting"] - coming, o["ready"] - self.targets[other])):
                 self._drain(now, other, flip_to=role)
         for role in Role:
             c = self._counts(role)
