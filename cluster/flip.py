@@ -46,6 +46,7 @@ from router.registry import WorkerState
 log = logging.getLogger(__name__)
 
 TIMES_KEPT = 20
+DRAIN_FLIP_GRACE_S = 1.0  # a drain stops its worker no sooner: time for the admin's second write to make it a flip
 PREFER_WINDOW = 5  # flips vs cold starts: the medians of this many latest of each
 
 
@@ -58,17 +59,29 @@ class PoolCounts:
     ready: int
     draining: int
     acting: bool  # an action of this role (start, drain, flip) is in progress
+    convertible: int = 0  # drains of this role still waiting for their worker to be idle, not yet decided
 
 
-def choose_flip(prefill: PoolCounts, decode: PoolCounts) -> tuple[Role, Role] | None:
-    """``(from, to)`` when one flip is both pools' next step: neither pool has an action in progress, one has
-    more ready workers than its target and none draining, the other fewer active workers than its target.
-    None otherwise (each pool then reconciles on its own)."""
-    if prefill.acting or decode.acting:
-        return None
+@dataclass(frozen=True)
+class FlipMove:
+    src: Role
+    dst: Role
+    convert: bool  # True: a drain of src in progress becomes the flip; False: a new flip (drain + flip)
+
+
+def choose_flip(prefill: PoolCounts, decode: PoolCounts) -> FlipMove | None:
+    """The flip that is both pools' next step, or None (each pool then reconciles on its own). The pool short
+    of its target (fewer active workers than it, no action of its own) takes a worker from the other when
+    that one has more ready workers than its target, no action and none draining (a new flip), or has a drain
+    in progress whose worker is not idle yet (that drain becomes the flip: the admin API lowers one target,
+    then raises the other)."""
     for src, dst, a, b in ((Role.PREFILL, Role.DECODE, prefill, decode), (Role.DECODE, Role.PREFILL, decode, prefill)):
-        if a.ready > a.target and not a.draining and b.active < b.target:
-            return src, dst
+        if b.acting or b.active >= b.target:
+            continue
+        if not a.acting and a.ready > a.target and not a.draining:
+            return FlipMove(src, dst, convert=False)
+        if a.convertible:
+            return FlipMove(src, dst, convert=True)
     return None
 
 
@@ -103,6 +116,8 @@ class RoleFlips:
 
     def _init_flips(self) -> None:
         self.flip_blockers = flip_blockers(self.config)
+        # draining worker -> None (may still become a flip), the role it flips into, or "stop" (decided)
+        self._drain_into: dict[str, Role | str | None] = {}
         self.flips: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMES_KEPT)
         self.cold_starts: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMES_KEPT)
         if self.config.lifecycle.role_flip and self.flip_blockers:
@@ -110,20 +125,56 @@ class RoleFlips:
                         "; ".join(self.flip_blockers))
 
     def _try_flip(self, counts: dict[Role, PoolCounts]) -> bool:
-        """Start a flip if that is the pools' next step and flips are possible and cheaper; True if started.
-        A flip that is wanted but not done is a fallback: logged and counted."""
+        """Start a flip (or turn a drain into one) when that is the pools' next step and flips are possible and
+        cheaper; True if it did. A flip that is wanted but not done is a fallback: logged and counted once."""
         move = choose_flip(counts[Role.PREFILL], counts[Role.DECODE])
         if move is None or not self.config.lifecycle.role_flip:
             return False
-        src, dst = move
+        src, dst = move.src, move.dst
         why = "; ".join(self.flip_blockers) or prefer_flip([f["total_s"] for f in self.flips],
                                                              [c["cold_start_s"] for c in self.cold_starts])
+        if move.convert:
+            worker_id = next(w for w, into in self._drain_into.items() if into is None and self.registry.get(w).role == src)
+            self._drain_into[worker_id] = "stop" if why else dst
+            if why:
+                self._flip_outcome(src, dst, "fallback", f"{worker_id} drains and a new worker starts: {why}")
+                return False
+            log.info("the drain of %s becomes a flip to %s", worker_id, dst.value)
+            self._actions[dst] = self._actions[src]
+            return True
         if why:
             self._flip_outcome(src, dst, "fallback", f"drain + start instead: {why}")
             return False
         victim = self._pick_victim(src)
         task = asyncio.create_task(self.flip_worker(victim.worker_id, dst), name=f"flip-{victim.worker_id}")
         self._actions[src] = self._actions[dst] = task
+        return True
+
+    def _flip_grace_s(self) -> float:
+        """How long a drain waits at least before stopping its worker: long enough for a second admin write to
+        turn it into a flip, when flips are possible at all."""
+        return DRAIN_FLIP_GRACE_S if self.config.lifecycle.role_flip and not self.flip_blockers else 0.0
+
+    def _counts(self, role: Role) -> PoolCounts:
+        action = self._actions.get(role)
+        return PoolCounts(target=self.targets[role],
+                          active=len(self.registry.records(role, (WorkerState.STARTING, WorkerState.READY))),
+                          ready=len(self.registry.ready(role)),
+                          draining=len(self.registry.records(role, (WorkerState.DRAINING,))),
+                          acting=action is not None and not action.done(), convertible=self._convertible(role))
+
+    def _convertible(self, role: Role) -> int:
+        return sum(1 for w, into in self._drain_into.items() if into is None and self.registry.get(w).role == role)
+
+    async def _drain_became_flip(self, rec, into: Role | str | None, idle: str, t0: float) -> bool:
+        """A drain that was turned into a flip goes on as one (True), if its worker became idle; one that died or
+        timed out first is a failed flip, and the drain ends as drains do (False)."""
+        if not isinstance(into, Role):
+            return False
+        if idle != "idle":
+            self._flip_outcome(rec.role, into, "failed", f"{rec.worker_id} was {idle} before its flip")
+            return False
+        await self._flip_drained(rec, into, t0)
         return True
 
     def _flip_outcome(self, src: Role, dst: Role, outcome: str, why: str = "") -> None:
@@ -137,9 +188,15 @@ class RoleFlips:
         """Drain ``worker_id``, flip it into ``to_role`` under a new id and make it ready there; the new id,
         or None when it ended otherwise (stopped: the reconcile starts what is missing)."""
         rec = self.registry.mark_draining(worker_id, f"flipping to {to_role.value}")
-        src, handle = rec.role, self.handles[worker_id]
         log.info("flipping %s to %s", worker_id, to_role.value)
-        t0 = time.monotonic()
+        try:
+            return await self._flip_drained(rec, to_role, time.monotonic())
+        finally:
+            self.reconcile_soon()
+
+    async def _flip_drained(self, rec, to_role: Role, t0: float) -> str | None:
+        """The flip of a draining worker (``t0``: when its drain began), from waiting for it to be idle on."""
+        worker_id, src, handle = rec.worker_id, rec.role, self.handles[rec.worker_id]
         deadline = t0 + self.config.lifecycle.drain_timeout_s
         new_id = None
         try:
@@ -189,8 +246,6 @@ class RoleFlips:
                 if wid is not None and wid in self.registry and self.registry.get(wid).state != WorkerState.DEAD:
                     self._end(wid, f"failed to flip: {type(e).__name__}: {e}", fault=True)  # killed
             return None
-        finally:
-            self.reconcile_soon()
 
     async def _flip_abandoned(self, worker_id: str, src: Role, dst: Role, why: str, detail: str = "") -> None:
         """The worker will not flip: it died, outlived the drain timeout, or refused (then it is drained and idle,

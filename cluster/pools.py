@@ -33,9 +33,10 @@ import ray
 
 from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, WorkerSample, decide
 from cluster.config import ClusterConfig
-from cluster.flip import PoolCounts, RoleFlips
+from cluster.flip import RoleFlips
 from cluster.handshake import forget_peer, shake_hands
 from cluster.ray_client import RayWorkerClient
+from cluster.spawn import Spawner
 from engine.errors import InvalidRequestError
 from router.admin_api import Operator
 from router.dispatch import ClusterBackend
@@ -50,7 +51,7 @@ HISTORY_KEPT = 32
 
 
 class PoolManager(RoleFlips, Operator):
-    def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Callable[[Role, str], Any], *,
+    def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Spawner, *,
                  handles: dict[str, Any], start_feed: Callable[[RayWorkerClient], asyncio.Task] | None = None,
                  metrics: RouterMetrics | None = None) -> None:
         self.config = config
@@ -58,7 +59,7 @@ class PoolManager(RoleFlips, Operator):
         self.registry = backend.registry
         self.auto: AutoscalerConfig = config.autoscaler
         self.metrics = metrics
-        self._spawn = spawn  # (role, worker_id) -> Ray actor handle
+        self._spawn = spawn  # (role, worker_id) -> Ray actor handle; .worker_args(role, worker_id) for flips
         self._start_feed = start_feed
         self.handles = dict(handles)  # worker_id -> actor handle (every worker this manager knows)
         self.feeds: dict[str, asyncio.Task] = {}
@@ -151,14 +152,6 @@ class PoolManager(RoleFlips, Operator):
                 self._actions[role] = asyncio.create_task(self.drain_worker(victim.worker_id, "scale-down"),
                                                           name=f"drain-{victim.worker_id}")
 
-    def _counts(self, role: Role) -> PoolCounts:
-        action = self._actions.get(role)
-        return PoolCounts(target=self.targets[role],
-                          active=len(self.registry.records(role, (WorkerState.STARTING, WorkerState.READY))),
-                          ready=len(self.registry.ready(role)),
-                          draining=len(self.registry.records(role, (WorkerState.DRAINING,))),
-                          acting=action is not None and not action.done())
-
     def _pick_victim(self, role: Role) -> WorkerRecord:
         """The ready worker to give up: the least busy; among equals the youngest (older ones have warmer caches)."""
         return min(self.registry.ready(role), key=lambda r: (self.backend.inflight[r.worker_id], -(r.ready_s or 0)))
@@ -197,11 +190,16 @@ class PoolManager(RoleFlips, Operator):
             self.reconcile_soon()
 
     async def drain_worker(self, worker_id: str, reason: str) -> None:
-        """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it."""
+        """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it — or flip it,
+        if the other pool fell short meanwhile (cluster/flip.py)."""
         rec = self.registry.mark_draining(worker_id, reason)
         log.info("draining %s (%s)", worker_id, reason)
+        t0 = time.monotonic()
+        self._drain_into[worker_id] = None
         try:
-            idle = await self._wait_idle(rec, time.monotonic() + self.config.lifecycle.drain_timeout_s)
+            idle = await self._wait_idle(rec, t0 + self.config.lifecycle.drain_timeout_s, t0 + self._flip_grace_s())
+            if await self._drain_became_flip(rec, self._drain_into.pop(worker_id, None), idle, t0):
+                return
             if idle == "dead":  # died while draining: the health loop took care of it
                 return
             if idle == "timeout":
@@ -212,11 +210,13 @@ class PoolManager(RoleFlips, Operator):
             self.counters["drained"] += 1
             self._end(worker_id, f"drained ({reason})", fault=False)
         finally:
+            self._drain_into.pop(worker_id, None)
             self.reconcile_soon()
 
-    async def _wait_idle(self, rec: WorkerRecord, deadline_s: float) -> str:
-        """Wait until a draining worker is idle: "idle", "dead" (the health loop took care of it) or "timeout"."""
-        while not await self._is_idle(rec):
+    async def _wait_idle(self, rec: WorkerRecord, deadline_s: float, not_before_s: float = 0.0) -> str:
+        """Wait until a draining worker is idle (and ``not_before_s`` passed): "idle", "dead" (the health loop
+        took care of it) or "timeout"."""
+        while not await self._is_idle(rec) or time.monotonic() < not_before_s:
             if rec.state == WorkerState.DEAD:
                 return "dead"
             if time.monotonic() > deadline_s:
