@@ -98,22 +98,26 @@ def main(argv: list[str] | None = None) -> None:
 
         model = str(default_model_path())
     init_ray(4)
-    view = asyncio.run(run(model, args.repeats))["role_flip"]
+    view = asyncio.run(run(model, args.repeats))
+    print(f"machine: {MACHINE}; model: {model}")
+    print("\n".join(report(view["role_flip"])))
+
+
+def report(view: dict) -> list[str]:
+    """The printed lines from the pool manager's ``role_flip`` view; the last is the ratio."""
     cold = [c["cold_start_s"] for c in view["cold_starts"]]
     flips = view["flips"]
-    flip_s = [f["flip_s"] for f in flips]
-    print(f"machine: {MACHINE}; model: {model}")
-    print(f"cold start (spawn -> ready): median {statistics.median(cold):.2f} s of {len(cold)}: "
-          + ", ".join(f"{s:.2f}" for s in cold))
-    for direction in ("prefill -> decode", "decode -> prefill"):
-        src, dst = direction.split(" -> ")
+    lines = [f"cold start (spawn -> ready): median {statistics.median(cold):.2f} s of {len(cold)}: "
+             + ", ".join(f"{s:.2f}" for s in cold)]
+    for src, dst in (("prefill", "decode"), ("decode", "prefill")):
         these = [f["flip_s"] for f in flips if f["from"] == src and f["to"] == dst]
-        print(f"flip {direction} (idle -> ready): median {statistics.median(these):.3f} s of {len(these)}: "
-              + ", ".join(f"{s:.3f}" for s in these))
-    print(f"drain wait before a flip (no requests held): median {statistics.median(f['drain_s'] for f in flips):.2f} s")
-    print(f"ratio: {statistics.median(flip_s) / statistics.median(cold):.3f} "
-          "(flip idle -> ready / cold start of a new worker spawn -> ready, medians)")
-
+        lines.append(f"flip {src} -> {dst} (idle -> ready): median {statistics.median(these):.3f} s of {len(these)}: "
+                     + ", ".join(f"{s:.3f}" for s in these))
+    lines.append(f"drain wait before a flip (no requests held): median "
+                 f"{statistics.median(f['drain_s'] for f in flips):.2f} s")
+    lines.append(f"ratio: {statistics.median(f['flip_s'] for f in flips) / statistics.median(cold):.3f} "
+                 "(flip idle -> ready / cold start of a new worker spawn -> ready, medians)")
+    return lines
 
 if __name__ == "__main__":
     main()
