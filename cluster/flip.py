@@ -134,7 +134,8 @@ class RoleFlips:
         why = "; ".join(self.flip_blockers) or prefer_flip([f["total_s"] for f in self.flips],
                                                              [c["cold_start_s"] for c in self.cold_starts])
         if move.convert:
-            worker_id = next(w for w, into in self._drain_into.items() if into is None and self.registry.get(w).role == src)
+            worker_id = next(w for w, into in self._drain_into.items()
+                             if into is None and self.registry.get(w).role == src)
             self._drain_into[worker_id] = "stop" if why else dst
             if why:
                 self._flip_outcome(src, dst, "fallback", f"{worker_id} drains and a new worker starts: {why}")
@@ -254,8 +255,8 @@ class RoleFlips:
             return None
         if why == "timeout":
             self.counters["drain_timeouts"] += 1
-            self._flip_outcome(src, dst, "failed", f"{worker_id} was not idle after {self.config.lifecycle.drain_timeout_s:.0f} s: "
-                               "stopping it with work left")
+            self._flip_outcome(src, dst, "failed", f"{worker_id} was not idle after "
+                               f"{self.config.lifecycle.drain_timeout_s:.0f} s: stopping it with work left")
         else:
             self._flip_outcome(src, dst, "fallback", f"{worker_id} refused (stopped, a new worker starts): {detail}")
         await self._stop_worker(worker_id)
@@ -270,4 +271,5 @@ class RoleFlips:
     def flips_view(self) -> dict[str, Any]:
         return {"enabled": self.config.lifecycle.role_flip, "blockers": list(self.flip_blockers),
                 "flips": list(self.flips), "cold_starts": list(self.cold_starts),
-                "flip_s": [f["flip_s"] for f in self.flips], "cold_start_s": [c["cold_start_s"] for c in self.cold_starts]}
+                "flip_s": [f["flip_s"] for f in self.flips],
+                "cold_start_s": [c["cold_start_s"] for c in self.cold_starts]}

@@ -1,4 +1,4 @@
-"""PrefillRole: a worker that runs prompts, samples the first token, and lends the prompt's KV blocks to a decode worker.
+"""PrefillRole: a worker runs prompts, samples the first token, and lends the prompt's KV blocks to a decoder.
 
     out = await worker.prefill(request_id, prompt_token_ids, params)
     out.finished and out.handoff is None   -> the request ended at its first token (stop / length / error)
