@@ -220,15 +220,7 @@ class RoleFlips:
                         await asyncio.sleep(0.2)  # something arrived after the idle check: wait again
                         continue
                     return await self._flip_abandoned(worker_id, src, to_role, "refused", str(cause))
-            self._end(worker_id, f"flipped to {to_role.value} as {new_id}", fault=False)
-            self.registry.add(new_id, to_role, time.monotonic())
-            self.handles[new_id] = handle
-            client = RayWorkerClient(handle, info)
-            async with self._handshake:
-                await shake_hands(self.registry, client)
-                self.backend.activate(client, pid=info.pid, node=info.node)
-            if self._start_feed is not None:
-                self.feeds[new_id] = self._start_feed(client)
+            await self._join(rec, to_role, new_id, info)
             now = time.monotonic()
             self.flips.append({"worker": worker_id, "as": new_id, "from": src.value, "to": to_role.value,
                                "drain_s": round(t_idle - t0, 3), "flip_s": round(now - t_idle, 3),
@@ -247,6 +239,20 @@ class RoleFlips:
                 if wid is not None and wid in self.registry and self.registry.get(wid).state != WorkerState.DEAD:
                     self._end(wid, f"failed to flip: {type(e).__name__}: {e}", fault=True)  # killed
             return None
+
+    async def _join(self, rec, to_role: Role, new_id: str, info) -> None:
+        """The flipped worker leaves its old pool (as a drained worker does: the others forget a prefill agent) and
+        joins the new one under ``new_id``: starting, the new role's handshake, ready, its event feed."""
+        handle = self.handles[rec.worker_id]
+        self._end(rec.worker_id, f"flipped to {to_role.value} as {new_id}", fault=False)
+        self.registry.add(new_id, to_role, time.monotonic())
+        self.handles[new_id] = handle
+        client = RayWorkerClient(handle, info)
+        async with self._handshake:
+            await shake_hands(self.registry, client)
+            self.backend.activate(client, pid=info.pid, node=info.node)
+        if self._start_feed is not None:
+            self.feeds[new_id] = self._start_feed(client)
 
     async def _flip_abandoned(self, worker_id: str, src: Role, dst: Role, why: str, detail: str = "") -> None:
         """The worker will not flip: it died, outlived the drain timeout, or refused (then it is drained and idle,
