@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -87,6 +87,11 @@ bench-kernels: install
 
 bench-kvtransfer: install
 	$(PY) -m bench.bench_kvtransfer
+
+# role flip (issue 24): a worker flipped between pools in place vs a new worker's cold start, on a real cluster
+# (SmolLM2; TINY=1: the tiny Llama); last line: ratio: <flip_s / cold_start_s>
+bench-flip: install
+	$(HUGEPAGES) $(PY) -m bench.bench_flip $(if $(TINY),--tiny,)
 
 # shared-prefix workload on a real cluster (2 prefill + 1 decode actors): cache_aware vs round_robin
 bench-routing: install

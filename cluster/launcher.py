@@ -20,21 +20,19 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 
 import ray
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig
 from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig, ModelConfig
+from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers, worker_engine_config  # noqa: F401 (re-exported)
+from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.hashing import BlockHasher
 from engine.tokenizer import Tokenizer
-from prefill_worker.base import WorkerInfo, WorkerOptions
-from prefill_worker.worker import PrefillWorker
+from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch import ClusterBackend
 from router.events import IndexFeed
@@ -44,8 +42,7 @@ from router.registry import WorkerState
 
 log = logging.getLogger(__name__)
 
-WORKER_RESOURCE = "duet_worker"
-FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole cached set this often
+_spawner = Spawner  # (config, use_resource) -> spawn(role, worker_id); tests start extra workers with it
 
 
 @dataclass
@@ -61,7 +58,7 @@ class Cluster:
     @classmethod
     async def start(cls, config: ClusterConfig) -> Cluster:
         started_ray = _init_ray(config)
-        spawn = _spawner(config, WORKER_RESOURCE in ray.cluster_resources())
+        spawn = Spawner(config, WORKER_RESOURCE in ray.cluster_resources())
         names = [f"prefill-{i}" for i in range(config.prefill.num_workers)]
         names += [f"decode-{i}" for i in range(config.decode.num_workers)]
         handles = {name: spawn(Role(name.split("-")[0]), name) for name in names}
@@ -154,59 +151,6 @@ def _init_ray(config: ClusterConfig) -> bool:
     ray.init(num_cpus=max(os.cpu_count() or 1, int(n_workers * per_worker_cpus + 0.999)),
              resources={WORKER_RESOURCE: n_workers}, namespace="duet", include_dashboard=False, log_to_driver=True)
     return True
-
-
-def max_pool_workers(config: ClusterConfig) -> int:
-    """The most workers the pools are sized for: each pool's size or its autoscaler bound, the larger."""
-    auto = config.autoscaler
-    return max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode)
-
-
-def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfig:
-    """The engine config of one worker of ``pool``: the pool's num_blocks, if it sets one; on a CPU, the
-    engines that size their KV cache from the same RAM (engine/kv_sizing.py), unless the engine section says:
-    every worker the pools may hold, as if they shared one machine (the launcher cannot know the placement)."""
-    engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
-    if engine.colocated_engines is None and not engine.device.startswith("cuda"):
-        engine = engine.replace(colocated_engines=max_pool_workers(config))
-    return engine
-
-
-def _spawner(config: ClusterConfig, use_resource: bool):
-    """``spawn(role, worker_id) -> actor handle``: one worker actor, placed as the module docstring says."""
-    sinks = _sink_factory(config)
-
-    def spawn(role: Role, worker_id: str):
-        pool = config.prefill if role == Role.PREFILL else config.decode
-        worker_cls = PrefillWorker if role == Role.PREFILL else DecodeWorker
-        on_gpu = config.engine.device.startswith("cuda")
-        num_gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
-        options = WorkerOptions(
-            worker_id=worker_id, role=role.value, lease_timeout_s=config.transfer.lease_timeout_s,
-            transfer_timeout_s=config.transfer.transfer_timeout_s,
-            recompute_on_transfer_failure=config.transfer.recompute_on_failure,
-            fault_pull_delay_s=config.transfer.fault_pull_delay_s,
-            torch_threads=pool.torch_threads or max(1, int(pool.num_cpus + 0.999)),
-            full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
-        resources = {**({WORKER_RESOURCE: 1} if use_resource and not on_gpu else {}), **pool.resources}
-        actor = ray.remote(worker_cls).options(
-            name=f"duet-{worker_id}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus,
-            num_gpus=num_gpus, resources=resources, max_restarts=0)
-        return actor.remote(worker_engine_config(config, pool), options, sinks())
-
-    return spawn
-
-
-def _sink_factory(config: ClusterConfig):
-    from router.events import MemoryEventLog, RedisEventSink
-
-    def make() -> list:
-        sinks = [MemoryEventLog()]
-        if config.router.index != "memory":
-            sinks.append(RedisEventSink(config.router.index))
-        return sinks
-
-    return make
 
 
 def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo],

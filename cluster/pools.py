@@ -16,6 +16,8 @@ Loops (tasks on the router's event loop):
   ready worker (``draining``: no new requests; it finishes its requests and its KV leases, then stops).
   No request fails because of a scale-down; a drain that outlives ``lifecycle.drain_timeout_s`` is stopped
   anyway and logged.
+  One pool over its target while the other is under (a rebalance): flip a worker across in place instead,
+  without reloading its model (cluster/flip.py; ``lifecycle.role_flip``, a counted fallback when it cannot).
 Handshakes run under one lock, so a prefill and a decode worker starting together still meet.
 """
 from __future__ import annotations
@@ -29,9 +31,13 @@ from typing import Any
 
 import ray
 
-from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, WorkerSample, decide
+from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, decide
 from cluster.config import ClusterConfig
+from cluster.observe import PoolObserver
+from cluster.flip import RoleFlips
+from cluster.handshake import forget_peer, shake_hands
 from cluster.ray_client import RayWorkerClient
+from cluster.spawn import Spawner
 from engine.errors import InvalidRequestError
 from router.admin_api import Operator
 from router.dispatch import ClusterBackend
@@ -42,13 +48,11 @@ from router.registry import WorkerRecord, WorkerState
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
-WORK_COUNTERS = {"busy_s": "busy_s", "prefill_tokens": "num_prefill_tokens_computed",  # WorkerSample <- stats()
-                 "decode_steps": "num_decode_steps", "decode_tokens": "num_decode_tokens"}
 HISTORY_KEPT = 32
 
 
-class PoolManager(Operator):
-    def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Callable[[Role, str], Any], *,
+class PoolManager(RoleFlips, Operator):
+    def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Spawner, *,
                  handles: dict[str, Any], start_feed: Callable[[RayWorkerClient], asyncio.Task] | None = None,
                  metrics: RouterMetrics | None = None) -> None:
         self.config = config
@@ -56,7 +60,7 @@ class PoolManager(Operator):
         self.registry = backend.registry
         self.auto: AutoscalerConfig = config.autoscaler
         self.metrics = metrics
-        self._spawn = spawn  # (role, worker_id) -> Ray actor handle
+        self._spawn = spawn  # (role, worker_id) -> Ray actor handle; .worker_args(role, worker_id) for flips
         self._start_feed = start_feed
         self.handles = dict(handles)  # worker_id -> actor handle (every worker this manager knows)
         self.feeds: dict[str, asyncio.Task] = {}
@@ -67,16 +71,15 @@ class PoolManager(Operator):
         self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISIONS_KEPT)
         self.last_decision: dict[Role, tuple[float, Decision]] = {}
         self.history: collections.deque[Observation] = collections.deque(maxlen=HISTORY_KEPT)
-        self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced
+        self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced, flip*
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
         self._forgets: set[asyncio.Task] = set()  # decode workers dropping a gone prefill worker's NIXL peer
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
-        self._queue_time_seen: dict[str, dict] = {}
-        self._work_seen: dict[str, dict] = {}
-        self._routed_seen = 0
+        self.observer = PoolObserver(self.registry, backend, metrics, self.auto)
         self.timeline_series = None  # cluster.dashboard.Timeline once started (needs metrics)
+        self._init_flips()
 
     # ---- lifecycle of the manager ----------------------------------------------------------------
     def start(self) -> None:
@@ -135,38 +138,46 @@ class PoolManager(Operator):
 
     # ---- reconcile ---------------------------------------------------------------------------------
     def reconcile(self) -> None:
-        for role in (Role.PREFILL, Role.DECODE):
-            action = self._actions.get(role)
-            if action is not None and not action.done():
+        counts = {role: self._counts(role) for role in (Role.PREFILL, Role.DECODE)}
+        if self._try_flip(counts):  # one flip is both pools' next step (cluster/flip.py)
+            return
+        for role, c in counts.items():
+            if c.acting:
                 continue
-            active = self.registry.records(role, (WorkerState.STARTING, WorkerState.READY))
-            ready = self.registry.ready(role)
-            draining = self.registry.records(role, (WorkerState.DRAINING,))
-            if len(active) < self.targets[role]:
-                worker_id = f"{role.value}-{self._next_index[role]}"
-                self._next_index[role] += 1
+            if c.active < c.target:
+                worker_id = self._new_worker_id(role)
                 self.registry.add(worker_id, role, time.monotonic())  # visible as "starting" at once
                 self._actions[role] = asyncio.create_task(self.add_worker(role, worker_id), name=f"start-{worker_id}")
-            elif len(ready) > self.targets[role] and not draining:
-                # the least busy; among equals the youngest (the older ones have warmer prefix caches)
-                victim = min(ready, key=lambda r: (self.backend.inflight[r.worker_id], -(r.ready_s or 0)))
+            elif c.ready > c.target and not c.draining:
+                victim = self._pick_victim(role)
                 self._actions[role] = asyncio.create_task(self.drain_worker(victim.worker_id, "scale-down"),
                                                           name=f"drain-{victim.worker_id}")
 
+    def _pick_victim(self, role: Role) -> WorkerRecord:
+        """The ready worker to give up: the least busy; among equals the youngest (older ones have warmer caches)."""
+        return min(self.registry.ready(role), key=lambda r: (self.backend.inflight[r.worker_id], -(r.ready_s or 0)))
+
+    def _new_worker_id(self, role: Role) -> str:
+        worker_id = f"{role.value}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        return worker_id
+
     async def add_worker(self, role: Role, worker_id: str) -> str | None:
         """Start ``worker_id`` (already in the registry as ``starting``) and make it ready."""
+        t0 = time.monotonic()
         try:
             handle = self._spawn(role, worker_id)
             self.handles[worker_id] = handle
             info = await asyncio.wait_for(handle.info.remote(), self.config.lifecycle.start_timeout_s)
             client = RayWorkerClient(handle, info)
             async with self._handshake:
-                await self._shake_hands(client)
+                await shake_hands(self.registry, client)
                 self.backend.activate(client, pid=info.pid, node=info.node)
             if self._start_feed is not None:
                 self.feeds[worker_id] = self._start_feed(client)
             self.counters["started"] += 1
-            log.info("worker %s is ready", worker_id)
+            self._record_cold_start(worker_id, role, time.monotonic() - t0)
+            log.info("worker %s is ready (cold start %.2f s)", worker_id, time.monotonic() - t0)
             return worker_id
         except asyncio.CancelledError:
             self._end(worker_id, "cancelled while starting", fault=False)
@@ -179,41 +190,40 @@ class PoolManager(Operator):
         finally:
             self.reconcile_soon()
 
-    async def _shake_hands(self, client: RayWorkerClient) -> None:
-        if client.info.role == Role.DECODE:
-            peers = [r.client.info.peer for r in self.registry.ready(Role.PREFILL)]
-            if peers:
-                await client.handle.add_peers.remote(peers)
-        else:
-            live = (WorkerState.READY, WorkerState.DRAINING)
-            decoders = [r.client for r in self.registry.records(Role.DECODE, live)]
-            await asyncio.gather(*(d.handle.add_peers.remote([client.info.peer]) for d in decoders))
-            # the cluster pool: the new prefill worker and the others read each other's lent prefix blocks
-            others = [r.client for r in self.registry.records(Role.PREFILL, live) if r.worker_id != client.worker_id]
-            if others:
-                await client.handle.add_import_peers.remote([o.info.peer for o in others])
-                await asyncio.gather(*(o.handle.add_import_peers.remote([client.info.peer]) for o in others))
-
     async def drain_worker(self, worker_id: str, reason: str) -> None:
-        """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it."""
+        """Stop routing to the worker, wait until it holds no request and no KV lease, then stop it — or flip it,
+        if the other pool fell short meanwhile (cluster/flip.py)."""
         rec = self.registry.mark_draining(worker_id, reason)
         log.info("draining %s (%s)", worker_id, reason)
-        deadline = time.monotonic() + self.config.lifecycle.drain_timeout_s
+        t0 = time.monotonic()
+        self._drain_into[worker_id] = None
         try:
-            while not await self._is_idle(rec):
-                if time.monotonic() > deadline:
-                    self.counters["drain_timeouts"] += 1
-                    log.error("drain of %s timed out after %.0f s: stopping it with work left", worker_id,
-                              self.config.lifecycle.drain_timeout_s)
-                    break
-                if rec.state == WorkerState.DEAD:  # died while draining: the health loop took care of it
-                    return
-                await asyncio.sleep(0.2)
+            idle = await self._wait_idle(rec, t0 + self.config.lifecycle.drain_timeout_s, t0 + self._flip_grace_s())
+            if await self._drain_became_flip(rec, self._drain_into.pop(worker_id, None), idle, t0):
+                return
+            if idle == "dead":  # died while draining: the health loop took care of it
+                return
+            if idle == "timeout":
+                self.counters["drain_timeouts"] += 1
+                log.error("drain of %s timed out after %.0f s: stopping it with work left", worker_id,
+                          self.config.lifecycle.drain_timeout_s)
             await self._stop_worker(worker_id)
             self.counters["drained"] += 1
             self._end(worker_id, f"drained ({reason})", fault=False)
         finally:
+            self._drain_into.pop(worker_id, None)
             self.reconcile_soon()
+
+    async def _wait_idle(self, rec: WorkerRecord, deadline_s: float, not_before_s: float = 0.0) -> str:
+        """Wait until a draining worker is idle (and ``not_before_s`` passed): "idle", "dead" (the health loop
+        took care of it) or "timeout"."""
+        while not await self._is_idle(rec) or time.monotonic() < not_before_s:
+            if rec.state == WorkerState.DEAD:
+                return "dead"
+            if time.monotonic() > deadline_s:
+                return "timeout"
+            await asyncio.sleep(0.2)
+        return "dead" if rec.state == WorkerState.DEAD else "idle"
 
     async def _is_idle(self, rec: WorkerRecord) -> bool:
         if self.backend.inflight[rec.worker_id]:
@@ -227,9 +237,7 @@ class PoolManager(Operator):
 
     async def _stop_worker(self, worker_id: str) -> None:
         handle = self.handles.get(worker_id)
-        feed = self.feeds.pop(worker_id, None)
-        if feed is not None:
-            feed.cancel()
+        self._cancel_feed(worker_id)
         if handle is None:
             return
         try:
@@ -238,14 +246,17 @@ class PoolManager(Operator):
             log.debug("worker %s did not shut down cleanly: %r", worker_id, e)
         ray.kill(handle)
 
-    def _end(self, worker_id: str, reason: str, *, fault: bool) -> None:
+    def _cancel_feed(self, worker_id: str) -> None:
         feed = self.feeds.pop(worker_id, None)
         if feed is not None:
             feed.cancel()
+
+    def _end(self, worker_id: str, reason: str, *, fault: bool) -> None:
+        self._cancel_feed(worker_id)
         rec = self.registry.get(worker_id) if worker_id in self.registry else None
         peer = getattr(getattr(rec.client, "info", None), "peer", None) if rec is not None else None
         if rec is not None and rec.role == Role.PREFILL and peer is not None:
-            task = asyncio.get_running_loop().create_task(self._forget_peer(worker_id, peer.agent_name))
+            task = asyncio.get_running_loop().create_task(self._forget(worker_id, peer.agent_name))
             self._forgets.add(task)
             task.add_done_callback(self._forgets.discard)
         if worker_id in self.registry and self.registry.get(worker_id).state != WorkerState.DEAD:
@@ -257,20 +268,8 @@ class PoolManager(Operator):
             except Exception as e:
                 log.debug("kill %s: %r", worker_id, e)
 
-    async def _forget_peer(self, worker_id: str, agent_name: str) -> None:
-        """Every live decode worker, and every other prefill worker (which read its lent blocks), drops the
-        ended prefill worker's NIXL metadata and connection."""
-        live = (WorkerState.READY, WorkerState.DRAINING)
-        decoders = self.registry.records(Role.DECODE, live) + [
-            r for r in self.registry.records(Role.PREFILL, live) if r.worker_id != worker_id]
-        results = await asyncio.gather(
-            *(asyncio.wait_for(d.client.handle.remove_peers.remote([agent_name]), 30) for d in decoders),
-            return_exceptions=True)
-        for rec, result in zip(decoders, results):
-            if isinstance(result, BaseException):  # that decode worker is itself gone or stuck: its own problem
-                log.warning("worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
-            else:
-                self.counters["peers_forgotten"] += len(result)
+    async def _forget(self, worker_id: str, agent_name: str) -> None:
+        self.counters["peers_forgotten"] += await forget_peer(self.registry, worker_id, agent_name)
 
     def reconcile_soon(self) -> None:
         asyncio.get_running_loop().call_soon(self.reconcile)
@@ -315,66 +314,7 @@ class PoolManager(Operator):
         self.reconcile()
 
     def observe(self, now_s: float) -> Observation:
-        warmup = self.auto.warmup_s
-
-        def samples(role: Role) -> tuple[WorkerSample, ...]:
-            out = []
-            for rec in self.registry.ready(role):
-                load, stats = rec.load, rec.stats
-                did = self._work_done(rec.worker_id, stats)
-                out.append(WorkerSample(
-                    rec.worker_id, warm=rec.age_s(now_s) >= warmup,
-                    running=load.running if load else 0, waiting=load.waiting if load else 0,
-                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
-                    kv_blocks_used=load.kv_blocks_used if load else 0,
-                    kv_blocks_total=load.kv_blocks_total if load else 0, **did,
-                    held_requests=stats.get("num_held", 0), held_blocks=stats.get("leases_held_blocks", 0),
-                    handoffs_waiting=stats.get("waiting_for_blocks", 0)))
-            return tuple(out)
-
-        def warm_at(worker: str, t_s: float) -> bool:
-            if worker not in self.registry:
-                return False
-            ready_s = self.registry.get(worker).ready_s
-            return ready_s is not None and t_s - ready_s >= warmup
-
-        latencies = self.metrics.take_samples() if self.metrics is not None else []
-        warm = collections.defaultdict(list)
-        for s in latencies:
-            if warm_at(s.worker, s.t_s):
-                warm[s.kind].append(s.value_s)
-        routed = self.backend.prefill_tokens_routed
-        arrived, self._routed_seen = routed - self._routed_seen, routed
-        return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
-                           prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
-                           prefill_tokens_arrived=arrived,
-                           ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")})
-
-    def _work_done(self, worker_id: str, stats: dict) -> dict:
-        """What the worker's engine did since the last observation (differences of its EngineStats counters)."""
-        now = {k: stats.get(f, 0) for k, f in WORK_COUNTERS.items()}
-        before = self._work_seen.get(worker_id)
-        self._work_seen[worker_id] = now
-        if before is None:
-            return {k: 0 for k in now}
-        return {k: max(0, v - before[k]) for k, v in now.items()}
-
-    def _queue_time_samples(self, now_s: float) -> tuple[float, ...]:
-        """Prefill queue times of the interval, from the growth of warm prefill workers' queue-time histograms
-        (each request counted at its bucket's upper bound: a conservative estimate)."""
-        out: list[float] = []
-        for rec in self.registry.ready(Role.PREFILL):
-            snap = rec.stats.get("queue_time_s")
-            if not snap:
-                continue
-            before = self._queue_time_seen.get(rec.worker_id)
-            self._queue_time_seen[rec.worker_id] = snap
-            if before is None or rec.age_s(now_s) < self.auto.warmup_s:
-                continue
-            bounds = [*snap["buckets"], snap["buckets"][-1]]
-            for bound, now_n, was_n in zip(bounds, snap["counts"], before["counts"]):
-                out.extend([bound] * max(0, now_n - was_n))
-        return tuple(out)
+        return self.observer.observe(now_s)
 
     # ---- views (admin API, dashboard) ------------------------------------------------------------
     def pool_state(self, role: Role) -> PoolState:
@@ -400,6 +340,7 @@ class PoolManager(Operator):
             "last": {role.value: _decision_view(at, d) for role, (at, d) in self.last_decision.items()},
             "decisions": [_decision_view(at, d) for at, d in reversed(self.decisions)],
             "counters": dict(self.counters),
+            "role_flip": self.flips_view(),
         }
 
 

@@ -14,7 +14,7 @@ import itertools
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
@@ -362,6 +362,13 @@ class Engine(RemoteKVMixin):
         if not ok:
             self.stats.num_peer_import_failures += 1
         self.scheduler.finish_load(request_id, n if ok else 0, from_peer=True)
+
+    def rename(self, worker_id: str) -> None:
+        """The worker took a new id (a role flip): KV events and load reports name it from now on."""
+        self.config = replace(self.config, worker_id=worker_id)
+        self.pool.worker_id = worker_id
+        if self.tiers is not None:
+            self.tiers.worker_id = worker_id
 
     def close(self) -> None:
         """Stop the mover thread and remove the disk tier's files."""

@@ -186,6 +186,9 @@ class NixlTransport:
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
 
+    def peer_names(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
     # ----------------------------------------------------------------- transfers
     def pull(self, request: TransferRequest, *, timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> TransferResult:
         """READ the request's blocks, releasing the owner's lease on success or failure."""

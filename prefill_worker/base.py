@@ -2,12 +2,18 @@
 a publisher of KV events and load.
 
 A worker is a plain Python object with async methods; the cluster wraps it in a Ray actor
-(`ray.remote(...)(PrefillWorker)`), and tests may drive it in-process. Threads inside one worker:
+(`ray.remote(...)(Worker)`, decode_worker/role_worker.py), and tests may drive it in-process. Threads inside one worker:
 - the Ray actor's event loop (method calls: `prefill`, `decode`, `read_events`, ...);
 - the engine thread (`AsyncEngine`): the only thread that touches the `Engine`. It also publishes KV
   events + load after every step (and every `publish_interval_s` when idle), so events leave in the
   order the block pool recorded them;
-- roles add their own (the decode worker's transfer thread owns its NIXL agent).
+- the puller thread (prefill_worker/puller.py): the only user of the worker's reading NIXL agent (a decode
+  worker pulls handed-off blocks with it, a prefill worker the prefix blocks a peer lends);
+- a prefill worker's own agent (the one decode workers and peers read from) is used by the engine thread.
+
+What a role does lives in a `WorkerRole` object (prefill_worker/worker.py `PrefillRole`, decode_worker/worker.py
+`DecodeRole`); `flip_role` swaps it in place (decode_worker/role_worker.py documents the flip) while the engine —
+weights, KV cache tensor, prefix cache, tiers — and the reading agent stay.
 
 Events go to `sinks` chosen by the cluster (a `MemoryEventLog` that routers read through
 `read_events`, and optionally a Redis stream); the worker only calls `sink.publish(worker, seq, data)`,
@@ -16,6 +22,7 @@ from `snapshot_events()`.
 
 Lives in prefill_worker/ and is shared by decode_worker/ (a decode worker is a worker that also
 prefills short prompts itself), which keeps the package DAG: workers import engine and kvtransfer only.
+The actor class of either role (`Worker`) is in decode_worker/role_worker.py, the top of that DAG.
 """
 from __future__ import annotations
 
@@ -26,18 +33,22 @@ import platform
 from abc import ABC, abstractmethod
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Protocol, TypeVar
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import DuetError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import BLOCK_MAJOR, KVCompat, PeerInfo
+from prefill_worker.puller import Puller
 from proto.kv_codec import encode_batch
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound="WorkerRole")
 
 
 class EventSink(Protocol):  # router/events.py's EventSink
@@ -92,6 +103,48 @@ def kv_compat(engine: Engine) -> KVCompat:
                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
 
+class WorkerRole(ABC):
+    """What one role adds to a worker. Built and closed on the engine thread (or before it runs), so the
+    hooks below — called on the engine thread — never see it half set up."""
+
+    name: str  # "prefill" | "decode"
+
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+
+    @abstractmethod
+    def peer_info(self) -> PeerInfo:
+        """The NIXL endpoint this role shows the other workers."""
+
+    def on_output(self, out: RequestOutput) -> RequestOutput:
+        return out
+
+    def on_tick(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def busy(self) -> str | None:
+        """Why the role is not idle (work only it tracks), or None. Engine thread."""
+        return None
+
+    def close(self) -> None:
+        """Let go of what only this role holds (engine thread, idle worker)."""
+
+
+class WrongRoleError(DuetError):
+    """A role's method was called on a worker of the other role."""
+
+
+class FlipRefusedError(DuetError):
+    """``flip_role`` refused (nothing changed): the worker already has that role, or the new one needs a reload."""
+
+
+class WorkerBusyError(FlipRefusedError):
+    """``flip_role`` refused because the worker is not idle (drain it first)."""
+
+
 class WorkerBase(ABC):
     def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = ()) -> None:
         if options.torch_threads:
@@ -108,25 +161,34 @@ class WorkerBase(ABC):
         self._full_state_due = False  # a sink dropped a batch: send the whole cached set once it is back
         self.events_undelivered = 0  # batches some sink dropped (Redis down)
         self._started_s = time.time()
-        self._attach()
+        host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
+        # the reading agent, kept for the worker's life whatever its role (a flip clears its peers)
+        self.puller = Puller(self.engine.runner.kv_cache, self.compat, options.worker_id, options.transfer_timeout_s,
+                             host=host)
+        if options.fault_pull_delay_s > 0:
+            log.warning("fault injection: every KV pull of %s waits %.2f s (transfer.fault_pull_delay_s)",
+                        options.worker_id, options.fault_pull_delay_s)
+        self.role = self._make_role(options.role)
         self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
                                    name=f"engine-{options.worker_id}")
 
-    def _attach(self) -> None:
-        """Role setup that needs the engine (its KV cache) but must happen before the engine thread runs."""
+    @abstractmethod
+    def _make_role(self, name: str) -> WorkerRole:
+        """The role object for ``name`` (engine thread, or before the engine thread runs)."""
 
     # ---- hooks (engine thread) -------------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> RequestOutput:
-        return out
+        return self.role.on_output(out)
 
     def _on_tick(self) -> None:
+        self.role.on_tick()
         self._publish()
 
-    def _publish(self) -> None:
+    def _publish(self, force_full: bool = False) -> None:
         events = self.engine.take_events()
         now = time.monotonic()
         every = self.options.full_state_interval_s
-        full = (self._full_state_due and all(sink.available() for sink in self._sinks)) or (
+        full = force_full or (self._full_state_due and all(sink.available() for sink in self._sinks)) or (
             every is not None and now - self._last_full_state_s >= every)
         if full:
             events = self.engine.snapshot_events()  # subsumes the pending events
@@ -151,9 +213,23 @@ class WorkerBase(ABC):
             self._full_state_due = False
 
     # ---- methods the cluster and routers call -------------------------------------------------------
-    @abstractmethod
     def peer_info(self) -> PeerInfo:
-        """This worker's NIXL endpoint (the role decides which thread owns the agent)."""
+        """This worker's NIXL endpoint in its current role (a prefill worker's own agent, a decode worker's puller)."""
+        return self.role.peer_info()
+
+    def _as(self, role_cls: type[R]) -> R:
+        role = self.role
+        if not isinstance(role, role_cls):
+            raise WrongRoleError(f"worker {self.options.worker_id} is a {role.name} worker, not {role_cls.name}")
+        return role
+
+    async def remove_peers(self, peer_names: Sequence[str]) -> list[str]:
+        """Forget prefill workers that are gone (their NIXL metadata and connections); returns those it knew.
+
+        Runs on the puller thread after the jobs already queued, so a pull in flight finishes (or fails)
+        first; a handoff or a lent block naming a forgotten peer later fails with "no handshake" (recomputed).
+        """
+        return await self.puller.remove_peers(peer_names)
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -217,14 +293,79 @@ class WorkerBase(ABC):
         return await _wrap(self.aengine.call(take))
 
     def _role_stats(self) -> dict[str, Any]:
-        return {}
+        return self.role.stats()
+
+    async def flip_role(self, options: WorkerOptions, engine_config: EngineConfig) -> WorkerInfo:
+        """Become a ``options.role`` worker named ``options.worker_id`` without reloading the model; returns the
+        new ``info()``. FlipRefusedError (nothing changed) if the worker already has that role, if
+        ``engine_config`` (the new pool's) differs from the loaded engine's in anything but the worker id, or if
+        it is not idle: requests, blocks held for a decode worker, KV in flight, or what the role tracks
+        (leases, handoffs waiting for blocks). Runs on the engine thread between steps, so nothing slips in
+        between the idle check and the swap. Kept: the engine (weights, KV cache, prefix cache, tiers) and the
+        reading agent (its peers are forgotten: the new role's handshake names its own). The old role lets
+        go of what only it held (a prefill worker closes its own agent; the new one registers a fresh one).
+        The event plane starts over under the new id: seq 1 is the whole cached set (AllCleared + every hash)."""
+        old = self.options
+        if options.role == old.role:
+            raise FlipRefusedError(f"worker {old.worker_id} already is a {old.role} worker")
+        reason = reload_reason(self.engine.config, engine_config)
+        if reason is not None:
+            raise FlipRefusedError(f"worker {old.worker_id} cannot become a {options.role} worker without reloading "
+                                   f"its engine: {reason}")
+
+        def flip(engine: Engine) -> None:
+            why = self._busy(engine)
+            if why is not None:
+                raise WorkerBusyError(f"worker {old.worker_id} is busy ({why}): drain it before flipping its role")
+            self.role.close()
+            engine.take_events()  # the old id's: the router dropped that id's index entry when it retired it
+            engine.rename(options.worker_id)
+            self.options = options
+            if options.torch_threads:
+                import torch
+
+                torch.set_num_threads(options.torch_threads)  # the engine thread's own OpenMP setting
+            self.role = self._make_role(options.role)
+            self._seq = 0
+            for sink in self._sinks:
+                if hasattr(sink, "restart"):
+                    sink.restart()
+            self._publish(force_full=True)
+
+        await _wrap(self.aengine.call(flip))
+        forgotten = await self.puller.forget_all()
+        self.puller.reset_stats()
+        log.info("worker %s is now %s (%s), without a reload; its puller forgot %d peer(s)", old.worker_id,
+                 options.worker_id, options.role, len(forgotten))
+        return self.info()
+
+    def _busy(self, engine: Engine) -> str | None:
+        """Why this worker is not idle, or None (engine thread)."""
+        counts = {"requests": len(engine.requests), "requests held for a decode worker": len(engine.held),
+                  "requests with KV in flight": len(engine.remote_pending)}
+        why = [f"{n} {what}" for what, n in counts.items() if n]
+        role_why = self.role.busy()
+        if role_why:
+            why.append(role_why)
+        return ", ".join(why) or None
 
     def health(self) -> dict[str, Any]:
         return {"ok": self.aengine.is_alive, "worker_id": self.options.worker_id, "role": self.options.role}
 
     def shutdown(self) -> None:
+        self.puller.stop()
         self.aengine.shutdown()
+        self.role.close()
         self.engine.close()
+
+
+def reload_reason(current: EngineConfig, wanted: EngineConfig) -> str | None:
+    """Why an engine built from ``current`` cannot stand in for one built from ``wanted`` (None: it can). Every
+    engine setting but the worker id fixes what was loaded or sized (model, device, dtype, block size, KV
+    blocks and tiers, kernels, ...): a difference in any of them means a reload, i.e. a fresh worker."""
+    diff = [f"{f.name} {getattr(current, f.name)!r} != {getattr(wanted, f.name)!r}" for f in fields(current)
+            if f.name != "worker_id" and getattr(current, f.name) != getattr(wanted, f.name)]
+    return "; ".join(diff) or None
 
 
 def hit_sources(engine: Engine) -> dict[str, int]:

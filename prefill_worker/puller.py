@@ -36,10 +36,8 @@ class Puller:
         self.transfer_timeout_s = transfer_timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self.stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0}
-        self.xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
-        self.xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
         self.lock = threading.Lock()  # this thread writes the stats, stats() readers take them
+        self.reset_stats()
         self.num_peers = 0
         self._thread = threading.Thread(target=self._loop, name=f"kv-{worker_id}", daemon=True)
         self._thread.start()
@@ -55,11 +53,23 @@ class Puller:
             futures.append(asyncio.wrap_future(future))
         return list(await asyncio.gather(*futures))
 
-    async def remove_peers(self, peer_names: Sequence[str]) -> list[str]:
-        """Forget owners that are gone (their NIXL metadata and connections); returns those it knew."""
+    async def remove_peers(self, peer_names: Sequence[str] | None) -> list[str]:
+        """Forget owners that are gone (their NIXL metadata and connections; None: every one); returns those it
+        knew."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put(("remove_peers", tuple(peer_names), future))
+        self._jobs.put(("remove_peers", None if peer_names is None else tuple(peer_names), future))
         return await asyncio.wrap_future(future)
+
+    async def forget_all(self) -> list[str]:
+        """Forget every peer (a role flip: the new role's handshake adds its own); returns those it knew."""
+        return await self.remove_peers(None)
+
+    def reset_stats(self) -> None:
+        """Counters from zero (a role flip: the worker's new id starts its own series)."""
+        with self.lock:
+            self.stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0}
+            self.xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
+            self.xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
 
     def notify(self, peer_name: str, payload: bytes) -> None:
         self._jobs.put(("notify", peer_name, payload))
@@ -108,7 +118,7 @@ class Puller:
             self.num_peers = transport.num_peers
         elif kind == "remove_peers":
             _, names, future = job
-            known = [name for name in names if transport.has_peer(name)]
+            known = list(transport.peer_names()) if names is None else [n for n in names if transport.has_peer(n)]
             for name in known:
                 try:
                     transport.remove_peer(name)

@@ -1,4 +1,4 @@
-"""PrefillWorker: runs prompts, samples the first token, and lends the prompt's KV blocks to a decode worker.
+"""PrefillRole: a worker runs prompts, samples the first token, and lends the prompt's KV blocks to a decoder.
 
     out = await worker.prefill(request_id, prompt_token_ids, params)
     out.finished and out.handoff is None   -> the request ended at its first token (stop / length / error)
@@ -11,7 +11,9 @@ notification (READ completed, or a failure notice), on `release()` from the rout
 before the decode worker pulled), or on its deadline — then `engine.release_held` unpins the blocks.
 They stay in the prefix cache, so the next request with the same prefix still hits here.
 
-The NIXL agent is created in the constructor and afterwards used only by the engine thread (its tick
+The role is an object a worker holds (prefill_worker/base.py `WorkerRole`; the actor is decode_worker/role_worker.py
+`Worker`), so a worker can flip to decode and back without reloading its model. The role's own NIXL agent
+is created with the role (on the engine thread during a flip) and afterwards used only by the engine thread (its tick
 polls notifications and expires leases): one thread owns a transport. The agent's own progress thread
 serves the decode workers' READs of our memory without us. It registers the host KV tier too, so peers
 can read blocks from either.
@@ -20,7 +22,7 @@ The cluster pool (DESIGN.md "KV tiers and the cluster pool"): prefill workers le
 `export_blocks(hashes, token_ids, first_block)` pins the leading blocks of those we hold — on the device tier or
 the host tier, token ids checked — under a lease like a handoff's, and returns `PeerBlocks` (or None).
 The router passes that to the worker it chose (`prefill(..., peer=...)`), whose engine reads the blocks it
-lacks with a second agent owned by its `Puller` thread (prefill_worker/puller.py) instead of recomputing
+lacks with the worker's reading agent, owned by its `Puller` thread (prefill_worker/puller.py) instead of recomputing
 them; a read that fails or times out is recomputed and counted (`num_peer_import_failures`). The lease ends
 on the reader's notice or its deadline, as a handoff's does.
 """
@@ -28,40 +30,38 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
 from engine.disagg import PeerBlocks
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import LeaseTable, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
-from prefill_worker.base import EventSink, WorkerBase, WorkerOptions, _wrap
-from prefill_worker.puller import Puller
+from prefill_worker.base import WorkerRole, _wrap
+
+if TYPE_CHECKING:
+    from prefill_worker.base import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(WorkerBase):
-    def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = ()) -> None:
+class PrefillRole(WorkerRole):
+    name = "prefill"
+
+    def __init__(self, worker: WorkerBase) -> None:
+        super().__init__(worker)
+        engine, options = worker.engine, worker.options
         self._lease_by_request: dict[str, str] = {}
         self._request_by_lease: dict[str, str] = {}
         self.leases = LeaseTable(on_release=lambda block_ids: None, default_timeout_s=options.lease_timeout_s)
         self._exports: dict[str, tuple[list, list]] = {}  # lease id -> (device blocks, host slots) lent to a peer
         self.export_stats = {"exports": 0, "exported_blocks": 0}
-        super().__init__(engine_config, options, sinks)
-        host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
-        self.importer = Puller(self.engine.runner.kv_cache, self.compat, f"{options.worker_id}-import",
-                               options.transfer_timeout_s, host=host)
-        self.engine.scheduler.importer = _Importer(self)
-
-    def _attach(self) -> None:
-        host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
-        self.transport = NixlTransport(self.engine.runner.kv_cache, self.compat, host=host,
-                                       agent_name=f"duet-{self.options.worker_id}-{uuid.uuid4().hex[:8]}")
+        host = engine.tiers.mover.host if engine.tiers is not None else None
+        self.transport = NixlTransport(engine.runner.kv_cache, worker.compat, host=host,
+                                       agent_name=f"duet-{options.worker_id}-{uuid.uuid4().hex[:8]}")
+        engine.scheduler.importer = _Importer(worker)
 
     def peer_info(self) -> PeerInfo:
         return self.transport.peer_info()
@@ -73,34 +73,31 @@ class PrefillWorker(WorkerBase):
         blocks another worker lent for it (``export_blocks``), read instead of recomputed."""
         last = None
         try:
-            async for out in self.aengine.generate(prompt_token_ids=prompt_token_ids, params=params,
+            async for out in self.worker.aengine.generate(prompt_token_ids=prompt_token_ids, params=params,
                                                    request_id=request_id, remote_decode=True, peer=peer):
                 last = out
         except InvalidRequestError:  # refused before the engine took it: end the peer's lease now
             if peer is not None:
-                self.importer.notify(peer.source, ReleaseNotice(peer.lease_id, ok=False).encode())
+                self.worker.puller.notify(peer.source, ReleaseNotice(peer.lease_id, ok=False).encode())
             raise
         return last
 
     async def add_import_peers(self, peers: list[PeerInfo]) -> list[str]:
-        """Handshake our importing agent with other prefill workers, so we can read blocks they lend."""
-        return await self.importer.add_peers(peers)
-
-    async def remove_peers(self, peer_names: list[str]) -> list[str]:
-        return await self.importer.remove_peers(peer_names)
+        """Handshake our reading agent with other prefill workers, so we can read blocks they lend."""
+        return await self.worker.puller.add_peers(peers)
 
     async def export_blocks(self, block_hashes: list[int], token_ids: list[int],
                             first_block: int) -> PeerBlocks | None:
         """Lend the leading blocks of ``block_hashes`` (the request's blocks ``first_block, …``, whose tokens are
         ``token_ids[first_block * B:]``) that we hold on any readable tier, under a lease; None if we hold none."""
-        return await _wrap(self.aengine.call(lambda engine: self._export(block_hashes, token_ids, first_block, engine)))
+        return await _wrap(self.worker.aengine.call(lambda engine: self._export(block_hashes, token_ids, first_block, engine)))
 
     async def release(self, request_id: str) -> bool:
         """The router gave up on the handoff (client gone, decode worker refused it): unpin now."""
-        return await _wrap(self.aengine.call(lambda engine: self._end_lease(request_id, engine)))
+        return await _wrap(self.worker.aengine.call(lambda engine: self._end_lease(request_id, engine)))
 
     # ---- engine thread ------------------------------------------------------------------------------
-    def _on_output(self, out: RequestOutput) -> RequestOutput:
+    def on_output(self, out: RequestOutput) -> RequestOutput:
         if out.handoff is None:
             return out
         handoff = out.handoff
@@ -111,14 +108,13 @@ class PrefillWorker(WorkerBase):
         out.handoff = replace(handoff, source=self.transport.agent_name, lease_id=lease_id)
         return out
 
-    def _on_tick(self) -> None:
+    def on_tick(self) -> None:
         for notice in self.transport.poll_release_notices():
             if self.leases.release(notice.lease_id, ok=notice.ok):
                 self._unpin(notice.lease_id)
         for lease_id in self.leases.expire_overdue():
             log.warning("lease %s expired: no decode worker pulled its blocks in time", lease_id)
             self._unpin(lease_id)
-        super()._on_tick()
 
     def _export(self, block_hashes: list[int], token_ids: list[int], first_block: int,
                 engine: Engine) -> PeerBlocks | None:
@@ -160,32 +156,35 @@ class PrefillWorker(WorkerBase):
         lent = self._exports.pop(lease_id, None)
         if lent is not None:
             device, host = lent
-            self.engine.pool.free_blocks(reversed(device))
+            self.worker.engine.pool.free_blocks(reversed(device))
             for slot in host:
-                self.engine.tiers.host.unpin(slot)
+                self.worker.engine.tiers.host.unpin(slot)
             return
         request_id = self._request_by_lease.pop(lease_id, None)
         if request_id is not None:
             self._lease_by_request.pop(request_id, None)
-            self.engine.release_held(request_id)
+            self.worker.engine.release_held(request_id)
 
-    def _role_stats(self) -> dict[str, Any]:
-        with self.importer.lock:
-            imports = {f"import_{k}": v for k, v in self.importer.stats.items()}
+    def stats(self) -> dict[str, Any]:
+        puller = self.worker.puller
+        with puller.lock:
+            imports = {f"import_{k}": v for k, v in puller.stats.items()}
         return {"leases_held": len(self.leases), "leases_held_blocks": self.leases.num_held_blocks,
                 **{f"leases_{k}": v for k, v in asdict(self.leases.counters).items()}, **self.export_stats, **imports,
-                "import_peers": self.importer.num_peers}
+                "import_peers": puller.num_peers}
 
-    def shutdown(self) -> None:
-        self.importer.stop()
-        super().shutdown()
+    def busy(self) -> str | None:
+        return f"{len(self.leases)} KV leases held" if len(self.leases) else None
+
+    def close(self) -> None:
+        self.worker.engine.scheduler.importer = None
         self.transport.close()
 
 
 class _Importer:
     """The engine's ``PeerImporter`` (engine/scheduler.py) for this worker: pulls on the importing agent."""
 
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker
 
     def start(self, request_id, peer: PeerBlocks, remote_block_ids, local_block_ids) -> None:
@@ -197,8 +196,8 @@ class _Importer:
                             len(local_block_ids), request_id, peer.source, error)
             w.aengine.call(lambda engine: engine.finish_import(request_id, error is None))
 
-        w.importer.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done,
+        w.puller.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done,
                         delay_s=w.options.fault_pull_delay_s)  # fault injection, as the decode worker's pulls
 
     def release(self, peer: PeerBlocks) -> None:
-        self.worker.importer.notify(peer.source, ReleaseNotice(peer.lease_id, ok=True).encode())
+        self.worker.puller.notify(peer.source, ReleaseNotice(peer.lease_id, ok=True).encode())

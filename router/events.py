@@ -133,6 +133,13 @@ class MemoryEventLog(EventSink):
             self._head_seq = seq
         return True
 
+    def restart(self) -> None:
+        """The worker starts over under a new id at seq 1 (a role flip): the old id's batches are dropped."""
+        with self._lock:
+            self._ring.clear()
+            self._head_seq = 0
+            self._worker = None
+
     def read(self, after_seq: int, max_batches: int = 256) -> tuple[list[bytes], int, bool]:
         """``(batches with seq > after_seq, seq to pass next time, truncated)``.
 

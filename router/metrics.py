@@ -35,6 +35,7 @@ from router.registry import LIVE_STATES, WorkerRegistry, tier_usage
 
 WORKER_LABELS = ("model_name", "engine", "worker", "role")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+LIFECYCLE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 SAMPLE_WINDOW = 100_000  # latency samples kept for the autoscaler between two of its intervals
 
 
@@ -75,6 +76,15 @@ class RouterMetrics:
                                     buckets=TTFT_BUCKETS_S, registry=r)
         self.autoscaler = Counter("duet_autoscaler_decisions", "Autoscaler decisions that changed a target, "
                                   "by role, direction and reason.", ("role", "direction", "reason"), registry=r)
+        self.role_flips = Counter("duet_role_flips", "Workers flipped between pools in place, by outcome: ok, failed "
+                                  "(stopped; the pool starts one), fallback (drain + start instead, logged with why).",
+                                  ("from_role", "to_role", "outcome"), registry=r)
+        self.role_flip_time = Histogram("duet_role_flip_seconds", "Role flips, from the worker idle to it ready in "
+                                        "its new role.", ("from_role", "to_role"), buckets=LIFECYCLE_BUCKETS_S,
+                                        registry=r)
+        self.cold_start_time = Histogram("duet_worker_cold_start_seconds", "Workers started, from the actor spawned "
+                                         "to it ready (model loaded, handshakes done).", ("role",),
+                                         buckets=LIFECYCLE_BUCKETS_S, registry=r)
         self._buffers: dict[str, deque[LatencySample]] = {}  # one per consumer (autoscaler, dashboard, ...)
         self.finished: collections.Counter[str] = collections.Counter()  # requests by finish reason
         self.num_tokens = 0  # generated tokens the clients received
@@ -252,9 +262,11 @@ class ClusterCollector:
         yield low
         yield high
         actions = CounterMetricFamily("duet_pool_actions", "Pool manager actions by kind: started, start_failures, "
-                                      "drained, drain_timeouts, replaced (a dead worker).", labels=("action",))
+                                      "drained, drain_timeouts, replaced (a dead worker), flipped, flip_failures, "
+                                      "flip_fallbacks.", labels=("action",))
         counts = self.pool_counters()
-        for action in ("started", "start_failures", "drained", "drain_timeouts", "replaced"):
+        for action in ("started", "start_failures", "drained", "drain_timeouts", "replaced", "flipped", "flip_failures",
+                       "flip_fallbacks"):
             actions.add_metric((action,), float(counts.get(action, 0)))
         yield actions
         feed = self.feed_counters()

@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
-from prefill_worker.worker import PrefillWorker
+from decode_worker.role_worker import Worker
 
 B = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -35,7 +35,7 @@ def make_worker(model_dir, name, num_blocks=64, host_blocks=0):
     bpb = engine.runner.bytes_per_block
     engine.close()
     config = EngineConfig(model=str(model_dir), num_blocks=num_blocks, kv_host_bytes=host_blocks * bpb)
-    return PrefillWorker(config, WorkerOptions(worker_id=name, role="prefill", lease_timeout_s=5.0,
+    return Worker(config, WorkerOptions(worker_id=name, role="prefill", lease_timeout_s=5.0,
                                                transfer_timeout_s=2.0))
 
 
@@ -69,7 +69,7 @@ def call(loop, worker, fn):
 def wait_leases_end(loop, worker, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if call(loop, worker, lambda e: len(worker.leases)) == 0:
+        if call(loop, worker, lambda e: len(worker.role.leases)) == 0:
             return
         time.sleep(0.02)
     raise AssertionError(f"{worker.options.worker_id} still holds leases")
@@ -130,10 +130,10 @@ def test_unused_peer_blocks_release_the_lease(loop, workers):
     loop.run_until_complete(b.release("b-3a"))
     mine = shared + [7, 7]
     peer = loop.run_until_complete(a.export_blocks(b.engine.hasher(mine), mine, 0))
-    counters_before = a.leases.counters.released
+    counters_before = a.role.leases.counters.released
     prefill(loop, b, "b-3", mine, peer=peer)
     wait_leases_end(loop, a)
-    assert a.leases.counters.released == counters_before + 1  # ended by b's notice, not by its deadline
+    assert a.role.leases.counters.released == counters_before + 1  # ended by b's notice, not by its deadline
 
 
 def test_failed_peer_read_is_recomputed_and_counted(loop, workers):
@@ -152,8 +152,8 @@ def test_failed_peer_read_is_recomputed_and_counted(loop, workers):
     assert b.engine.stats.num_peer_import_failures == failures + 1
     # a's lease is never released by b (it could not reach it): it ends at its deadline
     deadline = time.monotonic() + 8
-    while call(loop, a, lambda e: len(a.leases)) and time.monotonic() < deadline:
+    while call(loop, a, lambda e: len(a.role.leases)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert call(loop, a, lambda e: len(a.leases)) == 0
+    assert call(loop, a, lambda e: len(a.role.leases)) == 0
     call(loop, a, lambda e: e.pool.check())
     call(loop, b, lambda e: e.pool.check())

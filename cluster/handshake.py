@@ -1,0 +1,50 @@
+"""Which workers exchange NIXL metadata: the handshake of a worker joining its pool, and forgetting a prefill
+worker that left (its agent, on every worker that could read from it). Used by cluster/pools.py for started,
+drained and dead workers and by cluster/flip.py for a worker that changed pools."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cluster.ray_client import RayWorkerClient
+from router.policy import Role
+from router.registry import WorkerRegistry, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+async def shake_hands(registry: WorkerRegistry, client: RayWorkerClient) -> None:
+    """A worker joining its pool meets the workers it exchanges KV with: a decode worker learns every ready
+    prefill worker; a prefill worker is learnt by every live decode worker and trades NIXL metadata with the
+    other live prefill workers (the cluster pool: they read each other's lent blocks)."""
+    if client.info.role == Role.DECODE:
+        peers = [r.client.info.peer for r in registry.ready(Role.PREFILL)]
+        if peers:
+            await client.handle.add_peers.remote(peers)
+    else:
+        live = (WorkerState.READY, WorkerState.DRAINING)
+        decoders = [r.client for r in registry.records(Role.DECODE, live)]
+        await asyncio.gather(*(d.handle.add_peers.remote([client.info.peer]) for d in decoders))
+        # the cluster pool: the new prefill worker and the others read each other's lent prefix blocks
+        others = [r.client for r in registry.records(Role.PREFILL, live) if r.worker_id != client.worker_id]
+        if others:
+            await client.handle.add_import_peers.remote([o.info.peer for o in others])
+            await asyncio.gather(*(o.handle.add_import_peers.remote([client.info.peer]) for o in others))
+
+
+async def forget_peer(registry: WorkerRegistry, worker_id: str, agent_name: str) -> int:
+    """Every live decode worker, and every other prefill worker (which read its lent blocks), drops the
+    ended prefill worker's NIXL metadata and connection; returns how many knew it."""
+    forgotten = 0
+    live = (WorkerState.READY, WorkerState.DRAINING)
+    decoders = registry.records(Role.DECODE, live) + [
+        r for r in registry.records(Role.PREFILL, live) if r.worker_id != worker_id]
+    results = await asyncio.gather(
+        *(asyncio.wait_for(d.client.handle.remove_peers.remote([agent_name]), 30) for d in decoders),
+        return_exceptions=True)
+    for rec, result in zip(decoders, results):
+        if isinstance(result, BaseException):  # that decode worker is itself gone or stuck: its own problem
+            log.warning("worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
+        else:
+            forgotten += len(result)
+    return forgotten

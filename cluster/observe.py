@@ -1,0 +1,90 @@
+"""What the autoscaler observes of the live cluster each interval (cluster/autoscaler.py's ``Observation``),
+read from the worker registry (loads from the KV event plane, ``stats()`` snapshots), the router's latency
+samples and its dispatch counters. bench/sim_autoscale.py builds the same observation in the simulator.
+
+Per ready worker: its load; what its engine did in the interval (differences of its EngineStats counters:
+busy seconds, prompt tokens computed, decode steps and tokens — a worker's first observation counts zero);
+the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease; decode: handoffs
+waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
+prefill queue times from warm prefill workers' histograms, and the uncached prompt tokens routed to prefill.
+"""
+from __future__ import annotations
+
+import collections
+
+from cluster.autoscaler import AutoscalerConfig, Observation, WorkerSample
+from router.policy import Role
+
+WORK_COUNTERS = {"busy_s": "busy_s", "prefill_tokens": "num_prefill_tokens_computed",  # WorkerSample <- stats()
+                 "decode_steps": "num_decode_steps", "decode_tokens": "num_decode_tokens"}
+
+
+class PoolObserver:
+    def __init__(self, registry, backend, metrics, auto: AutoscalerConfig) -> None:
+        self.registry, self.backend, self.metrics, self.auto = registry, backend, metrics, auto
+        self._queue_time_seen: dict[str, dict] = {}
+        self._work_seen: dict[str, dict] = {}
+        self._routed_seen = 0
+
+    def observe(self, now_s: float) -> Observation:
+        """The interval since the last call, as the autoscaler reads it (cluster/autoscaler.py)."""
+        warmup = self.auto.warmup_s
+
+        def samples(role: Role) -> tuple[WorkerSample, ...]:
+            out = []
+            for rec in self.registry.ready(role):
+                load, stats = rec.load, rec.stats
+                did = self._work_done(rec.worker_id, stats)
+                out.append(WorkerSample(
+                    rec.worker_id, warm=rec.age_s(now_s) >= warmup,
+                    running=load.running if load else 0, waiting=load.waiting if load else 0,
+                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    kv_blocks_used=load.kv_blocks_used if load else 0,
+                    kv_blocks_total=load.kv_blocks_total if load else 0, **did,
+                    held_requests=stats.get("num_held", 0), held_blocks=stats.get("leases_held_blocks", 0),
+                    handoffs_waiting=stats.get("waiting_for_blocks", 0)))
+            return tuple(out)
+
+        def warm_at(worker: str, t_s: float) -> bool:
+            if worker not in self.registry:
+                return False
+            ready_s = self.registry.get(worker).ready_s
+            return ready_s is not None and t_s - ready_s >= warmup
+
+        latencies = self.metrics.take_samples() if self.metrics is not None else []
+        warm = collections.defaultdict(list)
+        for s in latencies:
+            if warm_at(s.worker, s.t_s):
+                warm[s.kind].append(s.value_s)
+        routed = self.backend.prefill_tokens_routed
+        arrived, self._routed_seen = routed - self._routed_seen, routed
+        return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
+                           prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
+                           prefill_tokens_arrived=arrived,
+                           ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")})
+
+    def _work_done(self, worker_id: str, stats: dict) -> dict:
+        """What the worker's engine did since the last observation (differences of its EngineStats counters)."""
+        now = {k: stats.get(f, 0) for k, f in WORK_COUNTERS.items()}
+        before = self._work_seen.get(worker_id)
+        self._work_seen[worker_id] = now
+        if before is None:
+            return {k: 0 for k in now}
+        return {k: max(0, v - before[k]) for k, v in now.items()}
+
+    def _queue_time_samples(self, now_s: float) -> tuple[float, ...]:
+        """Prefill queue times of the interval, from the growth of warm prefill workers' queue-time histograms
+        (each request counted at its bucket's upper bound: a conservative estimate)."""
+        out: list[float] = []
+        for rec in self.registry.ready(Role.PREFILL):
+            snap = rec.stats.get("queue_time_s")
+            if not snap:
+                continue
+            before = self._queue_time_seen.get(rec.worker_id)
+            self._queue_time_seen[rec.worker_id] = snap
+            if before is None or rec.age_s(now_s) < self.auto.warmup_s:
+                continue
+            bounds = [*snap["buckets"], snap["buckets"][-1]]
+            for bound, now_n, was_n in zip(bounds, snap["counts"], before["counts"]):
+                out.extend([bound] * max(0, now_n - was_n))
+        return tuple(out)

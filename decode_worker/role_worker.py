@@ -1,0 +1,69 @@
+"""Worker: the Ray actor of either role, able to flip between prefill and decode without reloading its model.
+
+    worker = Worker(engine_config, WorkerOptions(worker_id="prefill-0", role="prefill"), sinks)
+    await worker.prefill(...)                                   # a prefill worker's verbs (prefill_worker/worker.py)
+    info = await worker.flip_role(WorkerOptions(worker_id="decode-3", role="decode"), decode_pool_engine_config)
+    async for out in worker.decode(handoff): ...                # now a decode worker's (decode_worker/worker.py)
+
+Everything role-specific lives in the role object (`PrefillRole` / `DecodeRole`, prefill_worker/base.py
+`WorkerRole`); this class only routes each actor method to the role that owns it and refuses the other
+role's methods (WrongRoleError), so a call that reaches a worker after its flip fails loudly instead of
+doing the wrong thing. It lives in decode_worker/ because that package already imports prefill_worker
+(the DAG: prefill_worker ← decode_worker ← cluster), and the launcher spawns it for both pools.
+
+The flip itself (`WorkerBase.flip_role`, prefill_worker/base.py) keeps the engine — weights, the KV cache
+tensor, the prefix cache and its lower tiers — and the reading NIXL agent, and refuses unless the worker
+is idle and the new pool's engine config is the loaded one. What changes with the role:
+- NIXL: prefill → decode closes the prefill role's own agent (the one decode workers and peers read from;
+  the pool manager has them forget it) and the reading agent forgets its import peers; decode → prefill
+  registers a fresh agent for the cache and host tier. The peer info reported after the flip is the new
+  role's (``info().peer``); the new role's handshake is the one a started worker gets.
+- The worker id: a flip gives the worker a new id in the new role's numbering (``prefill-0`` → ``decode-3``),
+  never keeps it. The router's registry, index, load tracker, metrics and event readers are all keyed by
+  id, and each of them already handles "a worker left" (retire: out of the index and the tracker, record
+  kept as dead with its reason) and "a worker joined" (starting → ready, a fresh event stream from seq 1).
+  Keeping the id would have needed a backwards registry transition (draining → ready) and a role change
+  under the same id in every one of those consumers. The cost: the flipped worker's cached prefixes reach
+  the index again through its first batch under the new id, which is the whole cached set (AllCleared +
+  every hash), so a flipped worker is routed to for what it holds at once; its engine counters (tokens,
+  prefix hits) carry on from where they were, under the new id's series.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from decode_worker.worker import DecodeRole
+from engine.disagg import KVHandoff, PeerBlocks
+from engine.request import SamplingParams
+from kvtransfer import PeerInfo
+from prefill_worker.base import WorkerBase, WorkerRole
+from prefill_worker.worker import PrefillRole
+
+ROLES: dict[str, type[WorkerRole]] = {"prefill": PrefillRole, "decode": DecodeRole}
+
+
+class Worker(WorkerBase):
+    def _make_role(self, name: str) -> WorkerRole:
+        return ROLES[name](self)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      peer: PeerBlocks | None = None):
+        return await self._as(PrefillRole).prefill(request_id, prompt_token_ids, params, peer)
+
+    async def export_blocks(self, block_hashes: list[int], token_ids: list[int], first_block: int) -> PeerBlocks | None:
+        return await self._as(PrefillRole).export_blocks(block_hashes, token_ids, first_block)
+
+    async def release(self, request_id: str) -> bool:
+        return await self._as(PrefillRole).release(request_id)
+
+    async def add_import_peers(self, peers: list[PeerInfo]) -> list[str]:
+        return await self._as(PrefillRole).add_import_peers(peers)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    async def add_peers(self, peers: Sequence[PeerInfo]) -> list[str]:
+        return await self._as(DecodeRole).add_peers(peers)
+
+    async def decode(self, handoff: KVHandoff):
+        async for out in self._as(DecodeRole).decode(handoff):
+            yield out
