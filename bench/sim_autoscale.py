@@ -120,9 +120,11 @@ class Autoscaling:
     def reconcile(self, now: float) -> None:
         for role in Role if self.sim.hw.flip_s is not None else ():  # flips first: a rebalance's surplus
             other = Role.DECODE if role == Role.PREFILL else Role.PREFILL  # workers change role, together
-            c, o = self._counts(role), self._counts(other)
-            coming = sum(1 for w in self.sim.workers.values() if w.flip_to == role)  # draining to become one
-            for _ in range(min(self.targets[role] - c["ready"] - c["starting"] - coming, o["ready"] - self.targets[other])):
+            while True:  # counted afresh each time: a drain that ends at once reconciles (recursively) too
+                c, o = self._counts(role), self._counts(other)
+                coming = sum(1 for w in self.sim.workers.values() if w.flip_to == role)  # draining to become one
+                if min(self.targets[role] - c["ready"] - c["starting"] - coming, o["ready"] - self.targets[other]) <= 0:
+                    break
                 self._drain(now, other, flip_to=role)
         for role in Role:
             c = self._counts(role)

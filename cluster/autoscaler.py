@@ -26,7 +26,8 @@ The rules, in order, per role:
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
    agrees. A move happens when one role needs more and the other has workers to spare (n = what one needs
    and the other spares), or when both needs exceed the budget and the split that minimises the busier
-   role's load per worker lowers it by more than ``rebalance_margin`` (n = the distance to that split). This
+   role's load per worker lowers it by more than ``rebalance_margin`` (n = the distance to that split); never
+   back the other way within ``rebalance_cooldown_intervals`` of the last change of split (no flapping). This
    is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules
    step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
@@ -37,6 +38,7 @@ Every decision carries its reason and the signals it was judged on (TTFT split i
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,8 +72,9 @@ class AutoscalerConfig:
     itl_target_fraction: float = 0.8  # decode sequences per worker are sized for ITL = this x itl_slo_s
     estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
     held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
-    rebalance_margin: float = 0.15  # a move must lower the bottleneck's load per worker by this fraction
+    rebalance_margin: float = 0.25  # a move must lower the bottleneck's load per worker by this fraction
     rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
+    rebalance_cooldown_intervals: int = 6  # a move is not reversed within this many intervals of the last one
     scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
 
     def __post_init__(self) -> None:
@@ -96,7 +99,8 @@ class AutoscalerConfig:
         for name in ("prefill_target_utilization", "itl_target_fraction", "held_blocks_high", "scale_down_load_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"autoscaler.{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if self.rebalance_margin < 0 or min(self.estimate_window, self.rebalance_intervals) < 1:
+        if self.rebalance_margin < 0 or min(self.estimate_window, self.rebalance_intervals) < 1 \
+                or self.rebalance_cooldown_intervals < 0:
             raise ConfigError("autoscaler: rebalance_margin must be >= 0, estimate_window and rebalance_intervals >= 1")
 
     def bounds(self, role: Role) -> tuple[int, int]:
@@ -318,13 +322,12 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             # one role is short and the other has workers to spare: trade what one needs and the other spares
             dst = short[0]
             src = other_role(dst)
-            n = min(needs[dst][1] - targets[dst], targets[src] - max(needs[src][1], cfg.bounds(src)[0]),
-                    cfg.bounds(dst)[1] - targets[dst])
-            if n < 1:
-                return None
-            best_p = p + n if dst == Role.PREFILL else p - n
-            moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p)))
-            continue
+            keep = max(cfg.bounds(src)[0], math.ceil(needs[src][0] / cfg.scale_down_load_fraction - 1e-9))
+            n = min(needs[dst][1] - targets[dst], targets[src] - keep, cfg.bounds(dst)[1] - targets[dst])
+            if n >= 1:  # the donor keeps headroom: its load at most scale_down_load_fraction of what stays
+                best_p = p + n if dst == Role.PREFILL else p - n
+                moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p)))
+                continue
         best_p, best_rho = best_split(loads, budget, cfg)
         now_rho = per_worker(loads, p, d)
         if best_p == p or now_rho <= (1 + cfg.rebalance_margin) * best_rho:
@@ -333,9 +336,22 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
     best_p, loads, now_rho, best_rho = moves[-1]
+    if _reverses_recent_move(history, best_p > p, cfg.rebalance_cooldown_intervals):
+        return None
     n = min(abs(m[0] - p) for m in moves)  # as far as every interval agrees
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
     return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} / decode "
                          f"{loads[Role.DECODE]:.2f} workers; {p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
                          f"worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
                          f"{src.value} → {dst.value}")
+
+
+def _reverses_recent_move(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> bool:
+    """Whether the split last changed (as the observed ready workers show) less than ``cooldown`` intervals
+    ago in the other direction: a move is not undone before the cluster it made has been seen for a while."""
+    sizes = [len(o.prefill) - len(o.decode) for o in history]
+    for back in range(1, min(cooldown, len(sizes) - 1) + 1):
+        change = sizes[-back] - sizes[-back - 1]
+        if change:
+            return (change > 0) != to_prefill
+    return False
