@@ -240,3 +240,33 @@ def report(cases: list[dict]) -> str:
                      f" | {c['autoscaler_goodput']:.3g} | **{c['ratio']:.2f}** | {ws(c['best_fixed_windows'])} | "
                      f"{ws(c['autoscaler_windows'])} | {ws(c['window_ratios'])} | {c['colocated_goodput']:.3g} |")
     return "\n".join(lines)
+
+
+def plot(cases: list[dict], path) -> None:
+    """One panel per (hardware, budget): per window and overall, the best fixed split's goodput (bars) and
+    the autoscaler's (dots), one colour per workload."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(c["scenario"], c["budget"]) for c in cases})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    labels = [f"w{w + 1}" for w in range(WINDOWS)] + ["all"]
+    for ax, (scenario, budget) in zip(axes[0], panels):
+        mine = [c for c in cases if (c["scenario"], c["budget"]) == (scenario, budget)]
+        width = 0.8 / len(mine)
+        for i, c in enumerate(mine):
+            xs = [x + (i - (len(mine) - 1) / 2) * width for x in range(len(labels))]
+            best = [*c["best_fixed_windows"], c["best_fixed_goodput"]]
+            auto = [*c["autoscaler_windows"], c["autoscaler_goodput"]]
+            bars = ax.bar(xs, best, width * 0.9, alpha=0.35, label=f"{c['workload']}: best fixed ({c['best_fixed']})")
+            ax.plot(xs, auto, "o", color=bars.patches[0].get_facecolor()[:3], label=f"{c['workload']}: autoscaler")
+        top = max(max(*c["best_fixed_windows"], *c["autoscaler_windows"]) for c in mine)
+        ax.set_ylim(0, top * 1.5)  # room for the legend above the bars
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(f"{scenario}, budget {budget}")
+        ax.set_ylabel("goodput (req/s, >= 90 % in SLO)")
+        ax.legend(fontsize=7, loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -35,7 +35,7 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
-from bench.sim_goodput import WORKLOADS, report, study_goodput
+from bench.sim_goodput import WORKLOADS, plot, report, study_goodput
 from bench.sim_tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         text = report(cases)
         print(f"\n## e. DistServe goodput (>= 90 % of requests meet both SLOs): autoscaler vs the best fixed split\n{text}")
         save("goodput", {"study": "goodput", "cases": cases, "table": text}, args.out_dir)
+        plot(cases, args.out_dir / "goodput.png")
         lowest = min(cases, key=lambda c: c["lowest_ratio"])
         print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
         print(f"ratio: {lowest['lowest_ratio']:.3f} (lowest autoscaler / best-fixed-split goodput, per window and "

@@ -1,0 +1,51 @@
+"""What the autoscaler observes of a live cluster (cluster/observe.py), from a real worker registry, the router's
+real latency samples (RouterMetrics) and its dispatch counter — no Ray: the interval's work is the difference of
+each worker's engine counters, the decode backlog is read where it waits, TTFT comes split into its parts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from cluster.autoscaler import AutoscalerConfig
+from cluster.observe import PoolObserver
+from engine.kv_events import WorkerLoad
+from engine.outputs import RequestOutput
+from router.metrics import RouterMetrics
+from router.policy import Role
+from router.registry import WorkerRegistry
+
+
+def stats(busy, prefill, steps, tokens, **kw):
+    return {"busy_s": busy, "num_prefill_tokens_computed": prefill, "num_decode_steps": steps,
+            "num_decode_tokens": tokens, **kw}
+
+
+def test_an_interval_is_the_difference_of_the_workers_counters_and_the_backlog_where_it_waits():
+    reg = WorkerRegistry()
+    for wid, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
+        reg.add(wid, role, 0.0)
+        reg.mark_ready(wid, 0.0)
+    backend = SimpleNamespace(prefill_tokens_routed=0)
+    metrics = RouterMetrics("m", 4096)
+    obs = PoolObserver(reg, backend, metrics, AutoscalerConfig(warmup_s=1.0))
+    reg.update_stats("prefill-0", stats(1.0, 500, 0, 0, num_held=2, leases_held_blocks=30), 5.0)
+    reg.update_stats("decode-0", stats(2.0, 0, 100, 800, waiting_for_blocks=3), 5.0)
+    reg.update_load(WorkerLoad("decode-0", "decode", 8, 0, 40, 100, 0), 5.0)
+    first = obs.observe(10.0)
+    assert first.prefill[0].busy_s == 0 and first.decode[0].decode_tokens == 0  # a first sight counts nothing
+    assert (first.prefill[0].held_requests, first.prefill[0].held_blocks) == (2, 30)
+    assert first.decode[0].handoffs_waiting == 3 and first.decode[0].running == 8
+
+    reg.update_stats("prefill-0", stats(4.0, 2500, 0, 0, num_held=0, leases_held_blocks=0), 15.0)
+    reg.update_stats("decode-0", stats(6.0, 0, 300, 2800, waiting_for_blocks=0), 15.0)
+    backend.prefill_tokens_routed = 3000
+    timing = metrics.request(100)
+    timing.observe("prefill-0", "prefill", RequestOutput("r", [7], "x", False,
+                                                         ttft_parts={"queue_s": 0.5, "compute_s": 0.25}))
+    second = obs.observe(20.0)
+    p, d = second.prefill[0], second.decode[0]
+    assert (p.busy_s, p.prefill_tokens) == (3.0, 2000) and (d.busy_s, d.decode_steps, d.decode_tokens) == (4.0, 200, 2000)
+    assert second.prefill_tokens_arrived == 3000 and p.held_requests == 0 and d.handoffs_waiting == 0
+    assert len(second.ttft_s) == 1 and second.ttft_parts["queue"] == (0.5,) and second.ttft_parts["compute"] == (0.25,)
+    assert second.ttft_parts["router"][0] >= 0
+    backend.prefill_tokens_routed = 3500
+    assert obs.observe(30.0).prefill_tokens_arrived == 500  # per interval, not cumulative
