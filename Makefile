@@ -118,7 +118,8 @@ bench-serve: install
 
 # the goodput simulator (no model): real router, index, block pools, scheduler and autoscaler policy over the
 # Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)
-# studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line
+# studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line;
+# e searches rates for 12 cases (CPU and GPU, budgets 4 and 8, 3 workloads): ~1.5 h on 2 cores (SIM_JOBS=2)
 SIM_JOBS ?= 2
 bench-sim: install
 	$(PY) -m bench.simulate all
