@@ -48,8 +48,11 @@ async def warm(cluster, n: int = 6) -> None:
 
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for i in range(n):
-        async for _ in cluster.backend.generate(f"warm-{time.monotonic_ns()}-{i}", list(range(10, 60 + i)), params):
-            pass
+        stream = cluster.backend.generate(f"warm-{time.monotonic_ns()}-{i}", list(range(10, 60 + i)), params)
+        outputs = [out async for out in stream]  # the warm-up request must finish normally
+        last = outputs[-1] if outputs else None
+        if last is None or last.finish_reason != "length":
+            raise RuntimeError(f"warm-up request {i} did not finish: {last}")
 
 
 async def run(model: str, repeats: int) -> dict:

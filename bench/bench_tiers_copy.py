@@ -65,8 +65,10 @@ def run_job(mover: TierMover, ops: list[Op], job_id: int) -> float:
     """Seconds from submitting one job of ``ops`` to its completion (the mover's thread did the copies)."""
     t0 = time.perf_counter()
     mover.submit(Job(job_id, ops))
+    deadline = t0 + 60.0
     while not (done := mover.completions(wait_s=1.0)):
-        pass
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"copy job {job_id} did not complete in 60 s")
     elapsed = time.perf_counter() - t0
     assert [c.job_id for c in done] == [job_id] and not done[0].failed, done
     return elapsed

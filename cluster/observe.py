@@ -45,11 +45,12 @@ class PoolObserver:
                     handoffs_waiting=stats.get("waiting_for_blocks", 0)))
             return tuple(out)
 
+        ready: dict[str, float | None] = {}  # one registry lookup per worker, not per sample (one per token)
+
         def warm_at(worker: str, t_s: float) -> bool:
-            if worker not in self.registry:
-                return False
-            ready_s = self.registry.get(worker).ready_s
-            return ready_s is not None and t_s - ready_s >= warmup
+            if worker not in ready:
+                ready[worker] = self.registry.get(worker).ready_s if worker in self.registry else None
+            return ready[worker] is not None and t_s - ready[worker] >= warmup
 
         latencies = self.metrics.take_samples() if self.metrics is not None else []
         warm = collections.defaultdict(list)

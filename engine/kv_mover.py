@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 
 
 class DiskTierError(RuntimeError):
-    pass
+    """A disk-tier file that cannot be used (bad magic, layout, checksum, truncated): read as a miss."""
 
 
 def layout_hash(kv: torch.Tensor) -> int:

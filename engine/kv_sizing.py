@@ -168,8 +168,8 @@ def _read_meminfo() -> int | None:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): the cgroup and free-page sources decide
+        return None
     return None
 
 

@@ -120,7 +120,7 @@ class WorkerRole(ABC):
         return out
 
     def on_tick(self) -> None:
-        pass
+        """Engine thread, every loop: what the role retries or settles (nothing for a role without queues)."""
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -12,21 +12,6 @@ from bench.bench_flip import report, run
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_up():
-    """The session's Ray if a cluster test started one, else one for this module."""
-    import ray
-
-    from bench.cluster_run import init_ray
-
-    if ray.is_initialized():
-        yield
-        return
-    init_ray(4)
-    yield
-    ray.shutdown()
-
-
 def test_one_round_measures_a_cold_start_and_a_flip_each_way(tiny_model, ray_up):
     view = asyncio.run(run(str(tiny_model("llama")), repeats=1))
     counters = view["counters"]

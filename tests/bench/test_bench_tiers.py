@@ -16,21 +16,6 @@ pytestmark = pytest.mark.slow
 PREFIX_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def ray_up():
-    """The session's Ray if a cluster test started one, else one for this module."""
-    import ray
-
-    from bench.cluster_run import init_ray
-
-    if ray.is_initialized():
-        yield
-        return
-    init_ray(2)
-    yield
-    ray.shutdown()
-
-
 def test_tiers_cut_prefill_compute_with_equal_outputs(tiny_model, ray_up):
     prompts = build_workload(prefixes=12, visits=3, prefix_tokens=PREFIX_TOKENS, suffix_tokens=16, vocab=500, seed=1)
     # one request at a time: which blocks are on the device is then independent of timing

@@ -3,7 +3,6 @@
 which the policy moves workers from one role to the other."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
