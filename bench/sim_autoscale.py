@@ -128,8 +128,8 @@ class Autoscaling:
                 self._drain(now, other, flip_to=role)
         for role in Role:
             c = self._counts(role)
-            if c["starting"] or c["draining"]:
-                continue  # one start or drain per role at a time
+            if c["starting"] or c["draining"] or any(w.flip_to == role for w in self.sim.workers.values()):
+                continue  # one start or drain per role at a time; a worker flipping into the role is starting
             if c["ready"] < self.targets[role]:
                 w = self.sim.add_worker(role, now, state="starting")
                 self.sim.at(now + self.sim.hw.startup_s, self._started, w)

@@ -12,8 +12,12 @@ configuration that is right for one phase of a workload and wrong for another sh
 
 Configurations at budget B: every fixed split pP+(B-p)D, p = 1 .. B-1 (the best of them per window and
 overall is the baseline), the autoscaler (cluster.autoscaler.decide with min 1 / max B-1 per role and
-``max_total_workers`` B, starting from an even split: a cluster that was up before the load), and colocated-B
-as a reference (not a P:D split: reported, not in the ratio).
+``max_total_workers`` B, started at an even split), and colocated-B as a reference (not a P:D split: reported,
+not in the ratio). Every configuration first serves a warm-up that is not counted (``make_warmup``: half as
+many requests again, the trace's next ones, shaped as the workload's first phase, at the same rate): a
+cluster meets a change of load from the split that fitted the load before it, and the windows measure how
+the autoscaler follows the workload's changes — not how far an arbitrary starting split is from the first
+window's best.
 
 Workloads, from the scenario's Mooncake window (bench/sim_scenarios.py):
 - ``mooncake``: the trace as it is;
@@ -42,6 +46,7 @@ ATTAINMENT = 0.9
 GRID_STEP = 1.1
 MAX_STEPS = 60  # grid indices searched each way from the first guess
 WORKLOADS = ("mooncake", "burst", "shift")
+WARMUP = 0.5  # warm-up requests served before the measured ones, per measured request (not counted)
 
 
 def spread(reqs: list) -> list:
@@ -88,9 +93,31 @@ def make_workload(name: str, sc: Scenario) -> list:
     raise ValueError(f"workload {name!r}: use one of {', '.join(WORKLOADS)}")
 
 
-def attainment(doc: dict, slo: dict, windows: int = WINDOWS) -> tuple[float, list[float]]:
-    """(overall, per window) fraction of requests meeting both targets; windows in arrival order."""
-    recs = sorted(doc["requests"], key=lambda r: r["index"])
+def make_warmup(name: str, sc: Scenario) -> list:
+    """What the cluster served before the measured requests (``WARMUP`` of their number): the trace's requests
+    right after the scenario's window (other prompts: no cache hits on the measured ones), shaped as the
+    workload's first phase. A cluster meets a workload's changes from a split that fitted what came before,
+    not from an arbitrary one: the windows then measure how the autoscaler follows a change, not its start."""
+    n = sc.workload["limit"]
+    reqs = spread(trace({**sc.workload, "start": sc.workload.get("start", 0) + n, "limit": max(1, round(n * WARMUP))}))
+    if name == "shift":
+        reqs = [dataclasses.replace(r, output_len=max(1, r.output_len // 4)) for r in reqs]
+    return reqs
+
+
+def with_warmup(warm: list, reqs: list) -> list:
+    """``warm`` then ``reqs`` on one timeline (each from 0; ``reqs`` one mean gap after the last warm-up)."""
+    gap = (reqs[-1].arrival_s - reqs[0].arrival_s) / max(1, len(reqs) - 1)
+    w0, r0 = warm[0].arrival_s, reqs[0].arrival_s
+    offset = warm[-1].arrival_s - w0 + gap
+    return ([dataclasses.replace(r, arrival_s=r.arrival_s - w0) for r in warm]
+            + [dataclasses.replace(r, arrival_s=r.arrival_s - r0 + offset) for r in reqs])
+
+
+def attainment(doc: dict, slo: dict, windows: int = WINDOWS, skip: int = 0) -> tuple[float, list[float]]:
+    """(overall, per window) fraction of requests meeting both targets; windows in arrival order; requests
+    with an index below ``skip`` (a warm-up) are not counted."""
+    recs = sorted((r for r in doc["requests"] if r["index"] >= skip), key=lambda r: r["index"])
     good = [bool(r["ok"] and meets_slo(r, slo)) for r in recs]
     n = len(good)
     cuts = [round(k * n / windows) for k in range(windows + 1)]
@@ -133,6 +160,7 @@ class Search:
     dep: Deployment
     autoscaler: object = None
     base_rate: float = 1.0
+    warm: list = dataclasses.field(default_factory=list)  # served first, not counted (make_warmup)
     runs: dict = dataclasses.field(default_factory=dict)  # k -> (overall, per window, summary extras)
 
     def rate(self, k: int) -> float:
@@ -140,11 +168,13 @@ class Search:
 
     def measure(self, k: int) -> tuple[float, list[float]]:
         if k not in self.runs:
-            reqs, scale = at_rate(self.reqs, self.rate(k))
+            _, scale = at_rate(self.reqs, self.rate(k))  # the measured requests' rate sets the time scale
+            reqs = [dataclasses.replace(r, arrival_s=r.arrival_s * scale)
+                    for r in (with_warmup(self.warm, self.reqs) if self.warm else self.reqs)]
             slo = GOODPUT_SLO[self.sc.name]
             doc = simulate_run(self.dep, self.sc.hardware, reqs, workload_desc(self.sc.workload, scale, len(reqs)),
                                slo, self.autoscaler)
-            overall, per = attainment(doc, slo)
+            overall, per = attainment(doc, slo, skip=len(self.warm))
             auto = doc["sim"]["autoscaler"]
             self.runs[k] = (overall, per, {"mean_prefill": auto["mean_prefill_ready"],
                                            "mean_decode": auto["mean_decode_ready"],
@@ -186,7 +216,7 @@ def configs(sc: Scenario, budget: int, reqs: list) -> list[tuple[Deployment, obj
 
 def _search_task(args) -> dict:
     sc, workload, dep, auto, base = args
-    return Search(sc, make_workload(workload, sc), dep, auto, base).goodput()
+    return Search(sc, make_workload(workload, sc), dep, auto, base, make_warmup(workload, sc)).goodput()
 
 
 def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads: tuple[str, ...],

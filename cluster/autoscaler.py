@@ -24,10 +24,11 @@ The rules, in order, per role:
 4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
    direction: n workers move — the surplus role −n and the short role +n in the same tick (code
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
-   agrees. A move happens when one role needs more and the other has workers to spare (n = what one needs
+   agrees (one whose short role's capacity is not measured yet only agrees on the direction). A move happens when one role needs more and the other has workers to spare (n = what one needs
    and the other spares), or when both needs exceed the budget and the split that minimises the busier
    role's load per worker lowers it by more than ``rebalance_margin`` (n = the distance to that split); never
-   back the other way within ``rebalance_cooldown_intervals`` of the last change of split (no flapping). This
+   back the other way within ``rebalance_cooldown_intervals`` of the last change of split by as many workers
+   as it moved (damped: an overshoot of n is corrected by at most n − 1; no flapping). This
    is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules
    step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
@@ -72,9 +73,9 @@ class AutoscalerConfig:
     itl_target_fraction: float = 0.8  # decode sequences per worker are sized for ITL = this x itl_slo_s
     estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
     held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
-    rebalance_margin: float = 0.25  # a move must lower the bottleneck's load per worker by this fraction
+    rebalance_margin: float = 0.1  # a move must lower the bottleneck's load per worker by this fraction
     rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
-    rebalance_cooldown_intervals: int = 6  # a move is not reversed within this many intervals of the last one
+    rebalance_cooldown_intervals: int = 6  # within this many intervals a move is undone only in part (damped)
     scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
 
     def __post_init__(self) -> None:
@@ -318,6 +319,10 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
         short = [role for role in Role if needs[role][1] > targets[role]]
         if not short:
             return None  # nobody needs more: rule 5 may scale down
+        # an interval whose short role's load is not measured yet (pressure only: "one more") agrees on the
+        # direction but does not limit how far the measured intervals move
+        measured = all(memo[i].prefill.load is not None if role == Role.PREFILL else memo[i].decode.load is not None
+                       for role in short)
         if len(short) == 1 and needs[other_role(short[0])][1] < targets[other_role(short[0])]:
             # one role is short and the other has workers to spare: trade what one needs and the other spares
             dst = short[0]
@@ -326,19 +331,26 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             n = min(needs[dst][1] - targets[dst], targets[src] - keep, cfg.bounds(dst)[1] - targets[dst])
             if n >= 1:  # the donor keeps headroom: its load at most scale_down_load_fraction of what stays
                 best_p = p + n if dst == Role.PREFILL else p - n
-                moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p)))
+                moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p),
+                              measured))
                 continue
         best_p, best_rho = best_split(loads, budget, cfg)
         now_rho = per_worker(loads, p, d)
         if best_p == p or now_rho <= (1 + cfg.rebalance_margin) * best_rho:
             return None
-        moves.append((best_p, loads, now_rho, best_rho))
+        moves.append((best_p, loads, now_rho, best_rho, measured))
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
-    best_p, loads, now_rho, best_rho = moves[-1]
-    if _reverses_recent_move(history, best_p > p, cfg.rebalance_cooldown_intervals):
-        return None
-    n = min(abs(m[0] - p) for m in moves)  # as far as every interval agrees
+    best_p, loads, now_rho, best_rho, _ = moves[-1]
+    # as far as every interval agrees (the measured ones; one worker when none is measured)
+    n = min((abs(m[0] - p) for m in moves if m[4]), default=1)
+    undone = _recent_move_undone(history, best_p > p, cfg.rebalance_cooldown_intervals)
+    if undone:  # damped: a move is only partly undone within the cooldown, a one-worker move not at all
+        n = min(n, undone - 1)
+        if n < 1:
+            return None
+        best_p = p + n if best_p > p else p - n
+        best_rho = per_worker(loads, best_p, budget - best_p)
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
     return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} / decode "
                          f"{loads[Role.DECODE]:.2f} workers; {p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
@@ -346,12 +358,17 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
                          f"{src.value} → {dst.value}")
 
 
-def _reverses_recent_move(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> bool:
-    """Whether the split last changed (as the observed ready workers show) less than ``cooldown`` intervals
-    ago in the other direction: a move is not undone before the cluster it made has been seen for a while."""
+def _recent_move_undone(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> int:
+    """How many workers the last change of split moved (as the observed ready workers show), when it was less
+    than ``cooldown`` intervals ago and in the other direction; else 0. A move back is damped to fewer workers
+    than that: an overshoot is corrected, and a sequence of corrections shrinks to nothing (no flapping)."""
     sizes = [len(o.prefill) - len(o.decode) for o in history]
+    moved = 0
     for back in range(1, min(cooldown, len(sizes) - 1) + 1):
         change = sizes[-back] - sizes[-back - 1]
-        if change:
-            return (change > 0) != to_prefill
-    return False
+        if change and moved and (change > 0) != (moved > 0):
+            break  # an earlier change the other way ends the last move
+        moved += change
+    if not moved or (moved > 0) == to_prefill:
+        return 0
+    return max(1, abs(moved) // 2)  # prefill - decode changes by 2 per worker moved, by 1 per start or stop

@@ -157,11 +157,12 @@ BUDGET4 = dataclasses.replace(CFG, max_total_workers=4, rebalance_intervals=2)
 
 
 def loaded(t, *, p=2, d=2, arrived=0, busy=0.0, computed=0, held=0, held_blocks=0, waiting_handoffs=0,
-           running=0, used=0, ttft=(), itl=(), steps=0, tokens=0, dbusy=0.0):
+           running=0, used=0, ttft=(), itl=(), steps=0, tokens=0, dbusy=0.0, queued=0):
     """An interval with the predictive signals: prefill tokens that arrived, what prefill workers computed
     in how much busy time, the decode backlog held on prefill workers and waiting on decode workers."""
     pre = tuple(WorkerSample(f"prefill-{i}", True, busy_s=busy / p, prefill_tokens=computed // p,
-                             held_requests=held // p, held_blocks=held_blocks // p, kv_blocks_total=100)
+                             held_requests=held // p, held_blocks=held_blocks // p, kv_blocks_total=100,
+                             queued_prefill_tokens=queued // p)
                 for i in range(p))
     dec = tuple(WorkerSample(f"decode-{i}", True, running=running // d, kv_blocks_used=used // d, kv_blocks_total=100,
                              handoffs_waiting=waiting_handoffs // d, busy_s=dbusy / d, decode_steps=steps // d,
@@ -247,3 +248,43 @@ def test_a_ttft_decision_names_its_parts():
     d = decide([o], steady(), CFG)[P]
     assert d.code == "ttft_slo" and "queue 2.5" in d.reason and "compute 0.4" in d.reason
     assert d.signals["ttft_queue_p90_s"] == 2.5
+
+
+BUDGET8 = dataclasses.replace(CFG, max_prefill=7, max_decode=7, max_total_workers=8, rebalance_intervals=2)
+
+
+def test_one_worker_moves_in_a_big_pool_when_the_bottleneck_is_over():
+    """5P+3D at the budget: prefill 10 workers of load (2.0 per worker), decode 2.75 (33 sequences at 12, no
+    spare). 6P+2D runs the bottleneck at 1.67 (17 % lower) and one worker moves — a 25 % margin never let one
+    worker move in a pool of 4 or more. At 7 workers of prefill load the gain is 2 %, under the margin: no move."""
+    cfg = dataclasses.replace(BUDGET8, decode_running_high=12)
+
+    def hist(prefill_workers):  # 500 tok/s per worker learned; arrivals make prefill_workers at 0.7
+        arrived = round(prefill_workers * 500 * 0.7 * 2)
+        return [loaded(t * 2, p=5, d=3, arrived=arrived, busy=10.0, computed=5000, running=33) for t in range(2)]
+    out = decide(hist(10), steady(5, 3), cfg)
+    assert (out[P].direction, out[P].target, out[P].code) == ("up", 6, "rebalance"), out[P].reason
+    assert (out[D].direction, out[D].target) == ("down", 2)
+    out = decide(hist(7), steady(5, 3), cfg)
+    assert out[P].code != "rebalance" and out[P].target == 5
+
+
+def test_an_interval_without_a_measured_capacity_does_not_cap_the_move():
+    """The first interval only shows prefill's queue (no capacity learned yet: "one more"); the second measures
+    ~6 workers of prefill load: the move goes as far as the measured interval says (decode keeps 1 + headroom)."""
+    first = loaded(0, p=4, d=4, arrived=0, queued=40_000)
+    second = loaded(2, p=4, d=4, arrived=4000, busy=8.0, computed=4000)
+    out = decide([first, second], steady(4, 4), BUDGET8)
+    assert (out[P].code, out[P].target, out[D].target) == ("rebalance", 6, 2), out[P].reason
+
+
+def test_a_big_move_is_undone_only_in_part_within_the_cooldown():
+    """4P+4D moved 3 workers to prefill (7P+1D) two intervals ago; now decode is short and prefill spare: the
+    move back is damped to 2 at most — and a one-worker move is not undone at all within the cooldown."""
+    def after(p0, d0, p1, d1):
+        return [loaded(0, p=p0, d=d0), loaded(2, p=p1, d=d1),
+                *(loaded(4 + 2 * t, p=p1, d=d1, running=10 * 6, arrived=200, busy=2.0, computed=500) for t in range(2))]
+    out = decide(after(4, 4, 7, 1), steady(7, 1), BUDGET8)
+    assert (out[D].code, out[D].target, out[P].target) == ("rebalance", 3, 5), out[D].reason
+    out = decide(after(6, 2, 7, 1), steady(7, 1), BUDGET8)
+    assert out[D].code != "rebalance" and out[D].target == 1
