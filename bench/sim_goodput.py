@@ -13,8 +13,8 @@ configuration that is right for one phase of a workload and wrong for another sh
 Configurations at budget B: every fixed split pP+(B-p)D, p = 1 .. B-1 (the best of them per window and
 overall is the baseline), the autoscaler (cluster.autoscaler.decide with min 1 / max B-1 per role and
 ``max_total_workers`` B, started at an even split), and colocated-B as a reference (not a P:D split: reported,
-not in the ratio). Every configuration first serves a warm-up that is not counted (``make_warmup``: half as
-many requests again, the trace's next ones, shaped as the workload's first phase, at the same rate): a
+not in the ratio). Every configuration first serves a warm-up that is not counted (``make_warmup``:
+as many requests again, the trace's next ones, shaped as the workload's first phase, at the same rate): a
 cluster meets a change of load from the split that fitted the load before it, and the windows measure how
 the autoscaler follows the workload's changes — not how far an arbitrary starting split is from the first
 window's best.
@@ -46,7 +46,7 @@ ATTAINMENT = 0.9
 GRID_STEP = 1.1
 MAX_STEPS = 60  # grid indices searched each way from the first guess
 WORKLOADS = ("mooncake", "burst", "shift")
-WARMUP = 0.5  # warm-up requests served before the measured ones, per measured request (not counted)
+WARMUP = 1.0  # warm-up requests served before the measured ones, per measured request (not counted)
 
 
 def spread(reqs: list) -> list:

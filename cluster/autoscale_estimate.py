@@ -7,7 +7,7 @@ judges, so a replayed history gives the same estimates.
 
 Prefill (compute-bound): demand = uncached prompt tokens that arrived needing a prefill, per second (the
 router counts them as it routes, whether or not a prefill worker exists), plus the prefill workers' queued
-tokens over the TTFT target (a backlog must be worked off within it); capacity = prompt tokens a
+tokens over the TTFT target or the estimate's window if longer (``backlog_horizon_s``); capacity = prompt tokens a
 prefill worker computes per busy second, learned from the history (``prefill_tokens_per_s`` is the prior
 until a prefill worker has been busy), derated to ``prefill_target_utilization`` so bursts still meet the
 TTFT target. Demand is the *largest* of the last ``estimate_window`` intervals: the trace's arrivals come in
@@ -66,12 +66,19 @@ def estimate(history: Sequence, cfg, *, upto: int | None = None) -> Estimate:
     return Estimate(_prefill(hist, cfg), _decode(hist, cfg))
 
 
+def backlog_horizon_s(cfg) -> float:
+    """Seconds a prefill backlog is sized to be worked off in: the TTFT target, but no less than the estimate's
+    window — the pools change no faster than that, and a backlog over the TTFT target alone sizes the pool for a
+    queue that is gone by the time its new workers are ready (an overshoot that the other role pays for)."""
+    return max(cfg.ttft_slo_s, cfg.interval_s * cfg.estimate_window)
+
+
 def _prefill(hist: Sequence, cfg) -> RoleNeed:
     if not hist:
         return RoleNeed(None, None, None, "unknown")
     window = range(max(0, len(hist) - cfg.estimate_window), len(hist))
     arriving = max(hist[i].prefill_tokens_arrived / interval_of(hist, i, cfg.interval_s) for i in window)
-    backlog = sum(s.queued_prefill_tokens for s in hist[-1].prefill) / cfg.ttft_slo_s
+    backlog = sum(s.queued_prefill_tokens for s in hist[-1].prefill) / backlog_horizon_s(cfg)
     demand = arriving + backlog
     tokens = sum(s.prefill_tokens for o in hist for s in o.prefill if s.warm)
     busy = sum(s.busy_s for o in hist for s in o.prefill if s.warm)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.metrics import meets_slo
-from bench.sim_goodput import (WINDOWS, attainment, best_of_fixed_and_ratio, highest, make_warmup, make_workload,
+from bench.sim_goodput import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, highest, make_warmup, make_workload,
                                 spread, with_warmup)
 from bench.sim_scenarios import cpu_scenario, trace
 from bench.workloads import BenchRequest
@@ -94,14 +94,14 @@ def test_the_warmup_is_other_requests_first_and_is_not_counted():
     sc = cpu_scenario(limit=200)
     base, shift = make_workload("mooncake", sc), make_workload("shift", sc)
     warm, warm_shift = make_warmup("mooncake", sc), make_warmup("shift", sc)
-    after = spread(trace({**sc.workload, "start": 200, "limit": 100}))  # the trace's next requests
+    after = spread(trace({**sc.workload, "start": 200, "limit": round(200 * WARMUP)}))  # the trace's next requests
     assert [r.prompt for r in warm] == [r.prompt for r in after] and warm[0].prompt != base[0].prompt
     assert [r.output_len for r in warm_shift] == [max(1, r.output_len // 4) for r in warm]  # the first phase's shape
     both = with_warmup(warm, shift)
     assert [r.prompt for r in both] == [r.prompt for r in warm + shift]
     times = [r.arrival_s for r in both]
-    assert times == sorted(times) and times[0] == 0.0 and times[100] > times[99]
-    assert times[-1] - times[100] == pytest.approx(shift[-1].arrival_s - shift[0].arrival_s)
+    assert times == sorted(times) and times[0] == 0.0 and times[len(warm)] > times[len(warm) - 1]
+    assert times[-1] - times[len(warm)] == pytest.approx(shift[-1].arrival_s - shift[0].arrival_s)
     recs = [{"index": i, "ok": True, "ttft_s": 9.0 if i < 4 else 0.1, "tpot_s": 0.01, "prompt_tokens": 1}
             for i in range(12)]
     assert attainment({"requests": recs}, {"ttft_s": 1.0, "tpot_s": 0.1}, skip=4) == (1.0, [1.0] * WINDOWS)
