@@ -145,6 +145,9 @@ class Observation:
     itl_s: tuple[float, ...] = ()
     prefill_tokens_arrived: int = 0  # uncached prompt tokens of the interval's requests that needed a prefill
     ttft_parts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # queue, compute, ... samples (s)
+    # live only: the router's requests committed to decode workers (placed, not done). An upper bound on the
+    # decode backlog, whose parts are snapshots of different ages (None: no bound; the simulator's are exact)
+    decode_requests_inflight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ def _step(role: Role, history, targets: Mapping[Role, int], need, cfg: Autoscale
     load, workers, push = need
     if workers > target:
         code, why = push if push is not None else ("predicted_demand", f"predicted load {load:.2f} workers "
+                                                   f"({_estimate_of(role, memo[len(history) - 1]).explain()}) "
                                                    f"needs {workers} (> {target})")
         if target >= hi:
             return decision(role, "hold", target, "at_max", f"{why}, but the pool is at its maximum {hi}")
@@ -336,14 +340,25 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
     best_p, loads, now_rho, best_rho = moves[-1]
+    why = {role: _load_why(role, memo[len(history) - 1], needs[role][2]) for role in Role}  # needs: the latest
     if _reverses_recent_move(history, best_p > p, cfg.rebalance_cooldown_intervals):
         return None
     n = min(abs(m[0] - p) for m in moves)  # as far as every interval agrees
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
-    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} / decode "
-                         f"{loads[Role.DECODE]:.2f} workers; {p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
+    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} workers "
+                         f"({why[Role.PREFILL]}) / decode {loads[Role.DECODE]:.2f} workers ({why[Role.DECODE]}); "
+                         f"{p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
                          f"worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
                          f"{src.value} → {dst.value}")
+
+
+def _estimate_of(role: Role, est: Estimate):
+    return est.prefill if role == Role.PREFILL else est.decode
+
+
+def _load_why(role: Role, est: Estimate, push: tuple[str, str] | None) -> str:
+    """A role's load in a rebalance's reason: the estimate's signals by name, and the pressure that raised it."""
+    return _estimate_of(role, est).explain() + (f"; pressure {push[0]}: {push[1]}" if push is not None else "")
 
 
 def _reverses_recent_move(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> bool:
