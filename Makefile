@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare clean
 
 install: $(STAMP)
 
@@ -92,6 +92,12 @@ bench-kvtransfer: install
 # (SmolLM2; TINY=1: the tiny Llama); last line: ratio: <flip_s / cold_start_s>
 bench-flip: install
 	$(HUGEPAGES) $(PY) -m bench.bench_flip $(if $(TINY),--tiny,)
+
+# the autoscaler live (issue 24): long prompts, then long outputs, on a real cluster at a budget of 3 workers;
+# checks 0 failed requests, the decode pool grown in phase 2 (a flip or a start), reasons naming their signals;
+# JSON in build/bench/autoscale/; last line: ratio: <median flip total_s / median cold start s> (TINY=1: tiny Llama)
+bench-autoscale: install
+	$(HUGEPAGES) $(PY) -m bench.bench_autoscale_live $(if $(TINY),--tiny,)
 
 # shared-prefix workload on a real cluster (2 prefill + 1 decode actors): cache_aware vs round_robin
 bench-routing: install

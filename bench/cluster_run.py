@@ -35,7 +35,9 @@ def init_ray(num_workers: int) -> None:
 
     from cluster.launcher import WORKER_RESOURCE
 
-    ray.init(num_cpus=max(os.cpu_count() or 1, 4), resources={WORKER_RESOURCE: num_workers},
+    # address="local": a Ray of its own even when another one runs on this machine (``None`` would join that one,
+    # whose resources it cannot declare)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 4), resources={WORKER_RESOURCE: num_workers},
              include_dashboard=False, log_to_driver=False)
 
 

@@ -34,6 +34,11 @@ MIN_FIT_POINTS = 4
 MIN_FIT_SPAN = 2.0  # the fitted batches must span at least this factor (max/min) to trust the slope
 
 
+BASIS_SIGNALS = {"prefill_tokens": ("prefill_demand_tokens_per_s", "prefill_capacity_tokens_per_s"),
+                 "decode_seqs": ("decode_backlog_seqs", "decode_seq_capacity"),
+                 "decode_kv_blocks": ("decode_kv_blocks_needed", "decode_kv_capacity_blocks")}
+
+
 @dataclass(frozen=True)
 class RoleNeed:
     """One role's load in worker units: ``load`` = demand / per-worker capacity (None: not measurable yet)."""
@@ -48,6 +53,16 @@ class RoleNeed:
     def workers(self) -> int | None:
         """Whole workers that carry ``load`` (0 for no load)."""
         return None if self.load is None else math.ceil(self.load - 1e-9)
+
+    def explain(self) -> str:
+        """The load as the signals it was computed from, by their names: a decision's reason quotes it."""
+        if self.load is None or self.capacity is None:
+            return "not measured yet"
+        demand, capacity = BASIS_SIGNALS[self.basis]
+        learned = {"prefill_tokens": "prefill_capacity_learned"}.get(self.basis, "decode_seq_capacity_learned")
+        prior = "" if self.basis == "decode_kv_blocks" or self.signals.get(learned) else " (the prior)"
+        derated = " x prefill_target_utilization" if self.basis == "prefill_tokens" else ""
+        return f"{demand} {self.demand:.3g} over {capacity} {self.capacity:.3g}{prior}{derated}"
 
 
 @dataclass(frozen=True)
@@ -119,9 +134,14 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
 
 
 def decode_backlog(obs) -> int:
-    """Sequences that decode or wait to: on decode workers, waiting there for blocks, or held on prefill."""
-    return (sum(s.running + s.waiting + s.handoffs_waiting for s in obs.decode)
-            + sum(s.held_requests for s in obs.prefill))
+    """Sequences that decode or wait to: on decode workers, waiting there for blocks, or held on prefill — at
+    most the requests the router has committed to decode workers, when it says (live, a prompt held on a
+    prefill worker whose stats() snapshot is a second old is already running on the decode worker whose load
+    is fresh: counted twice, a burst of 16 looked like 32)."""
+    counted = (sum(s.running + s.waiting + s.handoffs_waiting for s in obs.decode)
+               + sum(s.held_requests for s in obs.prefill))
+    bound = getattr(obs, "decode_requests_inflight", None)
+    return counted if bound is None else min(counted, bound)
 
 
 def fit_step_time(hist: Sequence) -> tuple[float, float] | None:

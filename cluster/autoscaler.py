@@ -24,13 +24,13 @@ The rules, in order, per role:
 4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
    direction: n workers move — the surplus role −n and the short role +n in the same tick (code
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
-   agrees (one whose short role's capacity is not measured yet only agrees on the direction). A move happens when one role needs more and the other has workers to spare (n = what one needs
-   and the other spares), or when both needs exceed the budget and the split that minimises the busier
-   role's load per worker lowers it by more than ``rebalance_margin`` (n = the distance to that split); never
-   back the other way within ``rebalance_cooldown_intervals`` of the last change of split by as many workers
-   as it moved (damped: an overshoot of n is corrected by at most n − 1; no flapping). This
-   is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules
-   step ±1.
+   agrees (one whose short role's capacity is not measured yet only agrees on the direction). A move happens
+   when one role needs more and the other has workers to spare (n = what one needs and the other spares), or
+   when both needs exceed the budget and the split that minimises the busier role's load per worker lowers it
+   by more than ``rebalance_margin`` (n = the distance to that split). Within ``rebalance_cooldown_intervals``
+   of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
+   n − 1, a one-worker move not at all (no flapping). This is the predictive half acting: it jumps to the
+   split the estimates ask for, where the reactive rules step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
    ``scale_down_load_fraction`` of its capacity and the whole load would fit N−1 under ``scale_down_fraction``
    of every threshold and SLO (the hysteresis: a steady load never flips between N and N−1). An idle interval
@@ -146,6 +146,9 @@ class Observation:
     itl_s: tuple[float, ...] = ()
     prefill_tokens_arrived: int = 0  # uncached prompt tokens of the interval's requests that needed a prefill
     ttft_parts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # queue, compute, ... samples (s)
+    # live only: the router's requests committed to decode workers (placed, not done). An upper bound on the
+    # decode backlog, whose parts are snapshots of different ages (None: no bound; the simulator's are exact)
+    decode_requests_inflight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ def _step(role: Role, history, targets: Mapping[Role, int], need, cfg: Autoscale
     load, workers, push = need
     if workers > target:
         code, why = push if push is not None else ("predicted_demand", f"predicted load {load:.2f} workers "
+                                                   f"({_estimate_of(role, memo[len(history) - 1]).explain()}) "
                                                    f"needs {workers} (> {target})")
         if target >= hi:
             return decision(role, "hold", target, "at_max", f"{why}, but the pool is at its maximum {hi}")
@@ -342,6 +346,7 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
     best_p, loads, now_rho, best_rho, _ = moves[-1]
+    why = {role: _load_why(role, memo[len(history) - 1], needs[role][2]) for role in Role}  # needs: the latest
     # as far as every interval agrees (the measured ones; one worker when none is measured)
     n = min((abs(m[0] - p) for m in moves if m[4]), default=1)
     undone = _recent_move_undone(history, best_p > p, cfg.rebalance_cooldown_intervals)
@@ -352,10 +357,20 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
         best_p = p + n if best_p > p else p - n
         best_rho = per_worker(loads, best_p, budget - best_p)
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
-    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} / decode "
-                         f"{loads[Role.DECODE]:.2f} workers; {p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
+    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} workers "
+                         f"({why[Role.PREFILL]}) / decode {loads[Role.DECODE]:.2f} workers ({why[Role.DECODE]}); "
+                         f"{p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
                          f"worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
                          f"{src.value} → {dst.value}")
+
+
+def _estimate_of(role: Role, est: Estimate):
+    return est.prefill if role == Role.PREFILL else est.decode
+
+
+def _load_why(role: Role, est: Estimate, push: tuple[str, str] | None) -> str:
+    """A role's load in a rebalance's reason: the estimate's signals by name, and the pressure that raised it."""
+    return _estimate_of(role, est).explain() + (f"; pressure {push[0]}: {push[1]}" if push is not None else "")
 
 
 def _recent_move_undone(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> int:

@@ -2,11 +2,15 @@
 read from the worker registry (loads from the KV event plane, ``stats()`` snapshots), the router's latency
 samples and its dispatch counters. bench/sim_autoscale.py builds the same observation in the simulator.
 
-Per ready worker: its load; what its engine did in the interval (differences of its EngineStats counters:
+Per ready worker: its load (queued prefill tokens: the larger of its own report and the router's count of
+prompt tokens sent there and not yet prefilled — a worker reports its load between engine steps, and one
+long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); what its engine did in the interval (differences of its EngineStats counters:
 busy seconds, prompt tokens computed, decode steps and tokens — a worker's first observation counts zero);
 the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease; decode: handoffs
 waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
-prefill queue times from warm prefill workers' histograms, and the uncached prompt tokens routed to prefill.
+prefill queue times from warm prefill workers' histograms, the uncached prompt tokens routed to prefill, and
+the router's count of requests committed to decode workers (a bound on the decode backlog, whose parts are
+snapshots of different ages: prefill's ``stats()`` polled each second, decode's load as events arrive).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import collections
 
 from cluster.autoscaler import AutoscalerConfig, Observation, WorkerSample
 from router.policy import Role
+from router.registry import WorkerState
 
 WORK_COUNTERS = {"busy_s": "busy_s", "prefill_tokens": "num_prefill_tokens_computed",  # WorkerSample <- stats()
                  "decode_steps": "num_decode_steps", "decode_tokens": "num_decode_tokens"}
@@ -30,6 +35,11 @@ class PoolObserver:
         """The interval since the last call, as the autoscaler reads it (cluster/autoscaler.py)."""
         warmup = self.auto.warmup_s
 
+        tracker = getattr(self.backend, "tracker", None)
+
+        def routed_queue(worker_id: str) -> int:  # prompt tokens the router sent there whose prefill has not completed
+            return tracker.get(worker_id).queued_prefill_tokens if tracker is not None else 0
+
         def samples(role: Role) -> tuple[WorkerSample, ...]:
             out = []
             for rec in self.registry.ready(role):
@@ -38,7 +48,7 @@ class PoolObserver:
                 out.append(WorkerSample(
                     rec.worker_id, warm=rec.age_s(now_s) >= warmup,
                     running=load.running if load else 0, waiting=load.waiting if load else 0,
-                    queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                    queued_prefill_tokens=max(load.queued_prefill_tokens if load else 0, routed_queue(rec.worker_id)),
                     kv_blocks_used=load.kv_blocks_used if load else 0,
                     kv_blocks_total=load.kv_blocks_total if load else 0, **did,
                     held_requests=stats.get("num_held", 0), held_blocks=stats.get("leases_held_blocks", 0),
@@ -61,8 +71,17 @@ class PoolObserver:
         arrived, self._routed_seen = routed - self._routed_seen, routed
         return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
                            prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
-                           prefill_tokens_arrived=arrived,
+                           prefill_tokens_arrived=arrived, decode_requests_inflight=self._decode_inflight(),
                            ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")})
+
+    def _decode_inflight(self) -> int | None:
+        """Requests the router placed on decode workers (ready or draining) and not done: from arrival — the
+        decode worker is chosen then — to the end; None when the backend does not count them."""
+        inflight = getattr(self.backend, "inflight", None)
+        if inflight is None:
+            return None
+        return sum(inflight.get(r.worker_id, 0) for r in self.registry.records(Role.DECODE, (WorkerState.READY,
+                                                                                       WorkerState.DRAINING)))
 
     def _work_done(self, worker_id: str, stats: dict) -> dict:
         """What the worker's engine did since the last observation (differences of its EngineStats counters)."""

@@ -190,6 +190,7 @@ def test_prefill_capacity_is_learned_and_sizes_the_pool():
     assert d.signals["prefill_capacity_tokens_per_s"] == pytest.approx(500)
     assert d.signals["prefill_load_workers"] == pytest.approx(2000 / (500 * CFG.prefill_target_utilization))
     assert (d.direction, d.target, d.code) == ("up", 2, "predicted_demand")  # one step at a time below the budget
+    assert "(prefill_demand_tokens_per_s 2e+03 over prefill_capacity_tokens_per_s 500" in d.reason
 
 
 def test_decode_sequence_capacity_is_fitted_from_step_times():
@@ -218,6 +219,21 @@ def test_rebalance_moves_workers_at_the_budget_when_the_intervals_agree():
     both = [loaded(t * 2, p=3, d=1, arrived=2100, busy=6.0, computed=3000, running=30) for t in range(2)]
     out = decide(both, steady(3, 1), dataclasses.replace(BUDGET4, decode_running_high=10))
     assert (out[P].target, out[D].target) == (2, 2) and out[D].code == "rebalance"
+
+
+def test_a_rebalance_names_the_signals_each_load_was_estimated_from():
+    """Live (bench/bench_autoscale_live.py) the reason said only "load prefill 0.07 / decode 2.67 workers": it
+    now quotes each role's demand and capacity by their signal names, with the values and the pressure."""
+    busy = [loaded(t * 2, arrived=2100, busy=4.0, computed=2000) for t in range(2)]
+    reason = decide(busy, steady(2, 2), BUDGET4)[P].reason
+    assert "load prefill 3.00 workers (prefill_demand_tokens_per_s 1.05e+03 over prefill_capacity_tokens_per_s " \
+           "500 x prefill_target_utilization)" in reason
+    assert "decode 0.00 workers (decode_backlog_seqs 0 over decode_seq_capacity 10 (the prior))" in reason
+    # decode's pressure raises its load to target + 1: the reason says which pressure
+    both = [loaded(t * 2, p=3, d=1, arrived=2100, busy=6.0, computed=3000, running=30) for t in range(2)]
+    d = decide(both, steady(3, 1), dataclasses.replace(BUDGET4, decode_running_high=10))[D]
+    assert "pressure running_seqs: running sequences per worker: 30 > 10" in d.reason
+    assert all(key in d.reason for key in ("decode_backlog_seqs", "decode_seq_capacity", "prefill_demand_tokens_per_s"))
 
 
 @pytest.mark.parametrize("arrived, held", [(1400, 0), (1500, 0), (1700, 0), (2100, 0), (0, 19), (0, 21),
