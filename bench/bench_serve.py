@@ -318,7 +318,7 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true",
-                   help="fewer requests per probe, fewer probes, coarser resolution (about 35 minutes)")
+                   help="fewer requests per probe, fewer probes, coarser resolution (about 35-40 minutes)")
     p.add_argument("--only", help="comma-separated config names (duet-disagg-1p1d, duet-colocated, vllm-cpu)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-agreement", action="store_true")

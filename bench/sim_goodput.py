@@ -28,7 +28,7 @@ import dataclasses
 import math
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.goodput_search import ATTAINMENT, highest
+from bench.goodput_search import highest, passes
 from bench.metrics import meets_slo
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import Scenario, at_rate, simulate_run, trace, workload_desc
@@ -125,9 +125,9 @@ class Search:
         return self.runs[k][:2]
 
     def goodput(self, guess: int = 0) -> dict:
-        overall = highest(lambda k: self.measure(k)[0] >= ATTAINMENT, guess)
+        overall = highest(lambda k: passes(self.measure(k)[0]), guess)
         g = overall if overall is not None else guess
-        per = [highest(lambda k, w=w: self.measure(k)[1][w] >= ATTAINMENT, g) for w in range(WINDOWS)]
+        per = [highest(lambda k, w=w: passes(self.measure(k)[1][w]), g) for w in range(WINDOWS)]
         at = self.runs.get(overall, (None, None, {}))[2] if overall is not None else {}
         return {"config": self.dep.name, "goodput": self._r(overall), "windows": [self._r(k) for k in per],
                 "runs": len(self.runs), **at}

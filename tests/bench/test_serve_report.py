@@ -91,6 +91,11 @@ def test_duet_failing_everywhere_counts_as_zero():
     assert last.startswith("ratio: 0.00 (") and "duet-colocated < 0.25" in last
 
 
+def test_ratio_says_when_a_goodput_is_only_a_lower_bound():
+    last = summary_lines(fake_report({"shared-prefix": {"duet-colocated": 9.0, "vllm-cpu": 1.0}}, trace=False))[-1]
+    assert "duet-colocated >= 8 / vllm-cpu" in last and "only a lower bound" in last
+
+
 def test_plan_bounds_and_probe_size():
     full, small = make_plan(False), make_plan(True)
     assert full.probe_requests(0.25) == 40 and full.probe_requests(2.0) == 120  # >= 40 requests and >= 60 s
