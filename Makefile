@@ -117,7 +117,9 @@ bench-routing-trace: install
 	$(PY) -m bench.bench_routing_trace
 
 # the whole server under load: duet disaggregated, duet colocated and vLLM CPU (installed into .cache/vllm-venv)
-# on the same model, workloads and clients; SMALL=1: fewer requests and rates. Report in build/bench/serve/.
+# on the same model, workloads and clients; each configuration's DistServe goodput (the highest rate with
+# >= 90 % of requests in SLO) found by a rate search per workload, the ratio line duet's best over vLLM's.
+# ~1.5-2 h on a quiet 2-core box; SMALL=1: fewer and shorter probes, ~35-40 min. Report in build/bench/serve/.
 bench-serve: install
 	bench/install_vllm.sh .cache/vllm-venv
 	$(HUGEPAGES) $(PY) -m bench.bench_serve $(if $(SMALL),--small,)

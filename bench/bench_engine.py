@@ -154,7 +154,7 @@ def workload_flops(cfg, reqs) -> float:
 
 def bench_vllm(model_dir: str, reqs, repeats: int, out_dir: str) -> list[tuple[float, int]]:
     """vLLM CPU's offline engine in its own venv; [(seconds, output tokens)] per timed run."""
-    from bench.bench_serve import VLLM_VENV
+    from bench.serve_server import VLLM_VENV
 
     workload, result = os.path.join(out_dir, "vllm-workload.json"), os.path.join(out_dir, "vllm-result.json")
     with open(workload, "w") as f:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.bench_serve import MODEL_NAME, Server, ServerSpec
+from bench.serve_server import MODEL_NAME, Server, ServerSpec
 from bench.hf_model import DEFAULT_DIR as HF_DIR, ensure_hf_model
 
 REPO = Path(__file__).resolve().parents[1]

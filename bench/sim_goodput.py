@@ -4,11 +4,12 @@
                                      [--limit N] [--jobs J]
 
 Goodput is DistServe's: the highest request rate at which >= 90 % of requests meet both the TTFT and the TPOT
-target. Each configuration's rate is searched on a geometric grid (``GRID_STEP`` apart: exponential steps
-from a first guess, then bisection), assuming attainment falls as the rate grows. Per window: the requests
-are cut into ``WINDOWS`` equal slices in arrival order (the same requests at every rate), and a window's
-goodput is the highest grid rate at which >= 90 % *of that window's* requests meet both targets — so a
-configuration that is right for one phase of a workload and wrong for another shows it.
+target (bench/goodput_search.py holds the definition, shared with ``make bench-serve``). Each
+configuration's rate is searched on a geometric grid (``GRID_STEP`` apart: exponential steps from a first
+guess, then bisection: ``goodput_search.highest``), assuming attainment falls as the rate grows. Per
+window: the requests are cut into ``WINDOWS`` equal slices in arrival order (the same requests at every
+rate), and a window's goodput is the highest grid rate at which >= 90 % *of that window's* requests meet
+both targets — so a configuration that is right for one phase of a workload and wrong for another shows it.
 
 Configurations at budget B: every fixed split pP+(B-p)D, p = 1 .. B-1 (the best of them per window and
 overall is the baseline), the autoscaler (cluster.autoscaler.decide with min 1 / max B-1 per role and
@@ -30,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable
 
+from bench.goodput_search import highest, passes
 from bench.metrics import meets_slo
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import Scenario, at_rate, simulate_run, trace, workload_desc
@@ -42,9 +43,7 @@ from bench.sim_scenarios import Scenario, at_rate, simulate_run, trace, workload
 GOODPUT_SLO = {"cpu": {"ttft_s": 2.0, "ttft_per_token_s": 0.010, "tpot_s": 0.25},
                "gpu": {"ttft_s": 1.0, "ttft_per_token_s": 0.0001, "tpot_s": 0.05}}
 WINDOWS = 4
-ATTAINMENT = 0.9
 GRID_STEP = 1.1
-MAX_STEPS = 60  # grid indices searched each way from the first guess
 WORKLOADS = ("mooncake", "burst", "shift")
 WARMUP = 1.0  # warm-up requests served before the measured ones, per measured request (not counted)
 
@@ -125,32 +124,6 @@ def attainment(doc: dict, slo: dict, windows: int = WINDOWS, skip: int = 0) -> t
     return (sum(good) / n if n else 0.0), per
 
 
-def highest(pred: Callable[[int], bool], guess: int) -> int | None:
-    """The largest grid index k with pred(k), pred assumed to hold below some k and fail above; None: none
-    within MAX_STEPS below the guess."""
-    if pred(guess):
-        lo, step = guess, 1
-        while step <= MAX_STEPS and pred(guess + step):
-            lo, step = guess + step, step * 2
-        hi = guess + step  # fails (or is past the search)
-    else:
-        hi, step = guess, 1
-        while True:
-            if step > MAX_STEPS:
-                return None
-            if pred(guess - step):
-                lo = guess - step
-                break
-            hi, step = guess - step, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if pred(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 @dataclasses.dataclass
 class Search:
     """One configuration's goodput search on one workload (runs cached by grid index)."""
@@ -182,9 +155,9 @@ class Search:
         return self.runs[k][:2]
 
     def goodput(self, guess: int = 0) -> dict:
-        overall = highest(lambda k: self.measure(k)[0] >= ATTAINMENT, guess)
+        overall = highest(lambda k: passes(self.measure(k)[0]), guess)
         g = overall if overall is not None else guess
-        per = [highest(lambda k, w=w: self.measure(k)[1][w] >= ATTAINMENT, g) for w in range(WINDOWS)]
+        per = [highest(lambda k, w=w: passes(self.measure(k)[1][w]), g) for w in range(WINDOWS)]
         at = self.runs.get(overall, (None, None, {}))[2] if overall is not None else {}
         return {"config": self.dep.name, "goodput": self._r(overall), "windows": [self._r(k) for k in per],
                 "runs": len(self.runs), **at}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import workloads
-from bench.bench_serve import compare_clients, from_vllm_result
+from bench.serve_clients import compare_clients, from_vllm_result
 from bench.client import RequestResult, run, summarize
 from bench.metrics import stats as percentiles
 from bench.workloads import BenchRequest

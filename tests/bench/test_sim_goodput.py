@@ -1,5 +1,5 @@
 """DistServe goodput in the simulator (bench/sim_goodput.py) and the autoscaler's rebalancing by role flips
-(bench/sim_autoscale.py, cluster/autoscaler.py): the search, the windows, the workload shapes, and a run in
+(bench/sim_autoscale.py, cluster/autoscaler.py): the windows, the workload shapes, and a run in
 which the policy moves workers from one role to the other."""
 from __future__ import annotations
 
@@ -7,26 +7,12 @@ from __future__ import annotations
 import pytest
 
 from bench.metrics import meets_slo
-from bench.sim_goodput import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, highest, make_warmup, make_workload,
+from bench.sim_goodput import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, make_warmup, make_workload,
                                 spread, with_warmup)
 from bench.sim_scenarios import cpu_scenario, trace
 from bench.workloads import BenchRequest
 from cluster.autoscaler import AutoscalerConfig
 from tests.bench.test_simulate import Deployment, hardware, prompt, run
-
-
-def test_highest_finds_the_last_passing_grid_index_from_any_guess():
-    for edge in (-7, 0, 3, 40):
-        for guess in (-3, 0, 5):
-            calls = []
-
-            def pred(k, edge=edge):
-                calls.append(k)
-                return k <= edge
-
-            assert highest(pred, guess) == edge
-            assert len(set(calls)) <= 14  # exponential steps then bisection, not a scan
-    assert highest(lambda k: False, 0) is None
 
 
 def test_attainment_by_windows_in_arrival_order():
