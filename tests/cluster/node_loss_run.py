@@ -1,0 +1,274 @@
+"""The node-loss scenario (issue 24), run in its own process with its own multi-node Ray:
+
+    python -m tests.cluster.node_loss_run --model DIR --out result.json
+
+A local Ray cluster of separate raylets on one machine (`ray.cluster_utils.Cluster`): a head that holds no
+duet worker, nodes A and B with room for one prefill and one decode worker each (custom resources that the
+pools ask for: ``PoolConfig.resources``), so exactly one worker of each role lands on A — checked from Ray's
+actor table before anything else happens. A spare node C (the room a KubeRay autoscaler would add) joins
+before the load. Under concurrent streaming load — long prompts queued and prefilling, short ones streaming
+tokens — node A is removed without grace (its raylet and every worker process on it killed). The script
+records what each request returned, where it was when the node died, and how the cluster came back; the
+test (tests/cluster/test_node_loss.py) judges it against a fault-free engine.
+
+Its own process because the test session already has a single-node Ray (tests/cluster/conftest.py
+``ray_session``) and a driver talks to one Ray at a time; a process also bounds the cleanup: every raylet
+it started is its child, in its process group.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+PREFILL_SLOT, DECODE_SLOT = "nodeloss_prefill", "nodeloss_decode"  # one unit per worker of each role
+HANG_BOUND_S = 120
+RECOVERY_BOUND_S = 90
+
+
+def workload(seed: int, n_long: int, n_short: int):
+    """Long prompts (600-900 tokens: seconds of prefill on a CPU, so they queue) and short ones (stream soon)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(20, 200) for _ in range(n_short)] + [rng.randint(600, 900) for _ in range(n_long)]
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    max_tokens = [rng.randint(60, 120) for _ in lengths]
+    return prompts, max_tokens
+
+
+def params_for(max_tokens: int):
+    from engine.request import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+
+def start_ray_nodes(temp_dir: str):
+    """(ray cluster, node A, node B): a head without duet room, then A and B with one slot per role each. Its
+    own temp dir, so the default one's "current cluster" (other Rays on this machine) is left alone."""
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                   "temp_dir": temp_dir})
+    room = {"num_cpus": 2, "resources": {PREFILL_SLOT: 1, DECODE_SLOT: 1}, "temp_dir": temp_dir}
+    node_a, node_b = ray_cluster.add_node(**room), ray_cluster.add_node(**room)
+    ray_cluster.wait_for_nodes()
+    ray.init(address=ray_cluster.address, namespace="duet-node-loss", log_to_driver=False)
+    return ray_cluster, node_a, node_b
+
+
+def actor_nodes(cluster) -> dict[str, str]:
+    """worker id -> the Ray node id its actor lives on, as the GCS's actor table has it."""
+    import ray
+
+    out = {}
+    for worker_id, handle in cluster.pools.handles.items():
+        info = ray._private.state.actors(handle._actor_id.hex())
+        out[worker_id] = info["Address"]["NodeID"]
+    return out
+
+
+class Load:
+    """The requests under way: what each returned, and how far each was when the node died."""
+
+    def __init__(self, backend, prompts, max_tokens) -> None:
+        self.backend, self.prompts, self.max_tokens = backend, prompts, max_tokens
+        self.tokens = [[] for _ in prompts]
+        self.text = ["" for _ in prompts]
+        self.ends: list[dict] = [{} for _ in prompts]
+
+    async def one(self, i: int) -> None:
+        try:
+            async for out in self.backend.generate(f"nodeloss-{i}", self.prompts[i], params_for(self.max_tokens[i])):
+                if out.finish_reason == "error":
+                    self.ends[i] = {"finish_reason": "error", "error": out.error,
+                                    "tokens_before_error": len(self.tokens[i])}
+                    return
+                self.tokens[i] += out.new_token_ids
+                self.text[i] += out.new_text
+                if out.finished:
+                    self.ends[i] = {"finish_reason": out.finish_reason}
+        except Exception as e:  # noqa: BLE001 - recorded for the test to judge (e.g. NoWorkersError: a 503)
+            self.ends[i] = {"finish_reason": "exception", "error": f"{type(e).__name__}: {e}",
+                            "tokens_before_error": len(self.tokens[i])}
+
+    def results(self) -> list[dict]:
+        return [{"token_ids": t, "text": x, **e} for t, x, e in zip(self.tokens, self.text, self.ends)]
+
+
+def phases_at(load: Load, tracker, victims: dict[str, str]) -> list[dict]:
+    """For each request at the moment of the kill: tokens the client had, and which victim workers held it."""
+    held = {w: set(tracker.requests_on(w)) for w in victims}
+    out = []
+    for i in range(len(load.prompts)):
+        rid = f"nodeloss-{i}"
+        on = sorted(w for w, rids in held.items() if rid in rids)
+        out.append({"tokens_sent": len(load.tokens[i]), "on_victim": on, "done": bool(load.ends[i])})
+    return out
+
+
+def lose_node(ray_cluster, node) -> int:
+    """The node is lost as a machine is: its raylet killed without grace (``remove_node``) and, in the same
+    moment, every process that raylet started (the duet workers among them). With the raylet alone, its workers
+    notice only 1-3 s later and go on prefilling and streaming meanwhile — a slow death, not a lost node."""
+    import psutil
+    from ray._private import ray_constants
+
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    children = raylet.children(recursive=True)
+    ray_cluster.remove_node(node, allow_graceful=False)
+    killed = 0
+    for proc in children:
+        try:
+            proc.send_signal(signal.SIGKILL)
+            killed += 1
+        except psutil.NoSuchProcess:  # it went down with its raylet already
+            pass
+    return killed
+
+
+async def until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval_s)
+    return bool(predicate())
+
+
+async def recovered(cluster, targets: dict) -> bool:
+    from router.policy import Role
+    from router.registry import WorkerState
+
+    registry = cluster.registry
+    if any(len(registry.ready(role)) != targets[role] for role in (Role.PREFILL, Role.DECODE)):
+        return False
+    if registry.records(states=(WorkerState.STARTING, WorkerState.DRAINING)):
+        return False
+    try:
+        snapshot = await asyncio.wait_for(cluster.stats(), 10)
+    except Exception:  # noqa: BLE001 - a worker still going away: not recovered yet
+        return False
+    num_prefill = targets[Role.PREFILL]
+    return all(s["kv_blocks_used"] == 0 and s["num_requests"] == 0 and s.get("leases_held", 0) == 0
+               and (s["role"] != "decode" or s["peers"] == num_prefill) for s in snapshot)
+
+
+async def scenario(args, ray_cluster, node_a) -> dict:
+    from cluster.config import ClusterConfig
+    from cluster.launcher import Cluster
+    from router.policy import Role
+
+    overrides = {"model": args.model, "engine.num_blocks": 256, "router.grpc_port": None,
+                 "prefill.num_workers": 2, "decode.num_workers": 2, "router.local_prefill_max_tokens": 0,
+                 "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5, "prefill.torch_threads": 1,
+                 "decode.torch_threads": 1, "prefill.resources": {PREFILL_SLOT: 1},
+                 "decode.resources": {DECODE_SLOT: 1}, "transfer.lease_timeout_s": 4.0,
+                 "transfer.transfer_timeout_s": 3.0}
+    t0 = time.monotonic()
+    cluster = await Cluster.start(ClusterConfig.load(None, overrides))
+    result: dict = {"start_s": round(time.monotonic() - t0, 1), "node_a": node_a.node_id}
+    try:
+        placement = actor_nodes(cluster)
+        result["placement_before"] = placement
+        victims = {w: n for w, n in placement.items() if n == node_a.node_id}
+        result["victims"] = sorted(victims)
+        # the spare room for the replacements (what a cluster autoscaler adds); A's slots die with A
+        ray_cluster.add_node(num_cpus=2, resources={PREFILL_SLOT: 1, DECODE_SLOT: 1}, temp_dir=args.temp_dir)
+        targets = dict(cluster.pools.targets)
+        victim_p = [w for w in victims if w.startswith("prefill")]
+        victim_d = [w for w in victims if w.startswith("decode")]
+        if len(victim_p) != 1 or len(victim_d) != 1:
+            result["error"] = f"placement: node A holds {sorted(victims)}, not one worker of each role"
+            return result
+
+        prompts, max_tokens = workload(args.seed, n_long=args.n_long, n_short=args.n_short)
+        result["prompts"], result["max_tokens"] = prompts, max_tokens
+        load = Load(cluster.backend, prompts, max_tokens)
+        counters_before = dict(cluster.backend.counters)
+        inflight = cluster.backend.inflight
+        tasks = [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S)) for i in range(args.n_short)]
+        # the short prompts stream first; a decode worker on A is streaming before the long prompts arrive
+        tracker = cluster.backend.tracker
+
+        def streaming_from_a() -> bool:  # a few tokens past the prefill's first one came from A's decode worker
+            return any(len(load.tokens[i]) >= 3 and f"nodeloss-{i}" in tracker.requests_on(victim_d[0])
+                       for i in range(args.n_short))
+
+        result["streaming_before_kill"] = await until(streaming_from_a, 60)
+        tasks += [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S))
+                  for i in range(args.n_short, len(prompts))]
+        result["prefilling_before_kill"] = await until(lambda: inflight[victim_p[0]] > 0, 30)
+        phases = phases_at(load, tracker, victims)
+        kill_at = time.monotonic()
+        result["processes_killed"] = await asyncio.to_thread(lose_node, ray_cluster, node_a)
+        result["remove_node_s"] = round(time.monotonic() - kill_at, 2)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        result["hung"] = [i for i, o in enumerate(outcomes) if isinstance(o, asyncio.TimeoutError)]
+        result["requests_done_s"] = round(time.monotonic() - kill_at, 1)
+        result["phases_at_kill"] = phases
+        result["results"] = load.results()
+        result["counters"] = {k: v - counters_before.get(k, 0) for k, v in cluster.backend.counters.items()}
+
+        deadline = kill_at + RECOVERY_BOUND_S
+        while not await recovered(cluster, targets) and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        result["recovered"] = await recovered(cluster, targets)
+        result["recovery_s"] = round(time.monotonic() - kill_at, 1)
+        result["placement_after"] = actor_nodes(cluster)
+        result["ready_after"] = {role.value: sorted(r.worker_id for r in cluster.registry.ready(role))
+                                 for role in (Role.PREFILL, Role.DECODE)}
+        result["dead"] = {r.worker_id: {"reason": r.reason, "fault": r.fault,
+                                        "found_dead_s": round(r.ended_s - kill_at, 1)}
+                          for r in cluster.registry.records() if r.state.value == "dead"}
+        result["pool_counters"] = dict(cluster.pools.counters)
+        # the router's own bookkeeping let go of every request (the dead workers' included)
+        result["router_inflight"] = {w: n for w, n in cluster.backend.inflight.items() if n}
+        result["tracker_inflight"] = tracker.num_inflight()
+        result["worker_stats"] = {s["worker_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
+                                  for s in await cluster.stats()}
+        # and the cluster serves again
+        after_prompts, after_max = workload(args.seed + 1, n_long=1, n_short=5)
+        after = Load(cluster.backend, after_prompts, after_max)
+        await asyncio.wait_for(asyncio.gather(*(after.one(i) for i in range(len(after_prompts)))), HANG_BOUND_S)
+        result["after"] = {"prompts": after_prompts, "max_tokens": after_max, "results": after.results()}
+    finally:
+        await cluster.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=24)
+    parser.add_argument("--n-short", type=int, default=8)
+    parser.add_argument("--n-long", type=int, default=8)
+    parser.add_argument("--temp-dir", default=f"/tmp/duet-nodeloss-{os.getpid()}")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import proto.kv_codec  # noqa: F401 - before Ray is imported: a fresh checkout generates its protobuf code here
+    import ray
+
+    t0 = time.monotonic()
+    ray_cluster, node_a, _ = start_ray_nodes(args.temp_dir)
+    try:
+        result = asyncio.run(scenario(args, ray_cluster, node_a))
+    finally:
+        ray.shutdown()
+        ray_cluster.shutdown()
+        shutil.rmtree(args.temp_dir, ignore_errors=True)
+    result["total_s"] = round(time.monotonic() - t0, 1)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
