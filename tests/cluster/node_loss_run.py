@@ -1,15 +1,18 @@
 """The node-loss scenario (issue 24), run in its own process with its own multi-node Ray:
 
-    python -m tests.cluster.node_loss_run --model DIR --out result.json
+    python -m tests.cluster.node_loss_run --model DIR --out result.json [--rounds 1]
 
 A local Ray cluster of separate raylets on one machine (`ray.cluster_utils.Cluster`): a head that holds no
 duet worker, nodes A and B with room for one prefill and one decode worker each (custom resources that the
 pools ask for: ``PoolConfig.resources``), so exactly one worker of each role lands on A — checked from Ray's
 actor table before anything else happens. A spare node C (the room a KubeRay autoscaler would add) joins
-before the load. Under concurrent streaming load — long prompts queued and prefilling, short ones streaming
-tokens — node A is removed without grace (its raylet and every worker process on it killed). The script
-records what each request returned, where it was when the node died, and how the cluster came back; the
-test (tests/cluster/test_node_loss.py) judges it against a fault-free engine.
+before the load. Two rounds, each under concurrent streaming load — short prompts streaming tokens from the
+node's decode worker, long prompts queued and prefilling on its prefill worker:
+  1. kill: node A is removed without grace (its raylet, and every process it started in the same moment);
+  2. freeze: node C, which took A's replacements (one prefill and one decode worker), stops answering — its
+     raylet and workers SIGSTOPped, their connections open (a partition, a hung machine); a spare D joins.
+For each round the script records what each request returned, where it was at the fault, and how the
+cluster came back; the test (tests/cluster/test_node_loss.py) judges it against a fault-free engine.
 
 Its own process because the test session already has a single-node Ray (tests/cluster/conftest.py
 ``ray_session``) and a driver talks to one Ray at a time; a process also bounds the cleanup: every raylet
@@ -31,6 +34,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 PREFILL_SLOT, DECODE_SLOT = "nodeloss_prefill", "nodeloss_decode"  # one unit per worker of each role
 HANG_BOUND_S = 120
+FROZEN: list = []  # processes a "freeze" stopped: killed at the end whatever happens
 RECOVERY_BOUND_S = 90
 
 
@@ -78,15 +82,15 @@ def actor_nodes(cluster) -> dict[str, str]:
 class Load:
     """The requests under way: what each returned, and how far each was when the node died."""
 
-    def __init__(self, backend, prompts, max_tokens) -> None:
-        self.backend, self.prompts, self.max_tokens = backend, prompts, max_tokens
+    def __init__(self, backend, prompts, max_tokens, tag: str) -> None:
+        self.backend, self.prompts, self.max_tokens, self.tag = backend, prompts, max_tokens, tag
         self.tokens = [[] for _ in prompts]
         self.text = ["" for _ in prompts]
         self.ends: list[dict] = [{} for _ in prompts]
 
     async def one(self, i: int) -> None:
         try:
-            async for out in self.backend.generate(f"nodeloss-{i}", self.prompts[i], params_for(self.max_tokens[i])):
+            async for out in self.backend.generate(self.rid(i), self.prompts[i], params_for(self.max_tokens[i])):
                 if out.finish_reason == "error":
                     self.ends[i] = {"finish_reason": "error", "error": out.error,
                                     "tokens_before_error": len(self.tokens[i])}
@@ -99,17 +103,19 @@ class Load:
             self.ends[i] = {"finish_reason": "exception", "error": f"{type(e).__name__}: {e}",
                             "tokens_before_error": len(self.tokens[i])}
 
+    def rid(self, i: int) -> str:
+        return f"{self.tag}{i}"
+
     def results(self) -> list[dict]:
         return [{"token_ids": t, "text": x, **e} for t, x, e in zip(self.tokens, self.text, self.ends)]
 
 
 def phases_at(load: Load, tracker, victims: dict[str, str]) -> list[dict]:
-    """For each request at the moment of the kill: tokens the client had, and which victim workers held it."""
+    """For each request at the moment of the fault: tokens the client had, and which victim workers held it."""
     held = {w: set(tracker.requests_on(w)) for w in victims}
     out = []
     for i in range(len(load.prompts)):
-        rid = f"nodeloss-{i}"
-        on = sorted(w for w, rids in held.items() if rid in rids)
+        on = sorted(w for w, rids in held.items() if load.rid(i) in rids)
         out.append({"tokens_sent": len(load.tokens[i]), "on_victim": on, "done": bool(load.ends[i])})
     return out
 
@@ -132,6 +138,20 @@ def lose_node(ray_cluster, node) -> int:
         except psutil.NoSuchProcess:  # it went down with its raylet already
             pass
     return killed
+
+
+def freeze_node(node) -> list:
+    """The node stops answering (a partition, a hung machine): its raylet and every process it started are
+    stopped; their connections stay open and nothing on them answers."""
+    import psutil
+    from ray._private import ray_constants
+
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    procs = [raylet, *raylet.children(recursive=True)]
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    FROZEN.extend(procs)
+    return procs
 
 
 async def until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
@@ -161,10 +181,14 @@ async def recovered(cluster, targets: dict) -> bool:
                and (s["role"] != "decode" or s["peers"] == num_prefill) for s in snapshot)
 
 
+SPARE_ROOM = {"num_cpus": 2, "resources": {PREFILL_SLOT: 1, DECODE_SLOT: 1}}
+
+
 async def scenario(args, ray_cluster, node_a) -> dict:
+    """Two rounds on one cluster: node A is killed; then the node that took A's replacements (one prefill and
+    one decode worker: the spare room of one of each) stops answering. Before each, a spare node joins."""
     from cluster.config import ClusterConfig
     from cluster.launcher import Cluster
-    from router.policy import Role
 
     overrides = {"model": args.model, "engine.num_blocks": 256, "router.grpc_port": None,
                  "prefill.num_workers": 2, "decode.num_workers": 2, "router.local_prefill_max_tokens": 0,
@@ -174,73 +198,85 @@ async def scenario(args, ray_cluster, node_a) -> dict:
                  "transfer.transfer_timeout_s": 3.0}
     t0 = time.monotonic()
     cluster = await Cluster.start(ClusterConfig.load(None, overrides))
-    result: dict = {"start_s": round(time.monotonic() - t0, 1), "node_a": node_a.node_id}
+    result: dict = {"start_s": round(time.monotonic() - t0, 1), "rounds": []}
     try:
-        placement = actor_nodes(cluster)
-        result["placement_before"] = placement
-        victims = {w: n for w, n in placement.items() if n == node_a.node_id}
-        result["victims"] = sorted(victims)
-        # the spare room for the replacements (what a cluster autoscaler adds); A's slots die with A
-        ray_cluster.add_node(num_cpus=2, resources={PREFILL_SLOT: 1, DECODE_SLOT: 1}, temp_dir=args.temp_dir)
-        targets = dict(cluster.pools.targets)
-        victim_p = [w for w in victims if w.startswith("prefill")]
-        victim_d = [w for w in victims if w.startswith("decode")]
-        if len(victim_p) != 1 or len(victim_d) != 1:
-            result["error"] = f"placement: node A holds {sorted(victims)}, not one worker of each role"
-            return result
-
-        prompts, max_tokens = workload(args.seed, n_long=args.n_long, n_short=args.n_short)
-        result["prompts"], result["max_tokens"] = prompts, max_tokens
-        load = Load(cluster.backend, prompts, max_tokens)
-        counters_before = dict(cluster.backend.counters)
-        inflight = cluster.backend.inflight
-        tasks = [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S)) for i in range(args.n_short)]
-        # the short prompts stream first; a decode worker on A is streaming before the long prompts arrive
-        tracker = cluster.backend.tracker
-
-        def streaming_from_a() -> bool:  # a few tokens past the prefill's first one came from A's decode worker
-            return any(len(load.tokens[i]) >= 3 and f"nodeloss-{i}" in tracker.requests_on(victim_d[0])
-                       for i in range(args.n_short))
-
-        result["streaming_before_kill"] = await until(streaming_from_a, 60)
-        tasks += [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S))
-                  for i in range(args.n_short, len(prompts))]
-        result["prefilling_before_kill"] = await until(lambda: inflight[victim_p[0]] > 0, 30)
-        phases = phases_at(load, tracker, victims)
-        kill_at = time.monotonic()
-        result["processes_killed"] = await asyncio.to_thread(lose_node, ray_cluster, node_a)
-        result["remove_node_s"] = round(time.monotonic() - kill_at, 2)
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        result["hung"] = [i for i, o in enumerate(outcomes) if isinstance(o, asyncio.TimeoutError)]
-        result["requests_done_s"] = round(time.monotonic() - kill_at, 1)
-        result["phases_at_kill"] = phases
-        result["results"] = load.results()
-        result["counters"] = {k: v - counters_before.get(k, 0) for k, v in cluster.backend.counters.items()}
-
-        deadline = kill_at + RECOVERY_BOUND_S
-        while not await recovered(cluster, targets) and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-        result["recovered"] = await recovered(cluster, targets)
-        result["recovery_s"] = round(time.monotonic() - kill_at, 1)
-        result["placement_after"] = actor_nodes(cluster)
-        result["ready_after"] = {role.value: sorted(r.worker_id for r in cluster.registry.ready(role))
-                                 for role in (Role.PREFILL, Role.DECODE)}
-        result["dead"] = {r.worker_id: {"reason": r.reason, "fault": r.fault,
-                                        "found_dead_s": round(r.ended_s - kill_at, 1)}
-                          for r in cluster.registry.records() if r.state.value == "dead"}
-        result["pool_counters"] = dict(cluster.pools.counters)
-        # the router's own bookkeeping let go of every request (the dead workers' included)
-        result["router_inflight"] = {w: n for w, n in cluster.backend.inflight.items() if n}
-        result["tracker_inflight"] = tracker.num_inflight()
-        result["worker_stats"] = {s["worker_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
-                                  for s in await cluster.stats()}
-        # and the cluster serves again
-        after_prompts, after_max = workload(args.seed + 1, n_long=1, n_short=5)
-        after = Load(cluster.backend, after_prompts, after_max)
-        await asyncio.wait_for(asyncio.gather(*(after.one(i) for i in range(len(after_prompts)))), HANG_BOUND_S)
-        result["after"] = {"prompts": after_prompts, "max_tokens": after_max, "results": after.results()}
+        # add_node sets signal handlers: main thread only (it blocks the loop a few seconds, before any load)
+        spare = ray_cluster.add_node(**SPARE_ROOM, temp_dir=args.temp_dir)
+        result["rounds"].append(await fault_round(cluster, ray_cluster, node_a, "kill", args.seed, args))
+        if args.rounds > 1 and "error" not in result["rounds"][-1]:
+            ray_cluster.add_node(**SPARE_ROOM, temp_dir=args.temp_dir)
+            result["rounds"].append(await fault_round(cluster, ray_cluster, spare, "freeze", args.seed + 10, args))
     finally:
         await cluster.stop()
+    return result
+
+
+async def fault_round(cluster, ray_cluster, node, mode: str, seed: int, args) -> dict:
+    """Load the cluster, lose ``node`` (``mode``: kill or freeze) once one of its workers streams and the other
+    prefills, and record every request's end, the recovery and a batch served afterwards."""
+    from router.policy import Role
+
+    result: dict = {"mode": mode, "node": node.node_id}
+    placement = actor_nodes(cluster)
+    result["placement_before"] = placement
+    victims = {w: n for w, n in placement.items() if n == node.node_id}
+    result["victims"] = sorted(victims)
+    victim_p = [w for w in victims if w.startswith("prefill")]
+    victim_d = [w for w in victims if w.startswith("decode")]
+    if len(victim_p) != 1 or len(victim_d) != 1:
+        result["error"] = f"placement: the node holds {sorted(victims)}, not one worker of each role"
+        return result
+    targets = dict(cluster.pools.targets)
+    dead_before = {r.worker_id for r in cluster.registry.records() if r.state.value == "dead"}
+
+    prompts, max_tokens = workload(seed, n_long=args.n_long, n_short=args.n_short)
+    result["prompts"], result["max_tokens"] = prompts, max_tokens
+    load = Load(cluster.backend, prompts, max_tokens, tag=f"{mode}-")
+    counters_before, pool_counters_before = dict(cluster.backend.counters), dict(cluster.pools.counters)
+    inflight, tracker = cluster.backend.inflight, cluster.backend.tracker
+    # the short prompts first: a decode worker on the node streams before the long prompts arrive
+    tasks = [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S)) for i in range(args.n_short)]
+
+    def streaming_from_node() -> bool:  # tokens past the prefill's first one came from the node's decode worker
+        return any(len(load.tokens[i]) >= 3 and load.rid(i) in tracker.requests_on(victim_d[0])
+                   for i in range(args.n_short))
+
+    result["streaming_before_fault"] = await until(streaming_from_node, 60)
+    tasks += [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S))
+              for i in range(args.n_short, len(prompts))]
+    result["prefilling_before_fault"] = await until(lambda: inflight[victim_p[0]] > 0, 30)
+    result["phases_at_fault"] = phases_at(load, tracker, victims)
+    fault_at = time.monotonic()
+    if mode == "freeze":
+        result["processes_stopped"] = len(await asyncio.to_thread(freeze_node, node))
+    else:
+        result["processes_killed"] = await asyncio.to_thread(lose_node, ray_cluster, node)
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    result["hung"] = [i for i, o in enumerate(outcomes) if isinstance(o, asyncio.TimeoutError)]
+    result["requests_done_s"] = round(time.monotonic() - fault_at, 1)
+    result["results"] = load.results()
+    result["counters"] = {k: v - counters_before.get(k, 0) for k, v in cluster.backend.counters.items()}
+
+    while not await recovered(cluster, targets) and time.monotonic() < fault_at + RECOVERY_BOUND_S:
+        await asyncio.sleep(0.25)
+    result["recovered"] = await recovered(cluster, targets)
+    result["recovery_s"] = round(time.monotonic() - fault_at, 1)
+    result["placement_after"] = actor_nodes(cluster)
+    result["ready_after"] = {role.value: sorted(r.worker_id for r in cluster.registry.ready(role))
+                             for role in (Role.PREFILL, Role.DECODE)}
+    result["dead"] = {r.worker_id: {"reason": r.reason, "fault": r.fault, "found_dead_s": round(r.ended_s - fault_at, 1)}
+                      for r in cluster.registry.records() if r.state.value == "dead" and r.worker_id not in dead_before}
+    result["pool_counters"] = {k: v - pool_counters_before.get(k, 0) for k, v in cluster.pools.counters.items()}
+    # the router's own bookkeeping let go of every request (the dead workers' included)
+    result["router_inflight"] = {w: n for w, n in cluster.backend.inflight.items() if n}
+    result["tracker_inflight"] = tracker.num_inflight()
+    result["worker_stats"] = {s["worker_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
+                              for s in await cluster.stats()}
+    # and the cluster serves again
+    after_prompts, after_max = workload(seed + 1, n_long=1, n_short=5)
+    after = Load(cluster.backend, after_prompts, after_max, tag=f"{mode}-after-")
+    await asyncio.wait_for(asyncio.gather(*(after.one(i) for i in range(len(after_prompts)))), HANG_BOUND_S)
+    result["after"] = {"prompts": after_prompts, "max_tokens": after_max, "results": after.results()}
     return result
 
 
@@ -251,6 +287,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=24)
     parser.add_argument("--n-short", type=int, default=8)
     parser.add_argument("--n-long", type=int, default=8)
+    parser.add_argument("--rounds", type=int, choices=(1, 2), default=2, help="1: the kill only")
     parser.add_argument("--temp-dir", default=f"/tmp/duet-nodeloss-{os.getpid()}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -262,6 +299,11 @@ def main() -> None:
     try:
         result = asyncio.run(scenario(args, ray_cluster, node_a))
     finally:
+        for proc in FROZEN:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         ray.shutdown()
         ray_cluster.shutdown()
         shutil.rmtree(args.temp_dir, ignore_errors=True)
