@@ -31,6 +31,9 @@ import signal
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# a raylet waits this long for its node's agent to start (a Python process, slow on a loaded 2-core machine);
+# past it the raylet aborts and the node never joins. The raylets this script starts inherit it.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 
 PREFILL_SLOT, DECODE_SLOT = "nodeloss_prefill", "nodeloss_decode"  # one unit per worker of each role
 HANG_BOUND_S = 120
@@ -295,7 +298,7 @@ def main() -> None:
     import ray
 
     t0 = time.monotonic()
-    ray_cluster, node_a, _ = start_ray_nodes(args.temp_dir)
+    ray_cluster, node_a, _ = start_ray_nodes(args.temp_dir)  # on a failure, Ray's logs stay in temp_dir
     try:
         result = asyncio.run(scenario(args, ray_cluster, node_a))
     finally:
@@ -306,7 +309,7 @@ def main() -> None:
                 pass
         ray.shutdown()
         ray_cluster.shutdown()
-        shutil.rmtree(args.temp_dir, ignore_errors=True)
+    shutil.rmtree(args.temp_dir, ignore_errors=True)
     result["total_s"] = round(time.monotonic() - t0, 1)
     with open(args.out, "w") as f:
         json.dump(result, f)
