@@ -41,6 +41,16 @@ FROZEN: list = []  # processes a "freeze" stopped: killed at the end whatever ha
 RECOVERY_BOUND_S = 90
 
 
+SEED, N_SHORT, N_LONG = 24, 8, 8  # the defaults; the test computes its references from them while the run goes
+ROUND_SEEDS = {"kill": 0, "freeze": 10}  # added to the seed
+
+
+def round_workloads(seed: int, mode: str, n_long: int = N_LONG, n_short: int = N_SHORT):
+    """(the load, the batch after the recovery) of one round: (prompts, max_tokens) each."""
+    seed += ROUND_SEEDS[mode]
+    return workload(seed, n_long=n_long, n_short=n_short), workload(seed + 1, n_long=1, n_short=5)
+
+
 def workload(seed: int, n_long: int, n_short: int):
     """Long prompts (600-900 tokens: seconds of prefill on a CPU, so they queue) and short ones (stream soon)."""
     rng = random.Random(seed)
@@ -205,16 +215,16 @@ async def scenario(args, ray_cluster, node_a) -> dict:
     try:
         # add_node sets signal handlers: main thread only (it blocks the loop a few seconds, before any load)
         spare = ray_cluster.add_node(**SPARE_ROOM, temp_dir=args.temp_dir)
-        result["rounds"].append(await fault_round(cluster, ray_cluster, node_a, "kill", args.seed, args))
+        result["rounds"].append(await fault_round(cluster, ray_cluster, node_a, "kill", args))
         if args.rounds > 1 and "error" not in result["rounds"][-1]:
             ray_cluster.add_node(**SPARE_ROOM, temp_dir=args.temp_dir)
-            result["rounds"].append(await fault_round(cluster, ray_cluster, spare, "freeze", args.seed + 10, args))
+            result["rounds"].append(await fault_round(cluster, ray_cluster, spare, "freeze", args))
     finally:
         await cluster.stop()
     return result
 
 
-async def fault_round(cluster, ray_cluster, node, mode: str, seed: int, args) -> dict:
+async def fault_round(cluster, ray_cluster, node, mode: str, args) -> dict:
     """Load the cluster, lose ``node`` (``mode``: kill or freeze) once one of its workers streams and the other
     prefills, and record every request's end, the recovery and a batch served afterwards."""
     from router.policy import Role
@@ -232,7 +242,7 @@ async def fault_round(cluster, ray_cluster, node, mode: str, seed: int, args) ->
     targets = dict(cluster.pools.targets)
     dead_before = {r.worker_id for r in cluster.registry.records() if r.state.value == "dead"}
 
-    prompts, max_tokens = workload(seed, n_long=args.n_long, n_short=args.n_short)
+    (prompts, max_tokens), (after_prompts, after_max) = round_workloads(args.seed, mode, args.n_long, args.n_short)
     result["prompts"], result["max_tokens"] = prompts, max_tokens
     load = Load(cluster.backend, prompts, max_tokens, tag=f"{mode}-")
     counters_before, pool_counters_before = dict(cluster.backend.counters), dict(cluster.pools.counters)
@@ -276,7 +286,6 @@ async def fault_round(cluster, ray_cluster, node, mode: str, seed: int, args) ->
     result["worker_stats"] = {s["worker_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
                               for s in await cluster.stats()}
     # and the cluster serves again
-    after_prompts, after_max = workload(seed + 1, n_long=1, n_short=5)
     after = Load(cluster.backend, after_prompts, after_max, tag=f"{mode}-after-")
     await asyncio.wait_for(asyncio.gather(*(after.one(i) for i in range(len(after_prompts)))), HANG_BOUND_S)
     result["after"] = {"prompts": after_prompts, "max_tokens": after_max, "results": after.results()}
@@ -287,9 +296,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=24)
-    parser.add_argument("--n-short", type=int, default=8)
-    parser.add_argument("--n-long", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--n-short", type=int, default=N_SHORT)
+    parser.add_argument("--n-long", type=int, default=N_LONG)
     parser.add_argument("--rounds", type=int, choices=(1, 2), default=2, help="1: the kill only")
     parser.add_argument("--temp-dir", default=f"/tmp/duet-nodeloss-{os.getpid()}")
     args = parser.parse_args()

@@ -21,13 +21,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.cluster.node_loss_run import HANG_BOUND_S, RECOVERY_BOUND_S, params_for
+from tests.cluster.node_loss_run import (HANG_BOUND_S, RECOVERY_BOUND_S, ROUND_SEEDS, SEED, params_for,
+                                         round_workloads)
 
 pytestmark = pytest.mark.slow  # ~2 min on the 2-core dev VM: five raylets, eight workers, two rounds
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,23 +37,31 @@ OUT = ROOT / "build" / "reliability"
 RUN_TIMEOUT_S = 480
 
 
-def run_scenario(model: Path, tmp_path: Path) -> dict:
-    """Run tests/cluster/node_loss_run.py to its end (bounded) and return what it recorded."""
+def run_scenario(model: Path, tmp_path: Path, meanwhile) -> tuple[dict, object]:
+    """Run tests/cluster/node_loss_run.py to its end (bounded), calling ``meanwhile()`` while it runs (the
+    references: a minute of CPU better spent while the scenario waits on Ray); (what it recorded, what
+    ``meanwhile`` returned)."""
     out, log_path = tmp_path / "node-loss.json", tmp_path / "node-loss.log"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     # Ray's temp dir stays the script's short default: its socket paths must fit AF_UNIX's 107 bytes
     argv = [sys.executable, "-m", "tests.cluster.node_loss_run", "--model", str(model), "--out", str(out)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(RUN_TIMEOUT_S)
+            value = meanwhile()
+            proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the script and every raylet it started
             proc.wait()
             pytest.fail(f"the node-loss scenario did not end in {RUN_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+        finally:
+            if proc.poll() is None:  # meanwhile() failed
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert proc.returncode == 0, f"the node-loss scenario failed:\n{log_path.read_text()[-4000:]}"
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), value
 
 
 def judge(results: list[dict], references: list[dict]) -> dict:
@@ -71,19 +81,29 @@ def judge(results: list[dict], references: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def node_loss(tiny_model, tmp_path_factory):
-    """The two rounds (kill, freeze) of one run, and the fault-free engine that judges them."""
+    """The two rounds (kill, freeze) of one run, and each round's fault-free outputs (load, batch after)."""
     model = tiny_model()
-    run = run_scenario(model, tmp_path_factory.mktemp("node-loss"))
+
+    def references():
+        engine = Engine(EngineConfig(model=str(model), num_blocks=1024))
+        return {mode: [engine.generate(prompts, [params_for(n) for n in max_tokens])
+                       for prompts, max_tokens in round_workloads(SEED, mode)] for mode in ROUND_SEEDS}
+
+    run, refs = run_scenario(model, tmp_path_factory.mktemp("node-loss"), references)
     assert "error" not in run["rounds"][0], run["rounds"][0]["error"]
-    return run, Engine(EngineConfig(model=str(model), num_blocks=1024))
+    return run, refs
 
 
 @pytest.mark.parametrize("round_index,mode", [(0, "kill"), (1, "freeze")])
 def test_a_node_with_a_prefill_and_a_decode_worker_is_lost_under_load(node_loss, round_index, mode):
-    run, engine = node_loss
+    run, references = node_loss
     assert len(run["rounds"]) == 2, "the second round did not run"
     r = run["rounds"][round_index]
     assert r["mode"] == mode and "error" not in r, r.get("error")
+    (prompts, max_tokens), (after_prompts, after_max) = round_workloads(SEED, mode)
+    assert (r["prompts"], r["max_tokens"]) == (prompts, max_tokens)  # the workload the references are for
+    assert (r["after"]["prompts"], r["after"]["max_tokens"]) == (after_prompts, after_max)
+    refs, after_refs = references[mode]
 
     # 1. the fault landed where intended
     victims = r["victims"]
@@ -98,7 +118,6 @@ def test_a_node_with_a_prefill_and_a_decode_worker_is_lost_under_load(node_loss,
     assert streaming and prefilling, phases
 
     # 2. every request: exact, or a clean failure before its first token; duet's promise: all exact
-    refs = engine.generate(r["prompts"], [params_for(n) for n in r["max_tokens"]])
     assert not r["hung"], f"requests that did not end within {HANG_BOUND_S} s: {r['hung']}"
     verdict = judge(r["results"], refs)
     assert not verdict["wrong"], ("partial or different outputs", [r["results"][i] for i in verdict["wrong"]])
@@ -119,7 +138,6 @@ def test_a_node_with_a_prefill_and_a_decode_worker_is_lost_under_load(node_loss,
         assert all("no answer to its health probe" in d["reason"] for d in r["dead"].values()), r["dead"]
     assert r["pool_counters"]["replaced"] == 2 and r["pool_counters"]["started"] == 2, r["pool_counters"]
     after = r["after"]
-    after_refs = engine.generate(after["prompts"], [params_for(n) for n in after["max_tokens"]])
     assert judge(after["results"], after_refs)["exact"] == list(range(len(after_refs)))
 
     figures = {"scenario": f"node-loss-{mode}", "requests": len(refs), "exact": len(verdict["exact"]),
