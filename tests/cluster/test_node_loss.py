@@ -53,11 +53,10 @@ def run_scenario(model: Path, tmp_path: Path, meanwhile) -> tuple[dict, object]:
             value = meanwhile()
             proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the script and every raylet it started
-            proc.wait()
             pytest.fail(f"the node-loss scenario did not end in {RUN_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
         finally:
-            if proc.poll() is None:  # meanwhile() failed
+            if proc.poll() is None:  # timed out, or meanwhile() failed
+                # the script, its raylets and their workers (stopped ones too: SIGKILL needs no cooperation)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert proc.returncode == 0, f"the node-loss scenario failed:\n{log_path.read_text()[-4000:]}"
