@@ -48,8 +48,8 @@ from router.registry import WorkerRecord, WorkerState
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
-PROBE_TIMEOUT_S = 5.0  # a worker that does not answer its liveness probe within this is dead
 HISTORY_KEPT = 32
+PROBE_TIMEOUT_S = 5.0  # a worker that does not answer its liveness probe within this is dead
 
 
 class PoolManager(RoleFlips, Operator):
