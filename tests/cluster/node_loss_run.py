@@ -67,10 +67,19 @@ def params_for(max_tokens: int):
 
 
 def start_ray_nodes(temp_dir: str):
-    """(ray cluster, node A, node B): a head without duet room, then A and B with one slot per role each. Its
-    own temp dir, so the default one's "current cluster" (other Rays on this machine) is left alone."""
+    """(ray cluster, node A, node B): a head without duet room, then A and B with one slot per role each.
+
+    It leaves the machine's "current Ray" alone: ``cluster_utils`` writes its head's address to the default
+    /tmp/ray/ray_current_cluster (and deletes that file at shutdown), which every ``ray.init()`` without an
+    address on this machine reads — the test session's own Ray, other checkouts' test runs — and a killed run
+    would leave it naming a dead cluster. So both are turned off here, and Ray's files go to ``temp_dir``."""
     import ray
+    import ray._common.utils
+    import ray._private.utils
     from ray.cluster_utils import Cluster as RayCluster
+
+    ray._private.utils.write_ray_address = lambda *args, **kwargs: None
+    ray._common.utils.reset_ray_address = lambda *args, **kwargs: None
 
     ray_cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                                    "temp_dir": temp_dir})
