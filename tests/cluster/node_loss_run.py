@@ -31,9 +31,6 @@ import signal
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# a raylet waits this long for its node's agent to start (a Python process, slow on a loaded 2-core machine);
-# past it the raylet aborts and the node never joins. The raylets this script starts inherit it.
-os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 
 PREFILL_SLOT, DECODE_SLOT = "nodeloss_prefill", "nodeloss_decode"  # one unit per worker of each role
 HANG_BOUND_S = 120
