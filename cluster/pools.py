@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
 HISTORY_KEPT = 32
+PROBE_TIMEOUT_S = 5.0  # a worker that does not answer its liveness probe within this is dead
 
 
 class PoolManager(RoleFlips, Operator):
@@ -281,12 +282,12 @@ class PoolManager(RoleFlips, Operator):
                 self.counters["replaced"] += rec.fault
                 self._end(rec.worker_id, rec.reason, fault=rec.fault)
         live = [r for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
-        alive = await asyncio.gather(*(_alive(r.client) for r in live))
-        for rec, ok in zip(live, alive):
-            if not ok and rec.state != WorkerState.DEAD:
-                log.error("worker %s is gone: replacing it", rec.worker_id)
+        problems = await asyncio.gather(*(probe(r.client) for r in live))
+        for rec, problem in zip(live, problems):
+            if problem is not None and rec.state != WorkerState.DEAD:
+                log.error("worker %s is gone (%s): replacing it", rec.worker_id, problem)
                 self.counters["replaced"] += 1
-                self._end(rec.worker_id, "died (health probe failed)", fault=True)
+                self._end(rec.worker_id, f"died: {problem}", fault=True)
         self.reconcile()
 
     async def poll_stats(self) -> None:
@@ -349,8 +350,15 @@ def _decision_view(at_s: float, d: Decision) -> dict[str, Any]:
             "reason": d.reason, "code": d.code, "signals": dict(d.signals)}
 
 
-async def _alive(client) -> bool:
+async def probe(client, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None if the worker answers its liveness probe in time; else what the probe found, for the record an
+    operator reads: no answer (a frozen process, or a node cut off or hung), the error Ray gave (a process or
+    node gone), or an engine thread that stopped."""
     try:
-        return bool(await asyncio.wait_for(client.alive(), 5.0))
-    except Exception:
-        return False
+        ok = await asyncio.wait_for(client.alive(), timeout_s)
+    except asyncio.TimeoutError:
+        return f"no answer to its health probe within {timeout_s:g} s"
+    except Exception as e:  # noqa: BLE001 - any failure to answer is a dead worker; what it was is the reason
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        return f"health probe failed: {type(e).__name__}: {first_line}"
+    return None if ok else "health probe: its engine thread has stopped"

@@ -78,10 +78,8 @@ class RayWorkerClient(WorkerClient):
             await self.handle.release.remote(request_id)
 
     async def alive(self) -> bool:
-        try:
-            return bool((await self.handle.health.remote())["ok"])
-        except Exception:
-            return False
+        """Whether its engine runs; a worker Ray cannot reach raises Ray's error (the caller's reason)."""
+        return bool((await self.handle.health.remote())["ok"])
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()

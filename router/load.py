@@ -97,6 +97,10 @@ class LoadTracker:
             return len(self._inflight)
         return sum(1 for (_, w) in self._inflight if w == worker)
 
+    def requests_on(self, worker: str) -> list[str]:
+        """The ids of the requests in flight on ``worker``."""
+        return [rid for (rid, w) in self._inflight if w == worker]
+
     # ---- bookkeeping -----------------------------------------------------------------------------
     def add_worker(self, worker: str) -> None:
         if worker not in self._own:

@@ -54,7 +54,9 @@ class WorkerClient(ABC):
     async def release(self, request_id: str) -> None: ...
 
     @abstractmethod
-    async def alive(self) -> bool: ...
+    async def alive(self) -> bool:
+        """True if the worker answers and its engine runs; False, or an exception, if not (callers bound it
+        with a timeout and treat all three as a dead worker)."""
 
 
 def check_fingerprints(hasher: BlockHasher, workers: Sequence[WorkerDescriptor]) -> None:

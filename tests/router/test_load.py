@@ -24,6 +24,16 @@ def test_dispatch_prefill_done_finish():
     assert t.num_inflight() == 0
 
 
+def test_requests_on_a_worker():
+    t = LoadTracker()
+    t.dispatch("r1", "d0", num_prefill_tokens=0, num_kv_blocks=3)
+    t.dispatch("r1", "p0", num_prefill_tokens=10, num_kv_blocks=3)
+    t.dispatch("r2", "d0", num_prefill_tokens=0, num_kv_blocks=3)
+    assert sorted(t.requests_on("d0")) == ["r1", "r2"] and t.requests_on("p0") == ["r1"]
+    t.finish("r1", "d0")
+    assert t.requests_on("d0") == ["r2"] and t.requests_on("nobody") == []
+
+
 def test_unknown_worker_is_idle_and_duplicate_dispatch_refused():
     t = LoadTracker()
     assert t.get("nobody") == LoadEstimate()
