@@ -26,8 +26,10 @@ The rules, in order, per role:
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
    agrees (one whose short role's capacity is not measured yet only agrees on the direction). A move happens
    when one role needs more and the other has workers to spare (n = what one needs and the other spares), or
-   when both needs exceed the budget and the split that minimises the busier role's load per worker lowers it
-   by more than ``rebalance_margin`` (n = the distance to that split). Within ``rebalance_cooldown_intervals``
+   when the needs exceed the budget and the split that minimises the busier role's load per worker lowers it
+   by more than ``rebalance_margin`` (n = the distance to that split) — by more than ``overload_margin`` when
+   that takes a role that was not short past its capacity (it mostly moves the bottleneck: a KV-bound decode
+   pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin in the simulator). Within ``rebalance_cooldown_intervals``
    of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
    n − 1, a one-worker move not at all (no flapping). This is the predictive half acting: it jumps to the
    split the estimates ask for, where the reactive rules step ±1.
@@ -74,6 +76,7 @@ class AutoscalerConfig:
     estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
     held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
     rebalance_margin: float = 0.1  # a move must lower the bottleneck's load per worker by this fraction
+    overload_margin: float = 0.25  # ... and by this one when it takes a role that was not short past its capacity
     rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
     rebalance_cooldown_intervals: int = 6  # within this many intervals a move is undone only in part (damped)
     scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
@@ -100,9 +103,10 @@ class AutoscalerConfig:
         for name in ("prefill_target_utilization", "itl_target_fraction", "held_blocks_high", "scale_down_load_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"autoscaler.{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if self.rebalance_margin < 0 or min(self.estimate_window, self.rebalance_intervals) < 1 \
-                or self.rebalance_cooldown_intervals < 0:
-            raise ConfigError("autoscaler: rebalance_margin must be >= 0, estimate_window and rebalance_intervals >= 1")
+        if min(self.rebalance_margin, self.overload_margin, self.rebalance_cooldown_intervals) < 0 \
+                or min(self.estimate_window, self.rebalance_intervals) < 1:
+            raise ConfigError("autoscaler: rebalance_margin, overload_margin and rebalance_cooldown_intervals must be "
+                              ">= 0, estimate_window and rebalance_intervals >= 1")
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == Role.PREFILL else (self.min_decode, self.max_decode)
@@ -340,7 +344,9 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
                 continue
         best_p, best_rho = best_split(loads, budget, cfg)
         now_rho = per_worker(loads, p, d)
-        if best_p == p or now_rho <= (1 + cfg.rebalance_margin) * best_rho:
+        # a move that takes a role that is not short past its capacity must gain more: the bottleneck only moves
+        margin = cfg.overload_margin if len(short) == 1 else cfg.rebalance_margin
+        if best_p == p or now_rho <= (1 + margin) * best_rho:
             return None
         moves.append((best_p, loads, now_rho, best_rho, measured))
     if len({m[0] > p for m in moves}) != 1:
