@@ -70,8 +70,8 @@ PLANS = {
     "smollm2": Plan(Phase("long prompts", clients=8, prompt_len=512, max_tokens=1, max_s=120, settle_s=12),
                     Phase("long outputs", clients=16, prompt_len=24, max_tokens=128, max_s=120, settle_s=10),
                     ttft_slo_s=8.0, itl_slo_s=0.1, vocab=40000),
-    "tiny": Plan(Phase("long prompts", clients=24, prompt_len=700, max_tokens=1, max_s=60, settle_s=10),
-                 Phase("long outputs", clients=16, prompt_len=20, max_tokens=160, max_s=60, settle_s=6),
+    "tiny": Plan(Phase("long prompts", clients=24, prompt_len=700, max_tokens=1, max_s=180, settle_s=10),
+                 Phase("long outputs", clients=16, prompt_len=20, max_tokens=160, max_s=180, settle_s=6),
                  ttft_slo_s=8.0, itl_slo_s=0.05),
 }
 
