@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -181,10 +182,9 @@ async def run(model: str, plan: Plan) -> dict:
             t0 = time.monotonic() - t_start
             await clients.start()
             try:
-                await wait_until(grown, phase.max_s)
-                await asyncio.sleep(phase.settle_s)
-            except TimeoutError:
-                pass  # recorded as a failed check below, with everything the run saw
+                with contextlib.suppress(TimeoutError):  # recorded as a failed check below, with all the run saw
+                    await wait_until(grown, phase.max_s)
+                    await asyncio.sleep(phase.settle_s)
             finally:
                 await clients.stop()
             phases.append(clients.result(t0, time.monotonic() - t_start))

@@ -3,6 +3,7 @@ each in its own process group with its log in the output folder, all serving the
 (bench/hf_model.py) with the same KV budget per engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -74,12 +75,10 @@ class Server:
         while time.perf_counter() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 r = httpx.get(f"{self.base_url}/v1/models", timeout=2.0)
                 if r.status_code == 200 and any(m["id"] == MODEL_NAME for m in r.json()["data"]):
                     return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
             time.sleep(1.0)
         raise RuntimeError(f"{self.spec.name} not ready after {timeout_s} s:\n{self.log_tail()}")
 

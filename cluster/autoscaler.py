@@ -212,7 +212,7 @@ def decide(history: Sequence[Observation], pools: Mapping[Role, PoolState], conf
 def _role_signals(role: Role, history: Sequence[Observation], est: Estimate | None, cfg: AutoscalerConfig) -> dict:
     if not history:
         return {}
-    need = (est.prefill if role == Role.PREFILL else est.decode)
+    need = _estimate_of(role, est)
     return {**signals(role, history[-1], cfg), **need.signals}
 
 
@@ -244,7 +244,7 @@ def _need(role: Role, history: Sequence[Observation], i: int, target: int, cfg: 
     if i not in memo:
         memo[i] = estimate(history, cfg, upto=i)
     est = memo[i]
-    need = est.prefill if role == Role.PREFILL else est.decode
+    need = _estimate_of(role, est)
     learned = bool(need.signals.get("decode_seq_capacity_learned"))
     push = pressure(role, signals(role, history[i], cfg), cfg, seq_capacity_learned=learned)
     load = need.load if need.load is not None else float(target)
@@ -276,7 +276,7 @@ def _step(role: Role, history, targets: Mapping[Role, int], need, cfg: Autoscale
                         f"{cfg.scale_down_intervals} intervals observed before a scale-down")
     for i in window:
         load_i, workers_i, push_i = _need(role, history, i, target, cfg, memo)
-        measured = (memo[i].prefill if role == Role.PREFILL else memo[i].decode).load is not None
+        measured = _estimate_of(role, memo[i]).load is not None
         if push_i is not None or measured and (workers_i > target - 1 or
                                                load_i > (target - 1) * cfg.scale_down_load_fraction):
             return decision(role, "hold", target, "no_fit", f"no pressure, but the predicted load {load_i:.2f} "
@@ -329,8 +329,7 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             return None  # nobody needs more: rule 5 may scale down
         # an interval whose short role's load is not measured yet (pressure only: "one more") agrees on the
         # direction but does not limit how far the measured intervals move
-        measured = all(memo[i].prefill.load is not None if role == Role.PREFILL else memo[i].decode.load is not None
-                       for role in short)
+        measured = all(_estimate_of(role, memo[i]).load is not None for role in short)
         if len(short) == 1 and needs[other_role(short[0])][1] < targets[other_role(short[0])]:
             # one role is short and the other has workers to spare: trade what one needs and the other spares
             dst = short[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -151,11 +152,9 @@ def lose_node(ray_cluster, node) -> int:
     ray_cluster.remove_node(node, allow_graceful=False)
     killed = 0
     for proc in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it went down with its raylet already
             proc.send_signal(signal.SIGKILL)
             killed += 1
-        except psutil.NoSuchProcess:  # it went down with its raylet already
-            pass
     return killed
 
 
@@ -310,6 +309,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import proto.kv_codec  # noqa: F401 - before Ray is imported: a fresh checkout generates its protobuf code here
+    import psutil
     import ray
 
     t0 = time.monotonic()
@@ -318,10 +318,8 @@ def main() -> None:
         result = asyncio.run(scenario(args, ray_cluster, node_a))
     finally:
         for proc in FROZEN:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # already gone
                 proc.send_signal(signal.SIGKILL)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         ray.shutdown()
         ray_cluster.shutdown()
     shutil.rmtree(args.temp_dir, ignore_errors=True)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bench_autoscale_live import Clients, Phase
 from engine.request import SamplingParams
 from router.policy import Role
 from router.registry import WorkerState
@@ -33,41 +34,11 @@ def all_blocks_free(loop_thread, cluster) -> bool:
     return all(s["kv_blocks_used"] == 0 and s["num_requests"] == 0 for s in stats(loop_thread, cluster).values())
 
 
-class Load:
-    """Closed-loop clients on the cluster's loop: each sends a request, waits for its end, sends the next."""
+class Load(Clients):
+    """Closed-loop clients on the cluster's loop (bench/bench_autoscale_live.py's), sized by keyword."""
 
     def __init__(self, backend, clients: int, prompt_len: int, max_tokens: int, seed: int) -> None:
-        self.backend, self.clients, self.prompt_len, self.max_tokens = backend, clients, prompt_len, max_tokens
-        self.rng = random.Random(seed)
-        self.done = self.failed = 0
-        self.errors: list[str] = []
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-
-    async def _client(self, i: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            ids = [self.rng.randrange(3, 500) for _ in range(self.prompt_len)]
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
-            last = None
-            try:
-                async for out in self.backend.generate(f"load-{id(self)}-{i}-{n}", ids, params):
-                    last = out
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                self.errors.append(repr(e))
-            if last is None or not last.finished or last.finish_reason not in ("stop", "length"):
-                self.failed += 1
-                self.errors.append(getattr(last, "error", None) or "no final output")
-            else:
-                self.done += 1
-            n += 1
-
-    async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
+        super().__init__(backend, Phase("load", clients, prompt_len, max_tokens, max_s=0, settle_s=0), 500, seed)
 
 
 AUTOSCALE = {
