@@ -21,21 +21,19 @@ import bisect
 from collections import deque
 from typing import TYPE_CHECKING
 
-from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide
+from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide, history_kept
 from engine.histogram import LATENCY_BUCKETS_S
 from router.policy import Role
 
 if TYPE_CHECKING:
     from bench.sim_cluster import ClusterSim, SimWorker
 
-HISTORY_KEPT = 32  # cluster/pools.py
-
 
 class Autoscaling:
     def __init__(self, sim: ClusterSim, config: AutoscalerConfig) -> None:
         self.sim, self.cfg = sim, config
         self.targets = {Role.PREFILL: sim.dep.prefill, Role.DECODE: sim.dep.decode}
-        self.history: deque[Observation] = deque(maxlen=HISTORY_KEPT)
+        self.history: deque[Observation] = deque(maxlen=history_kept(config))
         self._samples: list[tuple[str, float, str, float]] = []  # (kind, t_s, worker, value) since the last tick
         self._queue_seen: dict[str, int] = {}
         self._work_seen: dict[str, dict] = {}  # per worker: its work counters at the last observation

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MIN_FIT_POINTS = 4
+LEARN_INTERVALS = 32  # capacities are learned from the last this many observations
 MIN_FIT_SPAN = 2.0  # the fitted batches must span at least this factor (max/min) to trust the slope
 
 
@@ -77,7 +78,7 @@ def interval_of(history: Sequence, i: int, default_s: float) -> float:
 
 def estimate(history: Sequence, cfg, *, upto: int | None = None) -> Estimate:
     """The estimate as of observation ``upto`` (default: the latest), from the observations up to it."""
-    hist = list(history)[: (len(history) if upto is None else upto + 1)]
+    hist = list(history)[: (len(history) if upto is None else upto + 1)][-LEARN_INTERVALS:]
     return Estimate(_prefill(hist, cfg), _decode(hist, cfg))
 
 

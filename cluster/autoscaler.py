@@ -31,8 +31,10 @@ The rules, in order, per role:
    that takes a role that was not short past its capacity (it mostly moves the bottleneck: a KV-bound decode
    pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin in the simulator). Within ``rebalance_cooldown_intervals``
    of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
-   n − 1, a one-worker move not at all (no flapping). This is the predictive half acting: it jumps to the
-   split the estimates ask for, where the reactive rules step ±1.
+   n − 1, a one-worker move not at all (no flapping). A move from this split in this direction that was undone
+   within ``failed_move_intervals`` is not made again for ``failed_move_hold_intervals`` (code
+   ``failed_move_held``: a role's load read at n workers can understate what n − 1 meet; cluster/autoscale_moves.py).
+   This is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
    ``scale_down_load_fraction`` of its capacity and the whole load would fit N−1 under ``scale_down_fraction``
    of every threshold and SLO (the hysteresis: a steady load never flips between N and N−1). An idle interval
@@ -45,11 +47,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cluster.autoscale_estimate import Estimate, estimate
+from cluster.autoscale_estimate import LEARN_INTERVALS, Estimate, estimate
+from cluster.autoscale_moves import failed_move_held, recent_move_undone
 from cluster.autoscale_signals import misfit, percentile, pressure, signals
 from router.policy import Role
 
-__all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "percentile"]
+__all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "history_kept",
+           "percentile"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class AutoscalerConfig:
     overload_margin: float = 0.25  # ... and by this one when it takes a role that was not short past its capacity
     rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
     rebalance_cooldown_intervals: int = 6  # within this many intervals a move is undone only in part (damped)
+    failed_move_intervals: int = 12  # a move undone within this many intervals did not pay ...
+    failed_move_hold_intervals: int = 60  # ... and is not made again for this many after (cluster/autoscale_moves.py)
     scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
 
     def __post_init__(self) -> None:
@@ -107,6 +113,9 @@ class AutoscalerConfig:
                 or min(self.estimate_window, self.rebalance_intervals) < 1:
             raise ConfigError("autoscaler: rebalance_margin, overload_margin and rebalance_cooldown_intervals must be "
                               ">= 0, estimate_window and rebalance_intervals >= 1")
+        if not 0 <= self.failed_move_intervals <= self.failed_move_hold_intervals:
+            raise ConfigError("autoscaler: need 0 <= failed_move_intervals <= failed_move_hold_intervals (a shorter "
+                              "hold lets a flap between two splits hold the worse one)")
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == Role.PREFILL else (self.min_decode, self.max_decode)
@@ -114,6 +123,11 @@ class AutoscalerConfig:
     @property
     def budget(self) -> int:
         return self.max_total_workers if self.max_total_workers is not None else self.max_prefill + self.max_decode
+
+
+def history_kept(cfg: AutoscalerConfig) -> int:
+    """Observations decide() needs: the capacities' learning window, or a failed move and its hold."""
+    return max(LEARN_INTERVALS, cfg.failed_move_intervals + cfg.failed_move_hold_intervals + 1)
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,10 @@ def decide(history: Sequence[Observation], pools: Mapping[Role, PoolState], conf
     targets = {role: pools[role].target for role in Role}
     if len(free) == 2:
         move = _rebalance(history, targets, cfg, memo)
+        if isinstance(move, str):  # a move that did not pay lately: both roles hold, saying why
+            for role in Role:
+                out[role] = decision(role, "hold", targets[role], "failed_move_held", move)
+            return out
         if move is not None:
             src, dst, n, why = move
             out[src] = decision(src, "down", targets[src] - n, "rebalance", why)
@@ -312,8 +330,9 @@ def per_worker(loads: Mapping[Role, float], p: int, d: int) -> float:
 
 
 def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg: AutoscalerConfig,
-               memo: dict[int, Estimate]) -> tuple[Role, Role, int, str] | None:
-    """Rule 4: (from role, to role, workers, reason) when workers should move at the budget, else None."""
+               memo: dict[int, Estimate]) -> tuple[Role, Role, int, str] | str | None:
+    """Rule 4: (from role, to role, workers, reason) when workers should move at the budget; the reason a move
+    is held when it was made and undone lately (cluster/autoscale_moves.py); else None."""
     if len(history) < cfg.rebalance_intervals:
         return None
     p, d = targets[Role.PREFILL], targets[Role.DECODE]
@@ -351,10 +370,10 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
     best_p, loads, now_rho, best_rho, _ = moves[-1]
-    why = {role: _load_why(role, memo[len(history) - 1], needs[role][2]) for role in Role}  # needs: the latest
+    loads_why = {role: _load_why(role, memo[len(history) - 1], needs[role][2]) for role in Role}  # the latest
     # as far as every interval agrees (the measured ones; one worker when none is measured)
     n = min((abs(m[0] - p) for m in moves if m[4]), default=1)
-    undone = _recent_move_undone(history, best_p > p, cfg.rebalance_cooldown_intervals)
+    undone = recent_move_undone(history, best_p > p, cfg.rebalance_cooldown_intervals)
     if undone:  # damped: a move is only partly undone within the cooldown, a one-worker move not at all
         n = min(n, undone - 1)
         if n < 1:
@@ -362,11 +381,20 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
         best_p = p + n if best_p > p else p - n
         best_rho = per_worker(loads, best_p, budget - best_p)
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
-    return src, dst, n, (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} workers "
-                         f"({why[Role.PREFILL]}) / decode {loads[Role.DECODE]:.2f} workers ({why[Role.DECODE]}); "
-                         f"{p}P+{d}D runs the bottleneck at {now_rho:.2f} per "
-                         f"worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
-                         f"{src.value} → {dst.value}")
+    why = (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} workers ({loads_why[Role.PREFILL]}) "
+           f"/ decode {loads[Role.DECODE]:.2f} workers ({loads_why[Role.DECODE]}); {p}P+{d}D runs the bottleneck at "
+           f"{now_rho:.2f} per worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
+           f"{src.value} → {dst.value}")
+    # rule 4's last word: what the cluster measured after a move as far beats the estimate; a shorter one may do
+    hold_s, step = cfg.failed_move_hold_intervals * cfg.interval_s, 1 if best_p > p else -1
+    for k in range(n, 0, -1):
+        failed = failed_move_held(history, 2 * (p + step * k) - budget, cfg.failed_move_intervals * cfg.interval_s,
+                                  hold_s)
+        if failed is None:
+            return src, dst, k, why if k == n else f"{why}; {k} move: {n} was held ({held})"
+        if k == n:
+            held = failed.reason(history[-1].t_s, hold_s)
+    return f"{why}; held: {held}"
 
 
 def _estimate_of(role: Role, est: Estimate):
@@ -376,19 +404,3 @@ def _estimate_of(role: Role, est: Estimate):
 def _load_why(role: Role, est: Estimate, push: tuple[str, str] | None) -> str:
     """A role's load in a rebalance's reason: the estimate's signals by name, and the pressure that raised it."""
     return _estimate_of(role, est).explain() + (f"; pressure {push[0]}: {push[1]}" if push is not None else "")
-
-
-def _recent_move_undone(history: Sequence[Observation], to_prefill: bool, cooldown: int) -> int:
-    """How many workers the last change of split moved (as the observed ready workers show), when it was less
-    than ``cooldown`` intervals ago and in the other direction; else 0. A move back is damped to fewer workers
-    than that: an overshoot is corrected, and a sequence of corrections shrinks to nothing (no flapping)."""
-    sizes = [len(o.prefill) - len(o.decode) for o in history]
-    moved = 0
-    for back in range(1, min(cooldown, len(sizes) - 1) + 1):
-        change = sizes[-back] - sizes[-back - 1]
-        if change and moved and (change > 0) != (moved > 0):
-            break  # an earlier change the other way ends the last move
-        moved += change
-    if not moved or (moved > 0) == to_prefill:
-        return 0
-    return max(1, abs(moved) // 2)  # prefill - decode changes by 2 per worker moved, by 1 per start or stop

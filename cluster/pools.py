@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, decide
+from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, decide, history_kept
 from cluster.config import ClusterConfig
 from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
@@ -48,7 +48,6 @@ from router.registry import WorkerRecord, WorkerState
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
-HISTORY_KEPT = 32
 PROBE_TIMEOUT_S = 5.0  # a worker that does not answer its liveness probe within this is dead
 
 
@@ -71,7 +70,7 @@ class PoolManager(RoleFlips, Operator):
         # (wall-clock time, decision): changes only / the latest per role, holds included
         self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISIONS_KEPT)
         self.last_decision: dict[Role, tuple[float, Decision]] = {}
-        self.history: collections.deque[Observation] = collections.deque(maxlen=HISTORY_KEPT)
+        self.history: collections.deque[Observation] = collections.deque(maxlen=history_kept(self.auto))
         self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced, flip*
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
