@@ -21,7 +21,8 @@ the same workloads through the same clients (bench/serve_clients.py):
   on a shared-prefix workload with more prefixes than one worker's cache holds comfortably.
 
 **Goodput is DistServe's** (bench/goodput_search.py, the definition the simulator uses too): the highest
-request rate at which >= 90 % of requests meet both TTFT <= ``--slo-ttft-s`` and TPOT <= ``--slo-tpot-s``.
+request rate at which >= 90 % of requests meet both TTFT <= ``--slo-ttft-s`` + ``--slo-ttft-per-token-s`` x the
+prompt's tokens and TPOT <= ``--slo-tpot-s`` (the simulator's CPU SLOs: 2 s + 10 ms/token, 0.25 s).
 Per configuration and workload the rate is searched (``goodput_search.search_rate``): from ``start_rps``
 multiplied by ``growth`` while probes pass, then bisected between the last passing and the first failing
 rate until they are ``resolution`` apart, at most ``max_probes`` probes, never above ``ceiling_rps``
@@ -111,9 +112,9 @@ class Bench:
         self.args = args
         self.plan = make_plan(args.small, start_rps=args.start_rate, max_probes=args.max_probes,
                               ceiling_rps=args.ceiling_rate)
-        self.slo = {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s}
+        self.slo = {"ttft_s": args.slo_ttft_s, "ttft_per_token_s": args.slo_ttft_per_token_s, "tpot_s": args.slo_tpot_s}
         # the trace's prompts run to 2,048 tokens (a few seconds of prefill on a CPU): its own TTFT target
-        self.trace_slo = {"ttft_s": args.trace_slo_ttft_s, "tpot_s": args.slo_tpot_s}
+        self.trace_slo = self.slo
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.runs: list[dict] = []
@@ -325,9 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agreement-only", action="store_true",
                    help="only the client comparison on duet-colocated (agreement.json / agreement.md in --out)")
     p.add_argument("--skip-routing", action="store_true")
+    # the simulator's CPU SLOs (bench/sim_goodput.py GOODPUT_SLO): TTFT <= 2 s + 10 ms x prompt tokens, TPOT 0.25 s
+    # — a flat 2 s failed duet's first probe at 0.25 req/s: one 256-token prefill takes ~1 s on 2 vCPUs, two
+    # that collide break it (docs/benchmarks.md)
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
-    p.add_argument("--slo-tpot-s", type=float, default=0.2)
-    p.add_argument("--trace-slo-ttft-s", type=float, default=5.0)
+    p.add_argument("--slo-ttft-per-token-s", type=float, default=0.01)
+    p.add_argument("--slo-tpot-s", type=float, default=0.25)
     p.add_argument("--start-rate", type=float, help="the goodput search's first probe rate, req/s")
     p.add_argument("--max-probes", type=int, help="probes per goodput search (configuration x workload)")
     p.add_argument("--ceiling-rate", type=float, help="the goodput search never probes above this rate, req/s")

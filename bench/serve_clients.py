@@ -11,7 +11,8 @@ import subprocess
 from pathlib import Path
 
 from bench import workloads
-from bench.client import RequestResult, run as duet_bench_run, summarize
+from bench import metrics
+from bench.client import RequestResult, run as duet_bench_run
 from bench.hf_model import DEFAULT_DIR as HF_DIR
 from bench.metrics import percentile, tpot_of
 from bench.serve_server import MODEL_NAME, REPO, VLLM_VENV, Server
@@ -75,7 +76,7 @@ def from_vllm_result(raw: dict, slo: dict, workload: dict, rate: float) -> dict:
                                      list(itl) if ok else [], ok, err or None))
     doc = {"client": "vllm.benchmarks.serve", "slo": slo, "duration_s": raw["duration"],
            "schedule": {"request_rate": "inf" if math.isinf(rate) else rate},
-           "summary": summarize(results, raw["duration"], slo["ttft_s"], slo["tpot_s"]),
+           "summary": metrics.summarize([r.__dict__ for r in results], raw["duration"], slo),
            "vllm_summary": {k: raw.get(k) for k in ("completed", "failed", "request_throughput", "request_goodput",
                                                    "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
                                                    "mean_itl_ms", "median_ttft_ms", "p99_ttft_ms")},
@@ -90,6 +91,8 @@ def run_duet_client(server: Server, reqs: list, workload: dict, slo: dict, out_j
                                      slo_tpot_s=slo["tpot_s"], warmups=warmups, label=label))
     doc["client"] = "duet bench"
     doc["workload"] = workload
+    # judged like vLLM's client's runs: the whole SLO (a TTFT target that grows with the prompt included)
+    doc["slo"], doc["summary"] = slo, metrics.summarize(doc["requests"], doc["duration_s"], slo)
     return doc
 
 

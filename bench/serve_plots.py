@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench.goodput_search import ATTAINMENT
+from bench.serve_report import ttft_text
 
 COLORS = {"duet-disagg-1p1d": "#1f77b4", "duet-colocated": "#2ca02c", "vllm-cpu": "#d62728",
           "duet-2p1d-cache_aware": "#9467bd", "duet-2p1d-round_robin": "#8c564b"}
@@ -62,7 +63,7 @@ def plot_all(report: dict, out: Path) -> list[Path]:
             ax.set_ylim(0, 102)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="lower left")
-        fig.suptitle(f"Goodput search (TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s): "
+        fig.suptitle(f"Goodput search (TTFT <= {ttft_text(slo)} and TPOT <= {slo['tpot_s']} s): "
                      "goodput = the highest rate with attainment >= 90 %")
         fig.tight_layout()
         written.append(_save(fig, out / "attainment_vs_rate.png"))

@@ -63,11 +63,11 @@ def summary_lines(report: dict) -> list[str]:
                          + f"; duet's best / vLLM: {_fmt(ratio)}")
     trace = [r for r in report["runs"] if r["workload"] == TRACE and not r.get("study")]
     if trace:
-        lines.append(f"trace (its own arrival times, TTFT <= {report['trace_slo']['ttft_s']} s): in SLO "
+        lines.append(f"trace (its own arrival times, TTFT <= {ttft_text(report['trace_slo'])}): in SLO "
                      + ", ".join(f"{r['config']} {r['summary']['good_fraction'] * 100:.0f} % "
                                  f"({r['summary']['goodput']:.3f} req/s)" for r in trace))
     ratio, pair = duet_over_vllm(searches.get("shared-prefix", {}))
-    slo_text = f"TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s']} s"
+    slo_text = f"TTFT <= {ttft_text(slo)} and TPOT <= {slo['tpot_s']} s"
     lines.append(f"ratio: {ratio:.2f} (duet's best DistServe goodput / vLLM CPU's, shared-prefix workload: {pair}; "
                  f">= 90 % of requests within {slo_text})" if ratio is not None else f"ratio: n/a ({pair})")
     return lines
@@ -80,7 +80,7 @@ def _probe(p: dict) -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"bench-serve, {report['date']}, {report['machine']['cores']} cores ({report['machine']['cpu']}), "
-             f"SLO TTFT <= {report['slo']['ttft_s']} s (trace: {report['trace_slo']['ttft_s']} s), TPOT <= {report['slo']['tpot_s']} s, "
+             f"SLO TTFT <= {ttft_text(report['slo'])} (trace: {ttft_text(report['trace_slo'])}), TPOT <= {report['slo']['tpot_s']} s, "
              f"{report['elapsed_s'] / 60:.0f} min"]
     searches = report.get("searches") or {}
     if searches:
@@ -129,3 +129,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {pol} | {s['goodput']:.3f} | {s['ttft_s']['p50'] * 1000:.0f} / "
                          f"{s['ttft_s']['p90'] * 1000:.0f} | {ws} |")
     return "\n".join(lines)
+
+
+def ttft_text(slo: dict) -> str:
+    """The TTFT target in words: flat, or growing with the prompt."""
+    per_token = slo.get("ttft_per_token_s", 0.0)
+    return f"{slo['ttft_s']:g} s" + (f" + {per_token * 1000:g} ms x prompt tokens" if per_token else "")
