@@ -104,7 +104,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "router.index": args.index, "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
         "router.api_keys": args.api_key or None, "router.admin_key": args.admin_key,
-        "router.salt_by_api_key": args.salt_by_api_key,
+        "router.salt_by_api_key": args.salt_by_api_key, "router.tool_call_parser": args.tool_call_parser,
         "router.max_concurrent_requests": args.max_concurrent_requests,
         "router.max_queued_requests": args.max_queued_requests, "router.queue_timeout_s": args.queue_timeout_s,
         "router.request_timeout_s": args.request_timeout_s, "router.max_request_bytes": args.max_request_bytes,
@@ -153,6 +153,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="decode worker prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--api-key", action="append", help="require this bearer key (repeatable)")
     p.add_argument("--admin-key", help="bearer key for /admin writes (without it: only on a loopback bind)")
+    p.add_argument("--tool-call-parser", choices=["hermes", "mistral", "llama3_json", "generic"],
+                   help="the format tool calls are written in (default: detected from the chat template; generic: "
+                        "duet's JSON format, held by a grammar, for templates that render no tools)")
     p.add_argument("--salt-by-api-key", action="store_true", default=None,
                    help="each API key is its own prefix-cache domain: no cache hits across keys (tenant isolation)")
     p.add_argument("--max-concurrent-requests", type=int, help="sequences generating at once (default: no bound)")

@@ -9,6 +9,7 @@
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
               salt_by_api_key: false,       # true: each API key is its own prefix-cache domain
+              tool_call_parser: null,       # hermes | mistral | llama3_json | generic; null: from the template
               tier_weights: {host: 1.0, disk: 1.0, peer: 0.5}}   # the defaults; {peer: 0}: no peer fetch
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
     autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
@@ -79,9 +80,18 @@ class RouterConfig:
     # what a leading block on a lower KV tier, or only on a peer, is worth to cache_aware (device = 1);
     # any subset of {host, disk, peer}; defaults and meaning: router/policy.py TierWeights, docs/routing.md
     tier_weights: dict[str, float] = field(default_factory=dict)
+    # the format tool calls are written in (router/tool_formats.py: hermes, mistral, llama3_json, generic);
+    # None: detected from the model's chat template (docs/operating.md "Tool calling")
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.tool_call_parser is not None:
+            from router.tool_formats import FORMATS
+
+            if self.tool_call_parser not in FORMATS:
+                raise ConfigError(f"router.tool_call_parser must be one of {sorted(FORMATS)} (or null: detected from "
+                                  f"the chat template), got {self.tool_call_parser!r}")
         if not isinstance(self.tier_weights, dict):
             raise ConfigError(f"router.tier_weights must be a mapping (host, disk, peer), got {self.tier_weights!r}")
         self.weights  # validates tier_weights

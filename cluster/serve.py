@@ -77,7 +77,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     app = create_app(backend, api_keys=rc.api_keys, served_model_names=[config.model_name],
                      max_request_bytes=rc.max_request_bytes,
                      operator=cluster.pools if cluster else None, metrics=cluster.metrics if cluster else None,
-                     admin_key=rc.admin_key, bind_host=rc.host, salt_by_api_key=rc.salt_by_api_key)
+                     admin_key=rc.admin_key, bind_host=rc.host, salt_by_api_key=rc.salt_by_api_key,
+                     tool_call_parser=rc.tool_call_parser)
     if cluster is not None:
         from cluster.dashboard import mount_dashboard
 

@@ -39,6 +39,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI does not state a bound; one is needed)
 MAX_REPETITION_PENALTY = 10.0
 MAX_CACHE_SALT_CHARS = 256
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # StructuredOutput.kind
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,25 @@ class ResumeState:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrained decoding: the output must be JSON (``json_object``) or JSON valid against ``schema``
-    (``json_schema``; the schema as JSON text, so the params stay hashable and picklable).
-    engine/structured.py compiles it into a token mask; the mask is rebuilt from the output tokens on
-    whichever worker samples (after a handoff or a migration)."""
+    """Constrained decoding: the output must be JSON (``json_object``), JSON valid against a JSON Schema
+    (``json_schema``), match a regular expression (``regex``), be one of a list of strings (``choice``: the
+    list as JSON text) or derive from a Lark / GBNF grammar (``grammar``). ``schema`` holds the constraint as
+    text (none for ``json_object``), so the params stay hashable and picklable. engine/structured.py compiles
+    it into a token mask; the mask is rebuilt from the output tokens on whichever worker samples (after a
+    handoff or a migration)."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # one of STRUCTURED_KINDS
     schema: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise InvalidRequestError(f"structured output kind must be json_object or json_schema, got {self.kind!r}")
-        if (self.kind == "json_schema") != isinstance(self.schema, str):
-            raise InvalidRequestError("a json_schema structured output needs its schema as JSON text (and only it)")
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {self.kind!r}")
+        if (self.kind != "json_object") != isinstance(self.schema, str):
+            raise InvalidRequestError(f"a {self.kind} structured output needs its constraint as text"
+                                      if self.kind != "json_object" else "a json_object structured output takes "
+                                      "no schema")
+
 
 
 @dataclass(frozen=True)

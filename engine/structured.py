@@ -1,4 +1,5 @@
-"""Structured output: JSON (``json_object``) or JSON-Schema (``json_schema``) constrained decoding.
+"""Structured output: constrained decoding to JSON (``json_object``), a JSON Schema (``json_schema``), a regular
+expression (``regex``), one of a list of strings (``choice``) or a Lark / GBNF grammar (``grammar``).
 
 The grammar library is llguidance (MIT, Rust with Python bindings, no Python dependencies): of the
 libraries that import no torch (the router validates schemas) it had the lowest measured per-token cost on
@@ -13,6 +14,13 @@ cheaper but it imports torch and compiled a pattern-heavy schema in 0.6 s (docs/
   ``format``s, remote ``$ref``s, unsatisfiable bounds) rather than ignoring it: what it accepts it
   enforces. Schemas are enforced as written: an object schema without ``"additionalProperties": false``
   lets the model add keys (JSON Schema's default).
+- **Integers are bounded by default**: a schema's ``"type": "integer"`` without a ``minimum`` / ``maximum`` gets
+  ±(2^53 − 1), JavaScript's safe range (and within int64), where the JSON Schema says nothing
+  (:func:`bound_integers`). Unbounded, a small model repeats digits (SmolLM2 wrote ``"population":11112222333…``
+  until ``max_tokens`` cut the document) into numbers no JSON client can hold; bounded, the grammar closes the
+  number after 16 digits at most. Bounds the schema states are kept; ``number`` (fractions) is not bounded.
+- **Regex, choice, grammar** (vLLM's ``structured_outputs``): the whole output must match; a grammar is Lark
+  (llguidance's dialect) or GBNF (llama.cpp's, converted to Lark).
 - **Whitespace is compact**: ``,`` and ``:`` with no whitespace anywhere outside strings (what
   ``json.dumps(separators=(",", ":"))`` writes). Free whitespace lets a small model loop on spaces and
   newlines until max_tokens; with none, every token the mask allows makes progress.
@@ -61,6 +69,10 @@ if TYPE_CHECKING:  # torch only where logits are touched: the router imports thi
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 JSON_OBJECT_SCHEMA = {"type": "object"}
 MAX_CACHED_GRAMMARS = 64
+MAX_CHOICES = 1024
+SAFE_INTEGER = 2**53 - 1  # the default bound of a schema's integers (JavaScript's Number.MAX_SAFE_INTEGER)
+_WHAT = {"json_object": "the JSON object", "json_schema": "the JSON schema", "regex": "the regex",
+         "choice": "the choice", "grammar": "the grammar"}
 # llguidance's pool gets 80% of the CPUs; below this, handing masks to it costs more than it saves (2-vCPU VM:
 # 17 µs vs 5 µs per mask).
 _MIN_CPUS_FOR_PARALLEL_MASKS = 4
@@ -78,13 +90,15 @@ def check_structured_output(spec: StructuredOutput) -> None:
     valid JSON Schema, or uses something llguidance cannot enforce."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar_of(spec))
     if is_error:
-        raise InvalidRequestError(f"the JSON schema cannot be enforced: {messages[0]}")
+        raise InvalidRequestError(f"{_WHAT[spec.kind]} cannot be enforced: {messages[0]}")
 
 
 def _grammar_of(spec: StructuredOutput) -> str:
-    """llguidance grammar text (a JSON document) for the spec; checks the schema on the way."""
+    """llguidance grammar text (a JSON document) for the spec; checks the constraint on the way."""
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA, overrides=COMPACT_JSON)
+    if spec.kind != "json_schema":
+        return _grammar_of_text(spec)
     try:
         schema = json.loads(spec.schema)
     except json.JSONDecodeError as e:
@@ -93,9 +107,50 @@ def _grammar_of(spec: StructuredOutput) -> str:
         raise InvalidRequestError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
     _check_meta_schema(schema)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
+        return llguidance.LLMatcher.grammar_from_json_schema(bound_integers(schema), overrides=COMPACT_JSON)
     except ValueError as e:
         raise InvalidRequestError(f"the JSON schema cannot be enforced: {e}") from e
+
+
+def _grammar_of_text(spec: StructuredOutput) -> str:
+    """regex / choice / grammar: llguidance grammar text; InvalidRequestError naming what is wrong."""
+    text = spec.schema
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the choice list is not valid JSON: {e}") from e
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidRequestError(f"choice may list at most {MAX_CHOICES} strings, got {len(choices)}")
+    elif not text.strip():
+        raise InvalidRequestError(f"{_WHAT[spec.kind]} is empty")
+    try:
+        return llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[spec.kind], text)
+    except ValueError as e:  # a regex or grammar llguidance cannot parse (GBNF conversion errors included)
+        raise InvalidRequestError(f"{_WHAT[spec.kind]} cannot be enforced: {e}") from e
+
+
+def bound_integers(schema):
+    """A copy of ``schema`` where every ``"type": "integer"`` (or a type list holding it) without a lower or
+    upper bound gets ±``SAFE_INTEGER`` there — in properties, items, combinators and definitions alike.
+    Bounds the schema states (``minimum``, ``exclusiveMinimum``, ...) are kept, and so is a ``const`` /
+    ``enum`` (already finite)."""
+    if isinstance(schema, list):
+        return [bound_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bound_integers(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    kind = schema.get("type")
+    if (kind == "integer" or isinstance(kind, list) and "integer" in kind) and "const" not in schema \
+            and "enum" not in schema:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 def _check_meta_schema(schema: dict) -> None:
@@ -148,7 +203,7 @@ class GrammarBackend:
     def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         ll_matcher = llguidance.LLMatcher(self._ll_tokenizer, _grammar_of(spec), log_level=0)
         if ll_matcher.is_error():
-            raise InvalidRequestError(f"the JSON schema cannot be enforced: {ll_matcher.get_error()}")
+            raise InvalidRequestError(f"{_WHAT[spec.kind]} cannot be enforced: {ll_matcher.get_error()}")
         return ll_matcher
 
 

@@ -188,6 +188,11 @@ class Tokenizer:
         """The template used without tools (``default``), or None if the checkpoint has none."""
         return self._chat_templates.get("default")
 
+    @property
+    def tool_chat_template(self) -> str | None:
+        """The template used with tools (``tool_use`` when the checkpoint has one, else the default)."""
+        return self._chat_templates.get("tool_use", self._chat_templates.get("default"))
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
@@ -86,6 +87,10 @@ def sampling_params_from_pb(request: pb.GenerateRequest, tenant_salt: str | None
         kw["structured"] = structured_output("json_schema", request.json_schema)
     elif fmt == "json_object" and request.json_object:
         kw["structured"] = structured_output("json_object")
+    elif fmt in ("regex", "grammar"):
+        kw["structured"] = structured_output(fmt, getattr(request, fmt))
+    elif fmt == "choice":
+        kw["structured"] = structured_output("choice", json.dumps(list(request.choice.choices)))
     return SamplingParams(stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
                           logit_bias=dict(request.logit_bias), **kw)
 

@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import InvalidRequestError
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
-from router.openai_protocol import BadRequest, GenerationRequest, error_body
+from router.openai_base import BadRequest, error_body
+from router.openai_protocol import GenerationRequest
 from router.policy import NoWorkersError
 from router.tenancy import bearer_token
 

@@ -82,6 +82,10 @@ class RouterMetrics:
         self.role_flip_time = Histogram("duet_role_flip_seconds", "Role flips, from the worker idle to it ready in "
                                         "its new role.", ("from_role", "to_role"), buckets=LIFECYCLE_BUCKETS_S,
                                         registry=r)
+        self.tool_requests = Counter("duet_tool_requests", "Chat requests with tools, by the format their calls are "
+                                     "written in (generic: the model's chat template has no tool format and duet's "
+                                     "JSON format stands in, a fallback) and tool_choice mode.", ("format", "mode"),
+                                     registry=r)
         self.cold_start_time = Histogram("duet_worker_cold_start_seconds", "Workers started, from the actor spawned "
                                          "to it ready (model loaded, handshakes done).", ("role",),
                                          buckets=LIFECYCLE_BUCKETS_S, registry=r)

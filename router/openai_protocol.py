@@ -2,13 +2,16 @@
 
 Requests are pydantic models parsed in strict JSON mode (``"max_tokens": "5"`` is a 400, not a 5);
 an explicit null means the field's default; fields we do not know are ignored, fields we know but cannot
-honour (tools, suffix, best_of != n) are refused with a 400 rather than silently dropped. ``n`` choices
+honour (suffix, best_of != n) are refused with a 400 rather than silently dropped. Chat's ``tools``,
+``tool_choice`` and the history's tool calls are router/openai_tools.py's; the message a choice's text becomes
+(content, reasoning, tool calls) is router/chat_shaping.py's. ``n`` choices
 run as n engine requests; with a seed, choice i gets ``seed + i`` so the choices differ and the response
 is still reproducible. /v1/completions takes a list of prompts (strings or token-id lists, at most
 ``MAX_PROMPTS``, and at most ``MAX_CHOICES`` prompts × n): choice ``index = prompt_index * n + i``, as
 OpenAI numbers them, each prompt with its own echo and prompt logprobs.
 
-Penalties, ``logit_bias`` and ``response_format`` (json_object / json_schema) become engine
+Penalties, ``logit_bias``, ``response_format`` (json_object / json_schema) and ``structured_outputs`` (vLLM's:
+json, regex, choice, grammar) become engine
 SamplingParams (engine/sampler.py, engine/structured.py apply them on whichever worker samples), and so
 does ``cache_salt`` (vLLM's: a non-empty string of at most 256 characters that salts the request's block
 hashes, so its prefix-cache hits come only from requests with the same salt; router/tenancy.py).
@@ -24,57 +27,43 @@ import json
 from abc import abstractmethod
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from engine.errors import InvalidRequestError
-from engine.request import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
+from engine.request import (
+    MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams, StructuredOutput,
+)
 from engine.structured import structured_output
+from router.openai_base import BadRequest, StrictModel
+from router.openai_tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, ToolPlan, history_message
+from router.tool_formats import ToolFormat
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CHOICES = 256  # prompts × n: what one request may fan out into
 MAX_STOP_STRINGS = 16
+MAX_TEMPLATE_KWARGS = 16
+MAX_KWARG_CHARS = 4096
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                     "eos_token", "raise_exception", "strftime_now"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class BadRequest(InvalidRequestError):
-    """An invalid request whose offending field is known (it goes into the error body's ``param``)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ---------------------------------------------------------------------------------------------- requests
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI marks most fields nullable and clients send {"stream": null}: treat it as absent
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class StreamOptions(_Model):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(StrictModel):
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced (constrained decoding), strict or not
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -95,27 +84,63 @@ class ResponseFormat(_Model):
             raise BadRequest(f"response_format.json_schema.schema: {e}", "response_format") from None
 
 
-class TextPart(_Model):
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the whole output — ``json`` (a JSON Schema, as
+    an object or JSON text), ``regex``, ``choice`` (strings), ``grammar`` (Lark or GBNF) or ``json_object``.
+    Keys we do not enforce (vLLM's whitespace and fallback switches) are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def structured(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise BadRequest("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(k.rstrip('_') for k in given) or 'none'}", "structured_outputs")
+        kind = given[0]
+        if kind == "json_object":
+            return structured_output("json_object")
+        value = getattr(self, kind)
+        text = {"json_": lambda v: v if isinstance(v, str) else json.dumps(v), "choice": json.dumps}.get(
+            kind, lambda v: v)(value)
+        try:
+            return structured_output("json_schema" if kind == "json_" else kind, text)
+        except InvalidRequestError as e:
+            raise BadRequest(f"structured_outputs.{kind.rstrip('_')}: {e}", "structured_outputs") from None
+
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Model):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made (router/openai_tools.py)
 
-    def template_input(self) -> dict[str, Any]:
-        """The message as a chat template expects it: plain string content, known roles only."""
+    def template_input(self, where: str = "messages") -> dict[str, Any]:
+        """The message as a chat template expects it: plain string content, known roles only, an assistant's
+        tool calls with their arguments as objects."""
+        if self.role == "tool" and not self.tool_call_id:
+            raise BadRequest(f"{where}: a tool message needs the tool_call_id it answers", "messages")
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        return message | {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
+        message |= {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
+        return message | history_message(self.role, content, self.tool_calls, where)
 
 
-class GenerationRequest(_Model):
+class GenerationRequest(StrictModel):
     """Fields both endpoints share, and their conversion to engine SamplingParams."""
 
     model: str
@@ -138,6 +163,7 @@ class GenerationRequest(_Model):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (a string) -> bias
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM): regex, choice, grammar, json
     # extension (vLLM): prefix-cache hits only between requests with the same salt (router/tenancy.py)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
@@ -145,11 +171,22 @@ class GenerationRequest(_Model):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
-                        tenant_salt: str | None = None) -> list[SamplingParams]:
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, tenant_salt: str | None = None,
+                        tool_constraint: StructuredOutput | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; raises InvalidRequestError for what we cannot honour.
-        ``tenant_salt``: the API key's (router/tenancy.py), when the router salts by key."""
+        ``tenant_salt``: the API key's (router/tenancy.py), when the router salts by key; ``tool_constraint``:
+        the grammar that enforces the request's tool calls (router/openai_tools.py)."""
         self.check_supported()
+        structured = self.structured()
+        if tool_constraint is not None:
+            if structured is not None:
+                raise BadRequest("response_format / structured_outputs cannot be combined with tool calls that are "
+                                 "enforced (tool_choice required or named, strict tools, or a model whose template "
+                                 "has no tool format)", "tools")
+            if self.ignore_eos:
+                raise BadRequest("ignore_eos cannot be combined with enforced tool calls (the grammar ends with "
+                                 "EOS)", "ignore_eos")
+            structured = tool_constraint
         base = SamplingParams(
             max_tokens=self.requested_max_tokens(max(1, max_model_len - num_prompt_tokens)),
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -166,7 +203,7 @@ class GenerationRequest(_Model):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.token_bias(),
             prompt_logprobs=self.requested_prompt_logprobs(),
-            structured=self.response_format.structured() if self.response_format else None,
+            structured=structured,
             cache_salt=self.cache_salt,
             tenant_salt=tenant_salt,
         )
@@ -175,9 +212,19 @@ class GenerationRequest(_Model):
         return [dataclasses.replace(base, seed=self.seed + i) for i in range(self.n)]
 
     def check_supported(self) -> None:
-        if self.response_format is not None and self.response_format.type != "text" and self.ignore_eos:
-            raise BadRequest("ignore_eos cannot be combined with a JSON response_format (the grammar ends "
-                             "with EOS)", "ignore_eos")
+        if self.ignore_eos and self.structured() is not None:
+            raise BadRequest("ignore_eos cannot be combined with a constrained output (response_format or "
+                             "structured_outputs: the grammar ends with EOS)", "ignore_eos")
+
+    def structured(self):
+        """The engine's StructuredOutput from ``response_format`` or ``structured_outputs`` (not both)."""
+        fmt = self.response_format.structured() if self.response_format else None
+        if self.structured_outputs is None:
+            return fmt
+        if fmt is not None:
+            raise BadRequest("response_format and structured_outputs cannot both constrain the output",
+                             "structured_outputs")
+        return self.structured_outputs.structured()
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (OpenAI sends them as strings)."""
@@ -244,12 +291,15 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # extension (vLLM): variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[str, bool | int | float | Annotated[str, Field(max_length=MAX_KWARG_CHARS)]],
+                                    Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
 
@@ -263,4 +313,15 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_input() for m in self.messages]
+        return [m.template_input(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def tool_plan(self, fmt: ToolFormat) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, minus the names the server itself sets (a client cannot replace the messages)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(RESERVED_TEMPLATE_NAMES & kwargs.keys())
+        if taken:
+            raise BadRequest(f"chat_template_kwargs cannot set {', '.join(taken)}", "chat_template_kwargs")
+        return kwargs

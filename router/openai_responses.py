@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.tokenizer import Tokenizer
+from router.chat_shaping import MessagePart, MessageShaper, Shaping
 
 _LOGPROB_FLOOR = -9999.0
 
@@ -110,8 +111,17 @@ class ResponseBuilder(ABC):
                 "choices": [self._choice(c.total(), streaming=False) for c in choices],
                 "usage": self.usage(choices)}
 
-    def chunk(self, delta: Delta) -> dict[str, Any]:
-        return self._chunk_of(self._choice(delta, streaming=True))
+    def chunks(self, delta: Delta) -> list[dict[str, Any]]:
+        """The streamed chunks of ``delta``: none while it carries nothing yet (text held back by a parser); tool
+        calls and the finish reason in chunks of their own, as OpenAI sends them (openai-python's stream helper
+        closes a call only on a later chunk)."""
+        choice = self._choice(delta, streaming=True)
+        if not choice.get("delta", True) and choice["finish_reason"] is None and choice["logprobs"] is None:
+            return []
+        if choice.get("delta", {}).get("tool_calls") and choice["finish_reason"] is not None:
+            finish = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+            return [self._chunk_of(choice | {"finish_reason": None}), self._chunk_of(finish)]
+        return [self._chunk_of(choice)]
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return []
@@ -182,9 +192,18 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
+    """Chat bodies; with an active ``shaping`` (tools, reasoning: router/chat_shaping.py) each choice's text is
+    shaped into content, reasoning and tool calls, streamed and not by the same shaper."""
+
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, shaping: Shaping | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shaping = shaping if shaping is not None and shaping.active else None
+        self._shapers: dict[int, MessageShaper] = {}
+        self._num_calls: dict[int, int] = {}  # per choice: tool calls made so far
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         """OpenAI opens each streamed chat choice with a chunk that carries only the role."""
@@ -192,12 +211,34 @@ class ChatResponses(ResponseBuilder):
                                 "finish_reason": None}) for i in range(num_choices)]
 
     def _choice(self, delta: Delta, *, streaming: bool) -> dict[str, Any]:
+        if self.shaping is not None:
+            return self._shaped_choice(delta, streaming=streaming)
         if streaming:
             key, message = "delta", {"content": delta.text} if delta.text else {}
         else:
             key, message = "message", {"role": "assistant", "content": delta.text}
         return {"index": delta.index, key: message, "logprobs": self._logprobs(delta),
                 "finish_reason": delta.finish_reason}
+
+    def shaped_part(self, delta: Delta, *, streaming: bool = False) -> MessagePart:
+        """``delta``'s text as a message part: streamed, through the choice's own shaper (it holds back what is not
+        certain yet); else, a whole choice through a fresh one."""
+        if self.shaping is None:
+            return MessagePart(content=delta.text)
+        shaper = self._shapers.setdefault(delta.index, self.shaping.shaper()) if streaming else self.shaping.shaper()
+        part = shaper.feed(delta.text)
+        if delta.finish_reason is not None or not streaming:
+            part = part.merged(shaper.finish())
+        self._num_calls[delta.index] = shaper.num_calls
+        return part
+
+    def _shaped_choice(self, delta: Delta, *, streaming: bool) -> dict[str, Any]:
+        part = self.shaped_part(delta, streaming=streaming)
+        plan = self.shaping.plan
+        reason = plan.finish_reason(self._num_calls[delta.index], delta.finish_reason) if plan else delta.finish_reason
+        message = part.message_fields(streaming=streaming)
+        key, message = ("delta", message) if streaming else ("message", {"role": "assistant", **message})
+        return {"index": delta.index, key: message, "logprobs": self._logprobs(delta), "finish_reason": reason}
 
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if not self.with_logprobs:

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.responses_api import ResponsesRequest
 
 _ERROR = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -34,7 +35,8 @@ _ERROR_STATUSES = {
     "503": "no worker can serve it, or generation failed",
     "504": "the request ran past its deadline",
 }
-_GENERATION = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_GENERATION = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+               "/v1/responses": ResponsesRequest}
 
 
 def _null_means_default(schema: dict[str, Any]) -> dict[str, Any]:

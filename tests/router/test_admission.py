@@ -17,7 +17,7 @@ import pytest
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
-from router import http_api
+from router import choice_run
 from router.admission import (AdmissionConfig, AdmittedBackend, DeadlineExceededError, OverloadedError,
                               QueueTimeoutError)
 from router.backend import Backend, Health, ModelCard
@@ -186,7 +186,7 @@ def test_http_deadline_before_and_during_a_stream(tokenizer):
 def test_a_client_that_stops_reading_is_cut_off(tokenizer, monkeypatch):
     """The backend produces much faster than a stalled client reads; the router aborts the request once
     MAX_BUFFERED_OUTPUTS are waiting instead of buffering the whole generation."""
-    monkeypatch.setattr(http_api, "MAX_BUFFERED_OUTPUTS", 64)
+    monkeypatch.setattr(choice_run, "MAX_BUFFERED_OUTPUTS", 64)
     inner = Slow(tokenizer, n_tokens=200_000, delay_s=0)
     with ServerThread(create_app(inner)) as server:
         host, port = server.url.removeprefix("http://").split(":")

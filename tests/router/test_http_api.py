@@ -283,7 +283,10 @@ BAD_INPUT = [  # (id, path, body, status, param)
     ("bad-role", "chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("image-part", "chat/completions", {**CHAT, "messages": [{"role": "user", "content": [IMAGE_PART]}]}, 400, None),
     ("top-logprobs-alone", "chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("tools", "chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool-choice-unknown-tool", "chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                      "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     400, "tool_choice"),
+    ("custom-tool-type", "chat/completions", {**CHAT, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, 400, None),
     ("chat-over-context", "chat/completions", {**CHAT, "max_completion_tokens": 5000}, 400, None),
 ]
 

@@ -215,5 +215,8 @@ def test_openapi_document_describes_the_new_fields(served):
     fmt = json.dumps(schemas["ResponseFormat"])
     assert all(kind in fmt for kind in ("json_object", "json_schema", "text"))
     assert "schema" in schemas["JsonSchemaFormat"]["properties"]
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        assert "structured_outputs" in schemas[model]["properties"], model
+    assert set(schemas["StructuredOutputs"]["properties"]) == {"json", "regex", "choice", "grammar", "json_object"}
     models = served.client.models.list().data
     assert all(m.model_extra["max_model_len"] == served.backend.card.max_model_len for m in models)

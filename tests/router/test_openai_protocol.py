@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -78,3 +79,37 @@ def test_null_means_default_but_types_stay_strict():
     assert (body.stream, body.n, body.logprobs, body.include_usage) == (False, 1, False, False)
     with pytest.raises(ValueError):
         chat(n="2")
+
+
+@pytest.mark.parametrize("given, kind, text", [
+    ({"regex": "[0-9]+"}, "regex", "[0-9]+"),
+    ({"choice": ["a", "b c"]}, "choice", '["a", "b c"]'),
+    ({"grammar": 'start: "x"+'}, "grammar", 'start: "x"+'),
+    ({"json": {"type": "integer"}}, "json_schema", '{"type": "integer"}'),
+    ({"json": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
+    ({"json_object": True}, "json_object", None),
+])
+def test_structured_outputs_become_the_engines_constraint(given, kind, text):
+    for request in (chat(structured_outputs=given), completion(structured_outputs=given)):
+        [p] = request.sampling_params(10, 100)
+        assert (p.structured.kind, p.structured.schema) == (kind, text)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"structured_outputs": {}}, "got none"),
+    ({"structured_outputs": {"json_object": False}}, "got none"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "non-empty strings"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar: the grammar cannot be enforced"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "cannot both"),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos cannot be combined"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_field(fields, problem):
+    with pytest.raises(InvalidRequestError, match=re.escape(problem)) as e:
+        chat(**fields).sampling_params(10, 100)
+    assert e.value.param in ("structured_outputs", "ignore_eos")
+
+
+def test_structured_outputs_keys_we_do_not_enforce_are_refused():
+    with pytest.raises(ValueError, match="disable_any_whitespace"):  # pydantic's ValidationError: a 400
+        chat(structured_outputs={"regex": "a", "disable_any_whitespace": True})

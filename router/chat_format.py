@@ -1,0 +1,65 @@
+"""A model's chat conventions, read once from its chat template: the format its tool calls are written in and
+whether it thinks — and a chat request's prompt rendered with them.
+
+    chat = ChatFormat.of(tokenizer, tool_call_parser=None)   # at server start
+    prompt_ids, shaping = chat.prompt(body)                    # per request
+
+The tool format is detected from the template's markers (router/tool_formats.py ``detect_format``) unless the
+operator names one (``--tool-call-parser``); a template that renders no tools gets duet's generic JSON format —
+logged here once, and counted per request (``duet_tool_requests{format="generic"}``). A template thinks when it
+mentions ``<think>``; a rendered prompt that ends inside ``<think>`` (DeepSeek-R1 distills open the block
+themselves) starts the output in reasoning.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.errors import ConfigError, InvalidRequestError
+from engine.tokenizer import Tokenizer
+from router.chat_shaping import THINK_CLOSE, THINK_OPEN, Shaping
+from router.tool_formats import FORMATS, ToolFormat, detect_format
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    tokenizer: Tokenizer
+    tools: ToolFormat
+    thinks: bool
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, tool_call_parser: str | None = None) -> ChatFormat:
+        template = tokenizer.tool_chat_template or ""
+        if tool_call_parser is not None:
+            fmt = FORMATS[cls.check_parser(tool_call_parser)]
+        else:
+            fmt = detect_format(template)
+            if not fmt.native and template:
+                log.info("the chat template writes no tool calls: requests with tools use duet's generic JSON "
+                         "format (tools described in a system message, calls held to JSON by a grammar)")
+        return cls(tokenizer, fmt, THINK_OPEN in template or THINK_OPEN in (tokenizer.chat_template or ""))
+
+    @staticmethod
+    def check_parser(name: str) -> str:
+        if name not in FORMATS:
+            raise ConfigError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(FORMATS))}")
+        return name
+
+    def prompt(self, body) -> tuple[list[int], Shaping]:
+        """The chat request's prompt ids (the template holds its own BOS) and how its output is shaped."""
+        plan = body.tool_plan(self.tools)
+        history, kwargs = body.template_messages(), body.template_kwargs()
+        messages, tools = plan.template_input(history) if plan is not None else (history, None)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        except InvalidRequestError:
+            if plan is None or self.tools.native:
+                raise
+            # a template that refuses system messages (Mistral's, Gemma's): the tools lead the first user turn
+            messages, tools = plan.template_input(history, placement="user")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        opened = text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE) and text.rstrip().endswith(THINK_OPEN)
+        shaping = Shaping(plan, thinks=self.thinks, starts_thinking=self.thinks and opened)
+        return self.tokenizer.encode(text, add_special_tokens=False), shaping
