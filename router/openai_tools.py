@@ -276,7 +276,9 @@ def _generic_messages(messages: list[dict[str, Any]], tools: tuple[ToolDef, ...]
                       placement: str) -> list[dict]:
     """The generic format's prompt: a system message listing the tools and the answer's shape; earlier calls and
     answers as the JSON the model writes; a run of tool results as one user message (templates without tools
-    reject ``role: tool`` or render it as a role the model never saw; some insist that roles alternate)."""
+    reject ``role: tool`` or render it as a role the model never saw; some insist that roles alternate). With
+    ``tool_choice: none`` the model answers in words: the history's calls and results stay readable, the tools
+    are not offered."""
     listing = json.dumps([{"name": t.function.name, "description": t.function.description or "",
                            "parameters": _untitled(_parameters(t))} for t in tools], ensure_ascii=False)
     shape = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}]} to call tools'
@@ -286,7 +288,7 @@ def _generic_messages(messages: list[dict[str, Any]], tools: tuple[ToolDef, ...]
     names = {}
     for m in messages:
         m = dict(m)
-        if m["role"] == "assistant" and (m.get("tool_calls") or m.get("content") is not None):
+        if m["role"] == "assistant" and (m.get("tool_calls") or m.get("content") is not None and mode != "none"):
             doc = {}
             if m.get("tool_calls"):
                 for c in m["tool_calls"]:
@@ -307,6 +309,8 @@ def _generic_messages(messages: list[dict[str, Any]], tools: tuple[ToolDef, ...]
     for m in out:
         if "tool_results" in m:
             m["content"] = json.dumps({"tool_results": m.pop("tool_results")}, ensure_ascii=False)
+    if mode == "none":
+        return out
     if placement == "user":
         first = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
         if first is not None:

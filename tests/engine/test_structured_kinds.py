@@ -110,15 +110,13 @@ def test_integers_are_bounded_where_the_schema_leaves_them_open(tokenizer, backe
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                          "population": {"type": "integer"}},
         "required": ["city", "country", "population"], "additionalProperties": False}
-PROMPTS = ["Give me the city, country and population of Paris as JSON.",
-           "Describe Tokyo as JSON with its city name, country and population.",
-           "What is the population of Lagos? Answer in JSON with city, country and population.",
-           "Return a JSON object for the largest city in Brazil: city, country, population."]
+# unbounded, all four ran until max_tokens cut the number (0/4 valid; 15 of 48 such prompts valid, 48/48 bounded)
+PROMPTS = [f"What is the population of {city}?" for city in ("Paris", "Lagos", "Cairo", "London")]
 
 
 def test_the_strict_schema_case_gives_valid_json_for_every_prompt(smollm2_gguf, tokenizer):
     """The independent check's case (issue 25): SmolLM2, greedy, max_tokens 120 — unbounded, the model repeated
-    digits (``"population":11112222333…``) until max_tokens cut the JSON (1 of 4 valid)."""
+    digits (``"population":11112222333…``) until max_tokens cut the JSON (1 of 4 valid there, 0 of these 4)."""
     engine = Engine(EngineConfig(model=str(smollm2_gguf), num_blocks=256))
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=120, temperature=0,

@@ -148,3 +148,21 @@ def test_formats_are_detected_from_the_template():
     assert detect_format("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}").name == "hermes"
     assert detect_format("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]").name == "mistral"
     assert detect_format("{% if tools %}<|python_tag|>{% endif %}").name == "llama3_json"
+
+
+def test_the_generic_prompt_offers_the_tools_except_with_tool_choice_none():
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "09:00"},
+               {"role": "assistant", "content": "It is nine."}]
+    auto, _ = plan("generic").template_input(history)
+    assert auto[0]["role"] == "system" and '"get_weather"' in auto[0]["content"]
+    assert auto[-1]["content"] == '{"response":"It is nine."}'  # the answer as the model writes it here
+    assert '"tool_call_id": "c1", "name": "get_time", "content": "09:00"' in auto[3]["content"]
+    none, _ = plan("generic", choice="none").template_input(history)
+    assert [m["role"] for m in none] == ["user", "assistant", "user", "assistant"]  # no tools offered
+    assert none[1]["content"] == '{"tool_calls":[{"name":"get_time","arguments":{"city":"Oslo"}}]}'
+    assert none[-1]["content"] == "It is nine."
+    in_user, _ = plan("generic").template_input(history, placement="user")
+    assert in_user[0]["role"] == "user" and in_user[0]["content"].startswith("You can use these tools")
