@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -54,6 +55,8 @@ from engine.tokenizer import Tokenizer
 from proto.build import ensure_generated
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
+from router.chat_format import ChatFormat
+from router.grpc_chat import ChatTurn
 from router.policy import NoWorkersError
 from router.tenancy import bearer_token, tenant_salt
 
@@ -105,7 +108,7 @@ def prompt_token_ids_from_pb(request: pb.GenerateRequest, tokenizer: Tokenizer) 
         return tokenizer.encode(request.text)
     if kind == "token_ids":
         return list(request.token_ids.ids)
-    if kind == "chat":
+    if kind == "chat":  # the servicer renders chats itself (router/grpc_chat.py): tools, reasoning
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return tokenizer.encode_chat(messages, add_generation_prompt=True)
     raise InvalidRequestError("the request has no prompt: set one of text, token_ids or chat")
@@ -147,9 +150,14 @@ def _status_of(e: DuetError) -> grpc.StatusCode:
 # ---- the servicer ----------------------------------------------------------------------------------
 
 class GenerateServicer(pb_grpc.GenerateServicer):
-    def __init__(self, backend: Backend, salt_by_api_key: bool = False) -> None:
+    def __init__(self, backend: Backend, salt_by_api_key: bool = False, tool_call_parser: str | None = None) -> None:
         self.backend = backend
         self.salt_by_api_key = salt_by_api_key
+        self.tool_call_parser = tool_call_parser
+
+    @functools.cached_property
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat.of(self.backend.tokenizer, self.tool_call_parser)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
@@ -159,7 +167,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            request_id, prompt_ids, params = await asyncio.to_thread(self._prepare, request, self._tenant_salt(context))
+            request_id, prompt_ids, params, turn = await asyncio.to_thread(self._prepare, request,
+                                                                           self._tenant_salt(context))
         except DuetError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -169,7 +178,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                         await context.abort(grpc.StatusCode.UNAVAILABLE,
                                             f"request {request_id} failed: {out.error or 'backend error'}")
                     if out.new_token_ids or out.new_text or out.finished:
-                        await context.write(response_from_output(out))
+                        msg = response_from_output(out)
+                        await context.write(turn.shape(msg, out) if turn is not None else msg)
         except DuetError as e:  # the backend refused it before the first output (or timed it out)
             await context.abort(_status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -184,9 +194,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             return None
         return tenant_salt(_bearer_of(context.invocation_metadata() or ()) or "")
 
-    def _prepare(self, request: pb.GenerateRequest,
-                 tenant_salt: str | None = None) -> tuple[str, list[int], SamplingParams]:
-        """Validate and tokenize (on a worker thread); raises InvalidRequestError."""
+    def _prepare(self, request: pb.GenerateRequest, tenant_salt: str | None = None
+                 ) -> tuple[str, list[int], SamplingParams, ChatTurn | None]:
+        """Validate and tokenize (on a worker thread); raises InvalidRequestError. A chat is rendered and its
+        output shaped as on the HTTP path (router/grpc_chat.py)."""
         card = self.backend.card
         if request.model and request.model != card.model_id:
             raise InvalidRequestError(f"unknown model {request.model!r}; this server serves {card.model_id!r}")
@@ -194,9 +205,14 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         params = sampling_params_from_pb(request, tenant_salt)
-        prompt_ids = prompt_token_ids_from_pb(request, self.backend.tokenizer)
+        turn = None
+        if request.WhichOneof("prompt") == "chat":
+            turn = ChatTurn.of(request, card.model_id, self.chat_format)
+            prompt_ids, params = turn.prompt_ids, turn.params(params)
+        else:
+            prompt_ids = prompt_token_ids_from_pb(request, self.backend.tokenizer)
         self.backend.check_request(prompt_ids, params)
-        return request_id, prompt_ids, params
+        return request_id, prompt_ids, params, turn
 
 
 # ---- API keys --------------------------------------------------------------------------------------
@@ -258,7 +274,8 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.Rpc
 
 async def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                             api_keys: Iterable[str] = (), health_interval_s: float = 5.0,
-                            max_request_bytes: int = 4 << 20, salt_by_api_key: bool = False) -> grpc.aio.Server:
+                            max_request_bytes: int = 4 << 20, salt_by_api_key: bool = False,
+                            tool_call_parser: str | None = None) -> grpc.aio.Server:
     """Start serving `backend`; returns the started server, with the bound port as ``server.port``
     (port=0 picks a free one). Its ``stop(grace)`` first sets every health status to NOT_SERVING.
     With ``api_keys``, duet.v1.Generate requires one of them; health and reflection never do.
@@ -268,7 +285,7 @@ async def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int
         raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                              options=[("grpc.max_receive_message_length", max_request_bytes)])  # over: RESOURCE_EXHAUSTED
-    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend, salt_by_api_key), server)
+    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend, salt_by_api_key, tool_call_parser), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
