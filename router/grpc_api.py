@@ -108,7 +108,7 @@ def prompt_token_ids_from_pb(request: pb.GenerateRequest, tokenizer: Tokenizer) 
         return tokenizer.encode(request.text)
     if kind == "token_ids":
         return list(request.token_ids.ids)
-    if kind == "chat":  # the servicer renders chats itself (router/grpc_chat.py): tools, reasoning
+    if kind == "chat":  # plain chats; with tools or a thinking template, router/grpc_chat.py renders it
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return tokenizer.encode_chat(messages, add_generation_prompt=True)
     raise InvalidRequestError("the request has no prompt: set one of text, token_ids or chat")
@@ -206,7 +206,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         params = sampling_params_from_pb(request, tenant_salt)
         turn = None
-        if request.WhichOneof("prompt") == "chat":
+        if request.WhichOneof("prompt") == "chat" and ChatTurn.needed(request, self.chat_format):
             turn = ChatTurn.of(request, card.model_id, self.chat_format)
             prompt_ids, params = turn.prompt_ids, turn.params(params)
         else:

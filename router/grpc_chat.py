@@ -31,6 +31,13 @@ class ChatTurn:
     shaping: Shaping
     shaper: MessageShaper | None  # None: the text passes as it is (no tools, a template that does not think)
 
+    @staticmethod
+    def needed(request, chat: ChatFormat) -> bool:
+        """Whether the chat needs the HTTP path's rendering: tools, tool calls in its history, or a template that
+        thinks. A plain chat keeps gRPC's own rendering, which passes any role the template accepts."""
+        c = request.chat
+        return bool(c.tools or c.tool_choice or chat.thinks or any(m.tool_calls or m.tool_call_id for m in c.messages))
+
     @classmethod
     def of(cls, request, model_id: str, chat: ChatFormat) -> ChatTurn:
         body = _chat_request(request, model_id)
