@@ -1,7 +1,8 @@
-"""What the history of splits says about a proposed move at the budget: the policy's memory of its own moves.
+"""Moves at the budget: the split that evens the load per worker, and the policy's memory of its own moves.
 
     undone = recent_move_undone(history, to_prefill, cooldown)   # workers the last move took the other way
     held = failed_move_held(history, target, fail_s, hold_s)     # why this move was tried and undone lately
+    p, rho = best_split(loads, budget, cfg)                      # the split that evens the load per worker
 
 Pure, like the rest of the policy (cluster/autoscaler.py): the split is read from the observations (the ready
 workers of each role), so a replayed history gives the same answers. ``P - D`` measures the split: moving one
@@ -22,8 +23,10 @@ Two memories, two failure modes:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from router.policy import Role
 
 
 def split_sizes(history: Sequence) -> list[int]:
@@ -88,3 +91,25 @@ def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: floa
                     found = FailedMove(t_left, t_back, f"{len(far.prefill)}P+{len(far.decode)}D")
             left = i
     return found
+
+
+def best_split(loads: Mapping[Role, float], budget: int, cfg) -> tuple[int, float]:
+    """(prefill workers, bottleneck load per worker) of the split of ``budget`` that minimises the busier
+    role's load per worker; ties go to more decode workers (decode's backlog also stalls prefill)."""
+    lo_p, hi_p = cfg.bounds(Role.PREFILL)
+    lo_d, hi_d = cfg.bounds(Role.DECODE)
+    best = None
+    for p in range(max(lo_p, budget - hi_d), min(hi_p, budget - lo_d) + 1):
+        rho = per_worker(loads, p, budget - p)
+        if best is None or rho < best[1] - 1e-12:
+            best = (p, rho)
+    return best if best is not None else (lo_p, float("inf"))
+
+
+def per_worker(loads: Mapping[Role, float], p: int, d: int) -> float:
+    """The bottleneck's load per worker of a split (no prefill worker: the decode workers prefill too)."""
+    if d <= 0:
+        return float("inf")
+    if p == 0:
+        return (loads[Role.PREFILL] + loads[Role.DECODE]) / d
+    return max(loads[Role.PREFILL] / p, loads[Role.DECODE] / d)

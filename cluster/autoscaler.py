@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.autoscale_estimate import LEARN_INTERVALS, Estimate, estimate
-from cluster.autoscale_moves import failed_move_held, recent_move_undone
+from cluster.autoscale_moves import best_split, failed_move_held, per_worker, recent_move_undone
 from cluster.autoscale_signals import misfit, percentile, pressure, signals
 from router.policy import Role
 
@@ -307,28 +307,6 @@ def _step(role: Role, history, targets: Mapping[Role, int], need, cfg: Autoscale
                     f"under {cfg.scale_down_fraction:.0%} of every threshold for {cfg.scale_down_intervals} intervals")
 
 
-def best_split(loads: Mapping[Role, float], budget: int, cfg: AutoscalerConfig) -> tuple[int, float]:
-    """(prefill workers, bottleneck load per worker) of the split of ``budget`` that minimises the busier
-    role's load per worker; ties go to more decode workers (decode's backlog also stalls prefill)."""
-    lo_p, hi_p = cfg.bounds(Role.PREFILL)
-    lo_d, hi_d = cfg.bounds(Role.DECODE)
-    best = None
-    for p in range(max(lo_p, budget - hi_d), min(hi_p, budget - lo_d) + 1):
-        rho = per_worker(loads, p, budget - p)
-        if best is None or rho < best[1] - 1e-12:
-            best = (p, rho)
-    return best if best is not None else (lo_p, float("inf"))
-
-
-def per_worker(loads: Mapping[Role, float], p: int, d: int) -> float:
-    """The bottleneck's load per worker of a split (no prefill worker: the decode workers prefill too)."""
-    if d <= 0:
-        return float("inf")
-    if p == 0:
-        return (loads[Role.PREFILL] + loads[Role.DECODE]) / d
-    return max(loads[Role.PREFILL] / p, loads[Role.DECODE] / d)
-
-
 def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg: AutoscalerConfig,
                memo: dict[int, Estimate]) -> tuple[Role, Role, int, str] | str | None:
     """Rule 4: (from role, to role, workers, reason) when workers should move at the budget; the reason a move
@@ -387,13 +365,13 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
            f"{src.value} → {dst.value}")
     # rule 4's last word: what the cluster measured after a move as far beats the estimate; a shorter one may do
     hold_s, step = cfg.failed_move_hold_intervals * cfg.interval_s, 1 if best_p > p else -1
+    held = ""  # why the whole move is held, once it is
     for k in range(n, 0, -1):
         failed = failed_move_held(history, 2 * (p + step * k) - budget, cfg.failed_move_intervals * cfg.interval_s,
                                   hold_s)
         if failed is None:
             return src, dst, k, why if k == n else f"{why}; {k} move: {n} was held ({held})"
-        if k == n:
-            held = failed.reason(history[-1].t_s, hold_s)
+        held = held or failed.reason(history[-1].t_s, hold_s)
     return f"{why}; held: {held}"
 
 
