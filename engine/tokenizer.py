@@ -12,9 +12,8 @@ The router tokenizes prompts and the workers detokenize what they generate, so b
   model needs its BOS either way. transformers 5 ignores the flag for tokenizer.json-backed tokenizers.
 - The chat template comes from ``chat_template.jinja``, else ``chat_template.json``, else the config's
   ``chat_template`` (a string, or a list of ``{name, template}``: "tool_use" when tools are given, else
-  "default"). It is rendered the way transformers renders it: sandboxed Jinja with trim_blocks and
-  lstrip_blocks, ``raise_exception``, ``strftime_now``, a non-escaping ``tojson``, ``{% generation %}``,
-  message keys whose value is None dropped, and every named special token passed as a variable.
+  "default"). It is rendered the way transformers renders it (engine/chat_template.py), every named special
+  token passed as a variable.
   The rendered text already holds the template's BOS, so :meth:`Tokenizer.encode_chat` encodes it with
   ``add_special_tokens=False``, exactly like ``apply_chat_template(tokenize=True)``.
 - EOS is a set: generation_config.json's ``eos_token_id`` (int or list; config.json's if there is no
@@ -34,23 +33,18 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as _Backend
 
+from engine import chat_template
 from engine.errors import InvalidRequestError, ModelLoadError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a chat template may read (bos_token, eos_token, ...).
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Tokenizer:
@@ -80,11 +74,8 @@ class Tokenizer:
             add_bos_token and self.bos_token_id is not None and not self._post_processor_adds(self.bos_token_id)
         )
         self._chat_templates = dict(chat_templates or {})
-        try:
-            for template in self._chat_templates.values():
-                _compile_template(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ModelLoadError(f"chat template does not parse: {e}") from e
+        for template in self._chat_templates.values():
+            chat_template.check(template)
         # transformers 5 skips this clean-up for BPE models (it would eat real spaces before punctuation).
         self._clean_up_spaces = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
@@ -210,16 +201,8 @@ class Tokenizer:
         if not messages:
             raise InvalidRequestError("cannot apply the chat template to an empty list of messages")
         variables = {**self.special_tokens, **template_kwargs}  # kwargs win, as in transformers
-        try:
-            return _compile_template(template).render(
-                messages=[_plain_message(m) for m in messages],
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as e:  # raise_exception() in the template lands here too
-            raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+        return chat_template.render(template, messages, tools=tools, documents=documents,
+                                    add_generation_prompt=add_generation_prompt, variables=variables)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -366,53 +349,3 @@ def _clean_up_tokenization(text: str) -> str:
                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(before, after)
     return text
-
-
-# ---------------------------------------------------------------------------------------------- templates
-
-
-def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop None-valued keys and alias reasoning fields, as transformers does before rendering."""
-    message = {k: v for k, v in message.items() if v is not None}
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is not None:
-        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    return message
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; we render it as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson HTML-escapes; templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)

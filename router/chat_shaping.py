@@ -22,7 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from router.openai_tools import ToolPlan
-from router.tool_formats import Call, Text, call_of, partial_marker_len
+from engine.stopping import held_chars
+from router.tool_formats import Call, Text, call_of
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -86,6 +87,11 @@ class MessageShaper:
             part.reasoning = reasoning
         self._content(part, text)
         return part
+
+    def part(self, text: str, finished: bool) -> MessagePart:
+        """``feed(text)``, and ``finish()`` when the output ended with it."""
+        part = self.feed(text)
+        return part.merged(self.finish()) if finished else part
 
     def finish(self) -> MessagePart:
         part = MessagePart()
@@ -173,7 +179,7 @@ class _ThinkSplit:
             if self.state == "thinking":
                 at = self.buf.find(THINK_CLOSE)
                 if at < 0:
-                    keep = partial_marker_len(self.buf, (THINK_CLOSE,))
+                    keep = held_chars(self.buf, (THINK_CLOSE,))
                     reasoning += self.buf[:len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     return reasoning, out

@@ -16,9 +16,10 @@ from fastapi import Request
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import Backend
-from router.http_errors import ClientGone, ClientTooSlow
+from router.http_errors import ApiError, ClientGone, ClientTooSlow
 
 MAX_BUFFERED_OUTPUTS = 4096  # per response: a client that stops reading is cut off beyond this
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ChoiceRun:
@@ -36,6 +37,30 @@ class ChoiceRun:
         self._tasks = [asyncio.create_task(self._pump(i, backend, f"{response_id}-{i}", ids, p))
                        for i, (ids, p) in enumerate(runs)]
         self._tasks.append(asyncio.create_task(self._watch(request)))
+
+    @classmethod
+    async def started(cls, backend: Backend, response_id: str, runs: list[tuple[list[int], SamplingParams]],
+                      request: Request) -> ChoiceRun:
+        """A run whose first output has arrived (so a request the workers refuse is still a 4xx); what the
+        backend raised before that is raised here, with everything cancelled."""
+        run = cls(backend, response_id, runs, request)
+        try:
+            await run.wait_first()
+        except BaseException:
+            run.cancel()
+            raise
+        return run
+
+    async def collect(self, choices: list) -> None:
+        """Every output into its choice (``ChoiceState.add``), then cancel; a 503 when a choice ended in error."""
+        try:
+            while (item := await self.next()) is not None:
+                choices[item[0]].add(item[1])
+        finally:
+            self.cancel()
+        failed = next((c for c in choices if c.error is not None), None)
+        if failed is not None:
+            raise ApiError(503, f"generation failed: {failed.error}", "server_error", code="generation_failed")
 
     async def wait_first(self) -> None:
         """Wait for the first output of any choice; raises what the backend raised before it started."""

@@ -61,9 +61,8 @@ class ChatTurn:
         """``msg`` (the output's GenerateResponse) with its text shaped into content, reasoning and calls."""
         if self.shaper is None:
             return msg
-        part = self.shaper.feed(out.new_text)
+        part = self.shaper.part(out.new_text, finished=out.finished)
         if out.finished:
-            part = part.merged(self.shaper.finish())
             plan = self.shaping.plan
             if plan is not None and out.finish_reason is not None:
                 msg.finish_reason = plan.finish_reason(self.shaper.num_calls, out.finish_reason)

@@ -37,7 +37,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.backend import Backend
-from router.choice_run import ChoiceRun
+from router.choice_run import SSE_HEADERS, ChoiceRun
 from router.openapi_doc import document
 from router.http_errors import (
     ApiError, ClientGone, api_key_check, error_response, health_error, install_error_handlers, parse_body,
@@ -52,7 +52,6 @@ from router.tenancy import bearer_token, tenant_salt
 log = logging.getLogger(__name__)
 
 _Body = TypeVar("_Body", bound=GenerationRequest)
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = "data: [DONE]\n\n"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
@@ -171,16 +170,13 @@ class _OpenAIServer:
         choices = [ChoiceState(p * len(params) + i, echo[p] if echo else "",
                                prefix_token_ids=ids if echo_logprobs else [], first_of_prompt=i == 0)
                    for p, ids in enumerate(prompts) for i in range(len(params))]
-        run = ChoiceRun(self.backend, builder.id, [(ids, sp) for ids in prompts for sp in params], request)
-        try:
-            await run.wait_first()
-        except BaseException:
-            run.cancel()
-            raise
+        run = await ChoiceRun.started(self.backend, builder.id, [(ids, sp) for ids in prompts for sp in params],
+                                      request)
         if body.stream:
             return StreamingResponse(_stream_events(run, builder, choices), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
-        return await _collect_response(run, builder, choices)
+                                     headers=SSE_HEADERS)
+        await run.collect(choices)
+        return JSONResponse(builder.response(choices))
 
     def salt_for(self, request: Request) -> str | None:
         """The API key's salt when salting by key (the key was checked by the router's dependency)."""
@@ -197,18 +193,6 @@ class _OpenAIServer:
         card = self.backend.card
         return {"id": name, "object": "model", "created": card.created, "owned_by": "duet",
                 "root": card.model_id, "max_model_len": card.max_model_len}
-
-
-async def _collect_response(run: ChoiceRun, builder: ResponseBuilder, choices: list[ChoiceState]) -> Response:
-    try:
-        while (item := await run.next()) is not None:
-            choices[item[0]].add(item[1])
-    finally:
-        run.cancel()
-    failed = next((c for c in choices if c.error is not None), None)
-    if failed is not None:
-        raise ApiError(503, f"generation failed: {failed.error}", "server_error", code="generation_failed")
-    return JSONResponse(builder.response(choices))
 
 
 async def _stream_events(run: ChoiceRun, builder: ResponseBuilder,

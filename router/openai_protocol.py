@@ -137,7 +137,7 @@ class ChatMessage(StrictModel):
             content = "\n".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         message |= {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None}
-        return message | history_message(self.role, content, self.tool_calls, where)
+        return message | history_message(self.role, self.tool_calls, where)
 
 
 class GenerationRequest(StrictModel):

@@ -220,20 +220,16 @@ class ChatResponses(ResponseBuilder):
         return {"index": delta.index, key: message, "logprobs": self._logprobs(delta),
                 "finish_reason": delta.finish_reason}
 
-    def shaped_part(self, delta: Delta, *, streaming: bool = False) -> MessagePart:
+    def _shaped_part(self, delta: Delta, *, streaming: bool) -> MessagePart:
         """``delta``'s text as a message part: streamed, through the choice's own shaper (it holds back what is not
         certain yet); else, a whole choice through a fresh one."""
-        if self.shaping is None:
-            return MessagePart(content=delta.text)
         shaper = self._shapers.setdefault(delta.index, self.shaping.shaper()) if streaming else self.shaping.shaper()
-        part = shaper.feed(delta.text)
-        if delta.finish_reason is not None or not streaming:
-            part = part.merged(shaper.finish())
+        part = shaper.part(delta.text, finished=delta.finish_reason is not None or not streaming)
         self._num_calls[delta.index] = shaper.num_calls
         return part
 
     def _shaped_choice(self, delta: Delta, *, streaming: bool) -> dict[str, Any]:
-        part = self.shaped_part(delta, streaming=streaming)
+        part = self._shaped_part(delta, streaming=streaming)
         plan = self.shaping.plan
         reason = plan.finish_reason(self._num_calls[delta.index], delta.finish_reason) if plan else delta.finish_reason
         message = part.message_fields(streaming=streaming)

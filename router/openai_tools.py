@@ -146,7 +146,7 @@ class ToolPlan:
         return _generic_messages(messages, self.tools, self.mode, placement), None
 
 
-def history_message(role: str, content, tool_calls: list[ToolCall] | None, where: str) -> dict[str, Any]:
+def history_message(role: str, tool_calls: list[ToolCall] | None, where: str) -> dict[str, Any]:
     """An assistant message's ``tool_calls`` as templates read them: arguments parsed to objects (vLLM's)."""
     if not tool_calls:
         return {}

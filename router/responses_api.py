@@ -22,13 +22,13 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
-from router.chat_shaping import MessagePart
-from router.choice_run import ChoiceRun
-from router.http_errors import ApiError, ClientGone, error_response
+from router.chat_shaping import MessagePart, MessageShaper
+from router.choice_run import SSE_HEADERS, ChoiceRun
+from router.http_errors import ClientGone, error_response
 from router.openai_base import BadRequest, StrictModel
 from router.openai_protocol import ChatCompletionRequest
-from router.openai_responses import ChatResponses, ChoiceState
-from router.openai_tools import MAX_TOOLS
+from router.openai_responses import ChoiceState
+from router.openai_tools import MAX_TOOLS, FunctionDef
 
 REFUSED = {"previous_response_id": "duet keeps no conversation state: send the whole input",
            "conversation": "duet keeps no conversation state: send the whole input",
@@ -36,12 +36,10 @@ REFUSED = {"previous_response_id": "duet keeps no conversation state: send the w
            "reasoning": "reasoning effort has no equivalent here (chat_template_kwargs can switch thinking)"}
 
 
-class FunctionTool(StrictModel):
+class FunctionTool(FunctionDef):
+    """The Responses API's function tool: chat's function, flat, with its type beside it."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(StrictModel):
@@ -196,7 +194,7 @@ class ResponsesOutput:
         if part.content:
             out += self._text_into("message", part.content)
         for call in part.tool_calls:
-            out += self._close()
+            out += self.close()
             item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
                     "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
             self.items.append(item)
@@ -212,14 +210,14 @@ class ResponsesOutput:
         return out
 
     def finish_events(self, status: str, usage: dict, finish: str | None) -> list[dict]:
-        out = self._close()
+        out = self.close()
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + [self.event(kind, response=self.response(status, usage=usage, finish=finish))]
 
     def _text_into(self, kind: str, text: str) -> list[dict]:
         out = []
         if self.open is None or self.open["type"] != kind:
-            out += self._close()
+            out += self.close()
             part_type = "reasoning_text" if kind == "reasoning" else "output_text"
             item = {"type": kind, "id": f"{'rs' if kind == 'reasoning' else 'msg'}_{uuid.uuid4().hex[:24]}",
                     "status": "in_progress"} | ({"summary": []} if kind == "reasoning" else {"role": "assistant"})
@@ -238,7 +236,7 @@ class ResponsesOutput:
         out.append(self.event(delta, item_id=item["id"], output_index=index, content_index=0, delta=text))
         return out
 
-    def _close(self) -> list[dict]:
+    def close(self) -> list[dict]:
         if self.open is None:
             return []
         item, index, self.open = self.open, len(self.items) - 1, None
@@ -266,33 +264,19 @@ async def serve_response(server, request, body: ResponsesRequest) -> Response:
                                     shaping.plan.constraint if shaping.plan else None)
     server.backend.check_request(prompt_ids, params)
     out = ResponsesOutput(body, len(prompt_ids))
-    shaper = ChatResponses(server.backend.tokenizer, chat.model, len(prompt_ids), with_logprobs=False,
-                           shaping=shaping)
-    run = ChoiceRun(server.backend, out.id, [(prompt_ids, params)], request)
-    try:
-        await run.wait_first()
-    except BaseException:
-        run.cancel()
-        raise
+    run = await ChoiceRun.started(server.backend, out.id, [(prompt_ids, params)], request)
     if body.stream:
-        return StreamingResponse(_events(run, out, shaper), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(_events(run, out, shaping.shaper()), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     choice = ChoiceState(0)
-    try:
-        while (item := await run.next()) is not None:
-            choice.add(item[1])
-    finally:
-        run.cancel()
-    if choice.error is not None:
-        raise ApiError(503, f"generation failed: {choice.error}", "server_error", code="generation_failed")
-    part = shaper.shaped_part(choice.total())
-    out.part_events(part)
-    out._close()
+    await run.collect([choice])
+    out.part_events(shaping.shaper().part(choice.total().text, finished=True))
+    out.close()
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     return JSONResponse(out.response(status, usage=usage_of(choice, len(prompt_ids)), finish=choice.finish_reason))
 
 
-async def _events(run: ChoiceRun, out: ResponsesOutput, shaper: ChatResponses) -> AsyncIterator[str]:
+async def _events(run: ChoiceRun, out: ResponsesOutput, shaper: MessageShaper) -> AsyncIterator[str]:
     choice = ChoiceState(0)
     try:
         yield _sse(out.event("response.created", response=out.response("in_progress")))
@@ -303,7 +287,7 @@ async def _events(run: ChoiceRun, out: ResponsesOutput, shaper: ChatResponses) -
                 yield _sse(out.event("error", code="generation_failed", message=f"generation failed: {choice.error}",
                                      param=None))
                 return
-            for event in out.part_events(shaper.shaped_part(delta, streaming=True)):
+            for event in out.part_events(shaper.part(delta.text, finished=delta.finish_reason is not None)):
                 yield _sse(event)
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         for event in out.finish_events(status, usage_of(choice, out.num_prompt_tokens), choice.finish_reason):

@@ -28,6 +28,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.stopping import held_chars  # text that may still become a marker, as for stop strings
+
 
 @dataclass(frozen=True)
 class Text:
@@ -97,7 +99,7 @@ class MarkerParser:
                     self.seen_text = True
                 at, marker = self._find_start()
                 if marker is None:
-                    keep = partial_marker_len(self.buf, self.starts)
+                    keep = held_chars(self.buf, self.starts)
                     _text(out, self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
@@ -172,9 +174,7 @@ class GenericParser:
             if calls and all(c is not None for c in calls):
                 return list(calls)
             return [Text(self.buf)]
-        if self.mode is None and self.buf:
-            return [Text(self.buf)]
-        if self.mode == "text" and self.buf:
+        if self.mode in (None, "text") and self.buf:
             return [Text(self.buf)]
         return []
 
@@ -212,17 +212,6 @@ def _escape_len(raw: str, i: int) -> int | None:
     if 0xD800 <= int(raw[i + 2:i + 6], 16) <= 0xDBFF:
         return 12 if i + 12 <= len(raw) else None
     return 6
-
-
-def partial_marker_len(buf: str, markers: tuple[str, ...]) -> int:
-    """The longest suffix of ``buf`` that is a proper prefix of a marker (text that may still become one)."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(buf)), best, -1):
-            if buf.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 def _text(out: list[Event], text: str) -> None:

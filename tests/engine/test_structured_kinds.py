@@ -15,20 +15,10 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, StructuredOutput
-from engine.structured import SAFE_INTEGER, GrammarBackend, bound_integers, structured_output
-from engine.tokenizer import Tokenizer
+from engine.structured import SAFE_INTEGER, bound_integers, structured_output
+from tests.engine.test_structured import backend, tokenizer  # noqa: F401  (module fixtures: SmolLM2's)
 
 SEEDS = range(12)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_gguf):
-    return Tokenizer.from_checkpoint(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    return GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
 
 def sample(tokenizer, backend, spec, seed, bias=None, max_tokens=200) -> str:
