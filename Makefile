@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools clean
 
 install: $(STAMP)
 
@@ -69,9 +69,10 @@ test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
-# the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md)
+# the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md) and the
+# full schemathesis fuzz (>= 2,000 generated requests)
 soak: install system-deps
-	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py
+	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py
 
 bench-engine: install
 	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)
@@ -151,6 +152,11 @@ bench-router-decision-tiers: install
 # bench/lm_eval_tasks/ (no hub); the last line is `agreement: <equal>/<metrics>`. SMALL=1: 8 documents per task.
 eval-compare: install
 	$(PY) -m bench.lm_eval_compare $(if $(SMALL),--limit 8,)
+
+# enforced tool calls (required, one call, named, strict auto) on SmolLM2 through the HTTP app: 16 prompts x 3 seeds
+# per mode, streamed and not; the last line is `ratio: <valid / all responses>` (target 1.0). SMALL=1: 4 prompts.
+bench-tools: install
+	$(PY) -m bench.tool_calls $(if $(SMALL),--prompts 4 --seeds 2,)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -12,8 +12,14 @@ cheaper but it imports torch and compiled a pattern-heavy schema in 0.6 s (docs/
   draft, 2020-12 by default), and compile with llguidance (no tokenizer needed, well under 1 ms).
   llguidance refuses what it cannot enforce (``not``, ``if``/``then``, ``uniqueItems``, unknown
   ``format``s, remote ``$ref``s, unsatisfiable bounds) rather than ignoring it: what it accepts it
-  enforces. Schemas are enforced as written: an object schema without ``"additionalProperties": false``
-  lets the model add keys (JSON Schema's default).
+  enforces.
+- **Objects are closed by default** (:func:`close_objects`): an object schema that lists its ``properties`` and
+  says nothing of others (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``) gets
+  no others, and an array with ``prefixItems`` and no ``items`` no more items — what xgrammar's strict mode, vLLM's
+  default, does. JSON Schema's default lets the model invent keys: SmolLM2, asked for a LangChain
+  ``with_structured_output`` tool (no ``additionalProperties``), wrote the two fields and then schema keywords as
+  keys until ``max_tokens`` cut the call. Branches of an ``allOf`` stay open (closing each would reject the
+  others' keys). What the schema states is kept.
 - **Integers are bounded by default**: a schema's ``"type": "integer"`` without a ``minimum`` / ``maximum`` gets
   ±(2^53 − 1), JavaScript's safe range (and within int64), where the JSON Schema says nothing
   (:func:`bound_integers`). Unbounded, a small model repeats digits (SmolLM2 wrote ``"population":11112222333…``
@@ -107,7 +113,7 @@ def _grammar_of(spec: StructuredOutput) -> str:
         raise InvalidRequestError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
     _check_meta_schema(schema)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(bound_integers(schema), overrides=COMPACT_JSON)
+        return llguidance.LLMatcher.grammar_from_json_schema(generation_schema(schema), overrides=COMPACT_JSON)
     except ValueError as e:
         raise InvalidRequestError(f"the JSON schema cannot be enforced: {e}") from e
 
@@ -130,6 +136,40 @@ def _grammar_of_text(spec: StructuredOutput) -> str:
         return llguidance.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[spec.kind], text)
     except ValueError as e:  # a regex or grammar llguidance cannot parse (GBNF conversion errors included)
         raise InvalidRequestError(f"{_WHAT[spec.kind]} cannot be enforced: {e}") from e
+
+
+def generation_schema(schema: dict) -> dict:
+    """The schema a grammar is built from: objects closed, integers bounded (both documented above)."""
+    return bound_integers(close_objects(schema))
+
+
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema, *, in_all_of: bool = False):
+    """A copy of ``schema`` where every object schema with ``properties`` and none of ``_OPEN_KEYS`` gets
+    ``"additionalProperties": false``, and every array schema with ``prefixItems`` and no ``items`` /
+    ``unevaluatedItems`` gets ``"items": false`` — except the direct branches of an ``allOf``."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [close_objects(s, in_all_of=True) for s in v]
+        elif k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") and isinstance(v, dict):
+            out[k] = {name: close_objects(s) for name, s in v.items()}
+        else:
+            out[k] = close_objects(v)
+    if not in_all_of and "allOf" not in schema:
+        if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
+            out["additionalProperties"] = False
+        if isinstance(schema.get("prefixItems"), list) and "items" not in schema and "unevaluatedItems" not in schema:
+            out["items"] = False
+    return out
 
 
 def bound_integers(schema):

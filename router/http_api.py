@@ -119,7 +119,7 @@ class _OpenAIServer:
         self.check_model(body.model)
         prompt_ids, shaping = self.chat_format.prompt(body)
         if shaping.plan is not None and self.metrics is not None:
-            self.metrics.tool_requests.labels(shaping.plan.fmt.name, shaping.plan.mode).inc()
+            self.metrics.tool_requests.labels(shaping.plan.fmt.name, shaping.plan.metric_mode).inc()
         return await self._generate(request, body, [prompt_ids], functools.partial(ChatResponses, shaping=shaping),
                                     tool_constraint=shaping.plan.constraint if shaping.plan else None)
 

@@ -36,7 +36,7 @@ from pydantic import Field
 
 from engine.errors import InvalidRequestError
 from engine.request import StructuredOutput
-from engine.structured import structured_output
+from engine.structured import generation_schema, structured_output
 from router.openai_base import BadRequest, StrictModel
 from router.tool_formats import ToolFormat
 
@@ -116,6 +116,13 @@ class ToolPlan:
     @property
     def parses_calls(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def metric_mode(self) -> str:
+        """The mode as ``duet_tool_requests`` counts it: auto with strict tools is told apart, enforced or not."""
+        if self.mode != "auto" or not any(t.function.strict for t in self.tools):
+            return self.mode
+        return "auto_strict" if self.constraint is not None else "auto_strict_parsed"
 
     def finish_reason(self, num_calls: int, engine_reason: str | None) -> str | None:
         if num_calls and engine_reason == "stop":
@@ -256,7 +263,7 @@ def _strict_auto(tools: list[ToolDef], fmt: ToolFormat) -> StructuredOutput | No
     from llguidance import StructTag  # the router's grammar library (engine/structured.py checks the result)
 
     tags = [StructTag(trigger="<tool_call>", begin=f'<tool_call>\n{{"name": "{t.function.name}", "arguments": ',
-                      grammar=_parameters(t), end="}\n</tool_call>") for t in tools]
+                      grammar=generation_schema(_parameters(t)), end="}\n</tool_call>") for t in tools]
     try:
         return structured_output("grammar", StructTag.to_grammar(tags, assume_special=False))
     except InvalidRequestError as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -60,6 +59,7 @@ class RedisEventSource:
         self._client: redis.Redis | None = None
         self._aclient: aioredis.Redis | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     @property
     def last_id(self) -> str:
@@ -169,7 +169,7 @@ class RedisEventSource:
         check_at = time.monotonic() + RESET_CHECK_INTERVAL_S
         failures = 0
         try:
-            while True:
+            while not self._stopping:
                 try:
                     if failures or time.monotonic() >= check_at:  # back after an outage, or quiet for a while
                         await self._check_stream_reset_async()
@@ -211,11 +211,18 @@ class RedisEventSource:
         return self._task
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Cancel the task and wait for it. A cancellation can be lost inside redis-py (on Python 3.11 a read
+        timeout firing with it turns it into a ``TimeoutError``, which the retry loop takes for an outage), so
+        the loop also checks ``_stopping`` and the cancel is repeated until the task is done."""
+        task, self._stopping = self._task, True
+        try:
+            while task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+            if task is not None and not task.cancelled() and task.exception() is not None:
+                log.warning("KV event source ended with %r", task.exception())
+        finally:
+            self._task, self._stopping = None, False
 
     def close(self) -> None:
         if self._client is not None:

@@ -8,6 +8,7 @@ scrape is what is tested.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -125,20 +126,40 @@ def test_admin_writes_scale_a_pool_and_a_drain_loses_no_request(cluster_factory,
 REPLACE_BOUND_S = 60  # health probe (1 s) + probe timeout (5 s) + a tiny worker's start (~5-20 s on 2 vCPUs)
 
 
+TOOL_REQUESTS = (2, 5)  # these carry a required tool call's grammar (the generic format: SmolLM2's, the tiny model's)
+
+
+def tool_call_constraint():
+    """What the router sends the engine for ``tool_choice: "required"`` with one tool in the generic format."""
+    from router.openai_tools import ToolDef, ToolPlan
+    from router.tool_formats import FORMATS
+
+    tool = ToolDef.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}})
+    return ToolPlan.of([tool], "required", False, FORMATS["generic"]).constraint
+
+
 def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_recovers(cluster_factory, loop_thread,
                                                                                       tiny_model):
     """SIGKILL a decode worker's process while seeded requests stream from it (2 decode workers): every
     request's full text and tokens equal a fault-free run's — the ones on the dead worker were continued
-    elsewhere from where their clients were — the migrations are counted, and the pool is back at target."""
+    elsewhere from where their clients were — the migrations are counted, and the pool is back at target.
+    The victim is the worker streaming a tool call (issue 25): its grammar continues where the call was, so the
+    call is the same valid call."""
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from router.tool_formats import Call, GenericParser
 
     cluster = cluster_factory(**{"decode.num_workers": 2, "router.local_prefill_max_tokens": 0})
     backend = cluster.backend
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(20, 90))] for _ in range(8)]
+    tool_call = tool_call_constraint()
+    closing = {cluster.backend.tokenizer.token_to_id(t): 8.0 for t in ('"', "}")}  # a random model's strings end
     params = [SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=100 + i,
-                             stop=("zq",) if i == 3 else ()) for i in range(len(prompts))]
+                             stop=("zq",) if i == 3 else ()) if i not in TOOL_REQUESTS else
+              SamplingParams(max_tokens=150, temperature=0.8 if i % 2 else 0.0, seed=100 + i, structured=tool_call,
+                             logit_bias=closing) for i in range(len(prompts))]
     want = Engine(EngineConfig(model=str(tiny_model()), num_blocks=512)).generate(prompts, params)
     killed = {}
 
@@ -147,8 +168,9 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
         async for out in backend.generate(f"mig-{i}", prompts[i], params[i]):
             tokens += out.new_token_ids
             text += out.new_text
-            if not killed and len(tokens) >= 20:  # the first request deep enough into its stream pulls the trigger
-                victim = next(r for r in cluster.registry.ready(Role.DECODE) if backend.inflight[r.worker_id])
+            if not killed and i == TOOL_REQUESTS[0] and len(tokens) >= 6:  # mid-call: the victim is its worker
+                victim = next(r for r in cluster.registry.ready(Role.DECODE)
+                              if f"mig-{i}" in backend.tracker.requests_on(r.worker_id))
                 killed.update(worker=victim.worker_id, at=time.monotonic(), busy=backend.inflight[victim.worker_id])
                 os.kill(victim.pid, signal.SIGKILL)
             last = out
@@ -163,6 +185,12 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
         assert tokens == ref["token_ids"], i  # nothing missing, repeated or changed
         assert text == ref["text"], i
     assert killed["busy"] >= 1 and backend.counters["migrated"] >= 1
+    migrated_call = results[TOOL_REQUESTS[0]]
+    assert migrated_call[2].finish_reason == "stop"  # the grammar completed the call after the move
+    parser = GenericParser()
+    events = parser.feed(migrated_call[1]) + parser.finish()
+    calls = [e for e in events if isinstance(e, Call)]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and len(json.loads(calls[0].arguments)["city"]) <= 10
     assert sum(s.value for s in cluster.metrics.migrations.collect()[0].samples if s.name.endswith("_total")) >= 1
     back = wait_for(lambda: ready(cluster, Role.DECODE) == 2, timeout_s=REPLACE_BOUND_S, interval_s=0.2)
     took_s = time.monotonic() - killed["at"]

@@ -7,9 +7,12 @@ token with transformers — raw completions and multi-turn chat through the offi
     against transformers' own GGUF loading of that file — and it answers "What is the capital of France?" with
     Paris, also as the README's curl asks it (no max_tokens: the rest of the context);
 (c) a Llama-3-rope checkpoint saved by transformers 5.
+
+Then one `duet serve` of the GGUF for the API features (issue 14) and the agent clients (issue 25).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -20,6 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 import transformers
+from pydantic import BaseModel, Field
 
 from tests.cluster.serve_process import free_port, serve_worker_stats, serving
 from tests.engine.hf_saved import save_with_transformers
@@ -27,6 +31,7 @@ from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
+SMOLLM2 = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -108,43 +113,129 @@ JSON_SCHEMAS = {
 }
 
 
-def test_served_smollm2_api_features_equal_transformers(ray_session, tmp_path, smollm2_gguf, smollm2_reference):
+@pytest.fixture(scope="module")
+def smollm2_served(ray_session, tmp_path_factory, smollm2_gguf):
+    """`duet serve` of the SmolLM2 GGUF, 1 prefill + 1 decode worker, every prompt through the handoff: the base
+    URL. One process for the tests below (the greedy tests above each start their own, and check it stops)."""
+    port = free_port()
+    address = ray_session.get_runtime_context().gcs_address
+    with serving(serve_argv("gguf", smollm2_gguf, address, port), tmp_path_factory.mktemp("smollm2-serve") / "serve.log",
+                 port, signal.SIGINT):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_served_smollm2_api_features_equal_transformers(ray_session, smollm2_served, smollm2_reference):
     """Issue 14 on the real model, disaggregated: prompt logprobs (echo) equal transformers' log_softmax,
     greedy with repetition_penalty equals transformers' generate, json_schema outputs parse and validate."""
-    import json
-
     import jsonschema
     import torch
 
     from tests.router.test_http_features import chat_text
 
-    reference, name = smollm2_reference, "SmolLM2-135M-Instruct"
-    port = free_port()
-    address = ray_session.get_runtime_context().gcs_address
-    with serving(serve_argv("gguf", smollm2_gguf, address, port), tmp_path / "serve.log", port, signal.SIGINT):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
-        ids = [reference.prompt_ids(p) for p in RAW_PROMPTS]
-        out = client.completions.create(model=name, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
-        for prompt, choice in zip(ids, out.choices):
-            with torch.no_grad():
-                lp = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-            want = [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)] + [float(lp[-1].max())]
-            got = choice.logprobs.token_logprobs
-            assert got[0] is None and got[1:] == pytest.approx(want, abs=1e-4)
-        for prompt in RAW_PROMPTS[:2]:
-            p_ids = reference.prompt_ids(prompt)
-            want = reference.model.generate(torch.tensor([p_ids]), attention_mask=torch.ones(1, len(p_ids), dtype=torch.long),
-                                            max_new_tokens=24, min_new_tokens=24, do_sample=False, repetition_penalty=1.3,
-                                            pad_token_id=0)[0, len(p_ids):].tolist()
-            got = client.completions.create(model=name, prompt=p_ids, max_tokens=24, temperature=0, logprobs=0,
-                                            extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
-            assert got.choices[0].text == reference.text(want), prompt
-        for schema_name, schema in JSON_SCHEMAS.items():
-            for stream in (False, True):
-                kw = dict(model=name, max_tokens=120, temperature=0.7, seed=1, response_format={
-                    "type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}},
-                    messages=[{"role": "user", "content": f"Answer in JSON: {schema_name} facts, please."}])
-                text = chat_text(client, stream, **kw)
-                jsonschema.validate(json.loads(text), schema)
-        stats = serve_worker_stats(ray_session)
-        assert stats["prefill-0"]["num_handoffs"] >= 4 + 2  # json and penalty requests went through the handoff
+    reference, name = smollm2_reference, SMOLLM2
+    handoffs_before = serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"]
+    client = openai.OpenAI(base_url=smollm2_served + "/v1", api_key="-", max_retries=0, timeout=120)
+    ids = [reference.prompt_ids(p) for p in RAW_PROMPTS]
+    out = client.completions.create(model=name, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    for prompt, choice in zip(ids, out.choices):
+        with torch.no_grad():
+            lp = torch.log_softmax(reference.model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        want = [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)] + [float(lp[-1].max())]
+        got = choice.logprobs.token_logprobs
+        assert got[0] is None and got[1:] == pytest.approx(want, abs=1e-4)
+    for prompt in RAW_PROMPTS[:2]:
+        p_ids = reference.prompt_ids(prompt)
+        want = reference.model.generate(torch.tensor([p_ids]), attention_mask=torch.ones(1, len(p_ids), dtype=torch.long),
+                                        max_new_tokens=24, min_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                                        pad_token_id=0)[0, len(p_ids):].tolist()
+        got = client.completions.create(model=name, prompt=p_ids, max_tokens=24, temperature=0, logprobs=0,
+                                        extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+        assert got.choices[0].text == reference.text(want), prompt
+    for schema_name, schema in JSON_SCHEMAS.items():
+        for stream in (False, True):
+            kw = dict(model=name, max_tokens=120, temperature=0.7, seed=1, response_format={
+                "type": "json_schema", "json_schema": {"name": schema_name, "schema": schema, "strict": True}},
+                messages=[{"role": "user", "content": f"Answer in JSON: {schema_name} facts, please."}])
+            text = chat_text(client, stream, **kw)
+            jsonschema.validate(json.loads(text), schema)
+    stats = serve_worker_stats(ray_session)
+    assert stats["prefill-0"]["num_handoffs"] - handoffs_before >= 4 + 2  # json and penalty requests: handoffs
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    days: int = Field(ge=1, le=7)
+
+
+WEATHER_ASK = [{"role": "user", "content": "What will the weather be in Paris over the next 3 days?"}]
+
+
+def test_agent_clients_against_duet_serve_with_smollm2(ray_session, smollm2_served):
+    """Issue 25, must-show 1, on the real model through `duet serve`, disaggregated: openai-python's
+    ``chat.completions.parse`` with a ``pydantic_function_tool`` and its streaming helper, OpenAI's Agents SDK
+    running a tool-using agent (run and run_streamed), LangChain's ``bind_tools`` and ``with_structured_output``.
+    SmolLM2's template renders no tools: the generic format, every mode held to its schema by a grammar."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    base = smollm2_served + "/v1"
+    handoffs_before = serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"]
+    client = openai.OpenAI(base_url=base, api_key="-", max_retries=0, timeout=120)
+    kw = dict(model=SMOLLM2, messages=WEATHER_ASK, tools=[openai.pydantic_function_tool(Weather)],
+              tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100)
+    whole = client.chat.completions.parse(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls[0].function.name == "Weather"
+    parsed = whole.message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, Weather) and parsed.city == "Paris"  # greedy, the city the question names
+    with client.chat.completions.stream(**kw) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        streamed = stream.get_final_completion().choices[0].message.tool_calls[0]
+    assert streamed.function.parsed_arguments == parsed and done[0].parsed_arguments == parsed
+
+    ran: list[tuple[str, int]] = []
+
+    def get_weather_result(city: str, days: int) -> str:
+        return f"{city}: sunny and 21 degrees for the next {days} days."
+
+    @function_tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather forecast for a city over a number of days."""
+        ran.append((city, days))
+        return get_weather_result(city, days)
+
+    model = OpenAIChatCompletionsModel(model=SMOLLM2, openai_client=openai.AsyncOpenAI(
+        base_url=base, api_key="-", max_retries=0, timeout=120))
+    # the model picks the tool and its arguments; the agent ends on the tool's result (SmolLM2-135M, shown the
+    # result with tool_choice auto, calls the same tool again rather than answering: a loop that needs the
+    # model to read results needs a bigger model; tests/cluster/test_api_features_cluster.py runs that loop)
+    agent = Agent(name="forecaster", instructions="Use get_weather to answer.", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120),
+                  tool_use_behavior="stop_on_first_tool")
+
+    async def both():  # Runner.run, then Runner.run_streamed (stream=True: the call assembled from the deltas)
+        whole = await Runner.run(agent, WEATHER_ASK[0]["content"], run_config=RunConfig(tracing_disabled=True))
+        run = Runner.run_streamed(agent, WEATHER_ASK[0]["content"], run_config=RunConfig(tracing_disabled=True))
+        kinds = [event.type async for event in run.stream_events()]
+        return whole, run, kinds
+
+    result, streamed_run, kinds = asyncio.run(both())
+    assert ran[0][0] == "Paris" and 1 <= ran[0][1] <= 7 and ran == [ran[0]] * 2  # greedy: the same call twice
+    assert result.final_output == streamed_run.final_output == get_weather_result(*ran[0])
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+    @tool
+    def weather(city: str, days: int) -> str:
+        """The weather forecast for a city over a number of days."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=base, api_key="-", model=SMOLLM2, temperature=0, max_tokens=100, max_retries=0)
+    message = llm.bind_tools([weather], tool_choice="any").invoke("What is the weather in Oslo for 3 days?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "weather"
+    assert message.tool_calls[0]["args"]["city"] == "Oslo" and isinstance(message.tool_calls[0]["args"]["days"], int)
+    for method in ("json_schema", "function_calling"):
+        forecast = llm.with_structured_output(Weather, method=method).invoke("The weather in Rome for 5 days.")
+        assert isinstance(forecast, Weather) and 1 <= forecast.days <= 7, method
+    stats = serve_worker_stats(ray_session)
+    assert stats["prefill-0"]["num_handoffs"] - handoffs_before >= 7  # every call went through the handoff
+    assert stats["decode-0"]["num_remote_recomputes"] == 0

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, StructuredOutput
-from engine.structured import SAFE_INTEGER, bound_integers, structured_output
+from engine.structured import SAFE_INTEGER, bound_integers, close_objects, structured_output
 from tests.engine.test_structured import backend, tokenizer  # noqa: F401  (module fixtures: SmolLM2's)
 
 SEEDS = range(12)
@@ -95,6 +95,31 @@ def test_integers_are_bounded_where_the_schema_leaves_them_open(tokenizer, backe
     assert (one["minimum"], one["maximum"]) == (-SAFE_INTEGER, SAFE_INTEGER)
     assert (two["minimum"], two["maximum"]) == (0, SAFE_INTEGER)  # the schema's own bound is kept
     assert "minimum" not in three  # an enum is finite already
+
+
+def test_objects_that_list_their_properties_get_no_others(tokenizer, backend):
+    """No ``additionalProperties`` (LangChain's non-strict tools, most hand-written schemas): closed, as xgrammar's
+    strict mode (vLLM's default) closes them. Random sampling that wants more keys still ends after the listed
+    ones; what the schema says about other keys is kept; ``allOf`` branches stay open."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"]}
+    quote = bias_to(tokenizer, backend, b'",')  # keeps wanting to open another key
+    for seed in SEEDS:
+        doc = json.loads(sample(tokenizer, backend, structured_output("json_schema", json.dumps(schema)), seed,
+                                bias=quote))
+        assert set(doc) == {"city", "days"}
+    closed = close_objects({"type": "object", "$defs": {"p": {"properties": {"x": {}}}},
+                            "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                           "open": {"type": "object", "properties": {}, "additionalProperties": True},
+                                           "pairs": {"type": "array", "prefixItems": [{"type": "string"}]},
+                                           "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}}})
+    assert closed["additionalProperties"] is False and closed["$defs"]["p"]["additionalProperties"] is False
+    inner = closed["properties"]
+    assert inner["properties"]["additionalProperties"] is False and inner["open"]["additionalProperties"] is True
+    assert inner["pairs"]["items"] is False
+    assert all("additionalProperties" not in branch for branch in inner["both"]["allOf"])
+    assert "additionalProperties" not in inner["both"]
 
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},

@@ -380,3 +380,30 @@ async def test_redis_source_survives_a_redis_restart_and_a_stream_that_starts_ov
         await source.stop()
         sink.close()
         server.stop()
+
+
+async def test_redis_source_stops_even_when_redis_py_turns_the_cancel_into_a_timeout(tmp_path, monkeypatch):
+    """On Python 3.11 a cancel that meets redis-py's read timeout can come out as ``redis.TimeoutError``, which
+    the source takes for an outage and retries: stop() must still end the task (it hung CI for 600 s)."""
+    import redis.asyncio as aioredis
+
+    real_xread = aioredis.Redis.xread
+
+    async def xread_losing_the_cancel(self, *args, **kwargs):
+        try:
+            return await real_xread(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            raise redis.TimeoutError("Timeout reading from socket") from None
+
+    monkeypatch.setattr(aioredis.Redis, "xread", xread_losing_the_cancel)
+    server = RedisProcess(tmp_path)
+    url = server.start()
+    source = RedisEventSource(url, new_feed(), "t:stop", "t:stop:snap", block_ms=200)
+    task = source.start(snapshot_interval_s=None)
+    try:
+        await asyncio.sleep(0.3)  # inside a blocking XREAD
+        began = time.monotonic()
+        await asyncio.wait_for(source.stop(), timeout=10.0)
+        assert task.done() and time.monotonic() - began < 5.0
+    finally:
+        server.stop()

@@ -143,6 +143,13 @@ def test_the_enforcing_grammars_are_built_and_checked():
     assert plan("generic", choice="none").constraint is None
 
 
+def test_the_tool_metric_tells_enforced_strict_calls_from_parsed_ones():
+    assert plan().metric_mode == "auto" and plan(choice="required").metric_mode == "required"
+    assert plan(strict=True).metric_mode == "auto_strict"  # hermes: the lazy grammar holds the calls
+    assert plan("generic", strict=True).metric_mode == "auto_strict"  # the generic format's schema holds them
+    assert plan("mistral", strict=True).metric_mode == "auto_strict_parsed"  # no grammar for it: a logged fallback
+
+
 def test_formats_are_detected_from_the_template():
     assert detect_format("{{ messages }}").name == "generic"  # renders no tools
     assert detect_format("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}").name == "hermes"
