@@ -154,7 +154,7 @@ eval-compare: install
 	$(PY) -m bench.lm_eval_compare $(if $(SMALL),--limit 8,)
 
 # enforced tool calls (required, one call, named, strict auto) on SmolLM2 through the HTTP app: 16 prompts x 3 seeds
-# per mode, streamed and not; the last line is `ratio: <valid / all responses>` (target 1.0). SMALL=1: 4 prompts.
+# per mode, streamed and not; the last line is `ratio: <valid / finished responses>` (target 1.0). SMALL=1: 4 prompts.
 bench-tools: install
 	$(PY) -m bench.tool_calls $(if $(SMALL),--prompts 4 --seeds 2,)
 

