@@ -21,8 +21,11 @@ Two capacities per decode worker, the tighter one binds:
 - sequences at the ITL target: a line ``step_s = a + b * batch`` fitted to the decode workers' (mean batch,
   mean step time) per interval over the history, solved for ``itl_slo_s * itl_target_fraction``; the prior
   ``decode_running_high`` until the points span enough batch sizes to fit;
-- KV blocks: ``decode_kv_usage_high`` of a worker's blocks, against the blocks the load holds (decode's used
-  blocks + the blocks prefill workers hold for decode).
+- KV blocks: ``decode_kv_target_usage`` (0.95) of a worker's blocks, against the blocks the load holds (decode's
+  used blocks + the blocks prefill workers hold for decode). Not ``decode_kv_usage_high`` (0.8, the reactive
+  threshold): KV is room, not throughput — a cache at 0.9 serves as fast as one at 0.5 — and sized at 0.8 a
+  decode worker at 91 % read as 1.14 workers of load, so the H100 model at budget 4 moved 3P+1D → 2P+2D on a
+  short KV peak and starved prefill (docs/simulator.md e).
 """
 from __future__ import annotations
 
@@ -117,7 +120,7 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
     seqs = max(decode_backlog(o) for o in window)
     blocks = max(sum(s.kv_blocks_used for s in o.decode) + sum(s.held_blocks for s in o.prefill) for o in window)
     totals = [s.kv_blocks_total for o in window for s in o.decode if s.kv_blocks_total]
-    kv_cap = (sum(totals) / len(totals)) * cfg.decode_kv_usage_high if totals else None
+    kv_cap = (sum(totals) / len(totals)) * cfg.decode_kv_target_usage if totals else None
     fit = fit_step_time(hist)
     target = cfg.itl_slo_s * cfg.itl_target_fraction
     seq_cap = float(cfg.decode_running_high)

@@ -77,6 +77,8 @@ class AutoscalerConfig:
     prefill_tokens_per_s: float | None = None  # prior per-worker prefill rate until one is measured (None: none)
     prefill_target_utilization: float = 0.7  # a prefill pool is sized to run this busy at the demand it sees
     itl_target_fraction: float = 0.8  # decode sequences per worker are sized for ITL = this x itl_slo_s
+    decode_kv_target_usage: float = 0.95  # ... and its KV load for this fraction of a worker's blocks (not the 0.8
+    # pressure threshold: KV is room, not throughput — a fuller cache adds no latency until it is full)
     estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
     held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
     rebalance_margin: float = 0.1  # a move must lower the bottleneck's load per worker by this fraction
@@ -106,7 +108,8 @@ class AutoscalerConfig:
             raise ConfigError("autoscaler: SLOs and thresholds must be positive")
         if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
             raise ConfigError("autoscaler.prefill_tokens_per_s must be > 0 (or null: learned)")
-        for name in ("prefill_target_utilization", "itl_target_fraction", "held_blocks_high", "scale_down_load_fraction"):
+        for name in ("prefill_target_utilization", "itl_target_fraction", "decode_kv_target_usage", "held_blocks_high",
+                     "scale_down_load_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"autoscaler.{name} must be in (0, 1], got {getattr(self, name)!r}")
         if min(self.rebalance_margin, self.overload_margin, self.rebalance_cooldown_intervals) < 0 \

@@ -309,9 +309,23 @@ def test_a_role_at_its_capacity_gives_no_worker_to_an_overloaded_one():
     Evening the load per worker says 7P+1D (1.26 → 1.08: 17 %), but that takes decode past its capacity — the
     bottleneck moves and the split flapped back every 100–150 s in the simulator at budget 8 — so the move
     must gain ``overload_margin`` (25 %). No move."""
-    cfg = dataclasses.replace(BUDGET8, decode_kv_usage_high=0.8)
+    cfg = dataclasses.replace(BUDGET8, decode_kv_usage_high=0.8, decode_kv_target_usage=0.8)
     hist = [loaded(t * 2, p=6, d=2, arrived=round(7.54 * 500 * 0.7 * 2), busy=12.0, computed=6000, used=82)
             for t in range(2)]
     out = decide(hist, steady(6, 2), cfg)
     assert out[D].signals["decode_load_workers"] == pytest.approx(82 / 80)
     assert out[P].code != "rebalance" and out[D].target == 2, out[P].reason
+
+
+def test_the_kv_bound_decode_load_is_sized_for_a_nearly_full_cache():
+    """KV is room, not throughput: a decode worker with 91 % of its blocks in use carries its load (0.96 of a
+    worker at ``decode_kv_target_usage`` 0.95) — sized at the 0.8 pressure threshold it read as 1.14 workers,
+    and the H100 model at budget 4 gave prefill's third worker away for a short KV peak."""
+    from cluster.autoscale_estimate import estimate
+
+    history = [obs(t, p=3, d=1, used=91) for t in (0.0, 2.0, 4.0)]
+    need = estimate(history, CFG).decode
+    assert need.basis == "decode_kv_blocks" and need.load == pytest.approx(91 / 95) and need.workers == 1
+    assert estimate(history, dataclasses.replace(CFG, decode_kv_target_usage=0.8)).decode.workers == 2
+    with pytest.raises(ConfigError, match="decode_kv_target_usage"):
+        dataclasses.replace(CFG, decode_kv_target_usage=1.5)
