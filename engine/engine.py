@@ -144,12 +144,14 @@ class Engine(RemoteKVMixin):
         move, so its text, what is still held back and the next text it emits are exactly the original's."""
         resume = request.params.resume
         if resume is None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         skip_special_tokens=request.params.skip_special_tokens)
             return
         n = resume.num_output_tokens
         if n >= request.num_prompt_tokens:
             raise InvalidRequestError(f"resume: {n} generated tokens leave no original prompt")
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids[:-n])
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids[:-n],
+                                                     skip_special_tokens=request.params.skip_special_tokens)
         request.text = "".join(request.detokenizer.add(t) for t in request.prompt_token_ids[-n:])
         if resume.num_emitted_chars > len(request.text):
             raise InvalidRequestError(f"resume: {resume.num_emitted_chars} characters emitted, but the generated "

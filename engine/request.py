@@ -99,6 +99,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (+ the k most likely)
     structured: StructuredOutput | None = None
+    # False: special tokens are written into the text (vLLM's field) — set by the router when the chat template's
+    # tool-call or thinking marker is one (Mistral's [TOOL_CALLS]); the EOS that ends a request never is
+    skip_special_tokens: bool = True
     resume: ResumeState | None = None  # set by the router when it migrates a request, never by clients
     # tenant isolation (engine/hashing.py): both enter the block-hash root, so blocks are shared only by
     # requests with the same two values. cache_salt is the client's (vLLM's field); tenant_salt is derived
@@ -121,6 +124,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:

@@ -13,10 +13,11 @@ def apply_stop_conditions(request: Request, max_model_len: int) -> RequestStatus
     token = request.output_token_ids[-1]
     params = request.params
     num_out = len(request.output_token_ids)
-    if request.detokenizer is not None:
+    ends = num_out >= params.min_tokens and token in request.eos_token_ids
+    if request.detokenizer is not None and not ends:  # an EOS that ends the request is not text (special or not)
         request.text += request.detokenizer.add(token)
     if num_out >= params.min_tokens:
-        if token in request.eos_token_ids:
+        if ends:
             return _finish(request, RequestStatus.FINISHED_STOPPED, None)
         if token in params.stop_token_ids:
             return _finish(request, RequestStatus.FINISHED_STOPPED, token)

@@ -9,9 +9,15 @@ operator names one (``--tool-call-parser``); a template that renders no tools ge
 logged here once, and counted per request (``duet_tool_requests{format="generic"}``). A template thinks when it
 mentions ``<think>``; a rendered prompt that ends inside ``<think>`` (DeepSeek-R1 distills open the block
 themselves) starts the output in reasoning.
+
+A marker the shaper reads may be a special token of the tokenizer (Mistral's ``[TOOL_CALLS]`` is a control token,
+Llama 3.1's ``<|python_tag|>`` too): text drops special tokens by default, so a request whose output is shaped
+asks the engine to keep them (``SamplingParams.skip_special_tokens=False``, as vLLM's parsers do); the EOS that
+ends a request is never text.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +34,7 @@ class ChatFormat:
     tokenizer: Tokenizer
     tools: ToolFormat
     thinks: bool
+    special_markers: frozenset[str] = frozenset()  # the markers (tools, thinking) that are special tokens
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, tool_call_parser: str | None = None) -> ChatFormat:
@@ -39,7 +46,14 @@ class ChatFormat:
             if not fmt.native and template:
                 log.info("the chat template writes no tool calls: requests with tools use duet's generic JSON "
                          "format (tools described in a system message, calls held to JSON by a grammar)")
-        return cls(tokenizer, fmt, THINK_OPEN in template or THINK_OPEN in (tokenizer.chat_template or ""))
+        thinks = THINK_OPEN in template or THINK_OPEN in (tokenizer.chat_template or "")
+        specials = tokenizer.special_token_ids
+        markers = fmt.markers + ((THINK_OPEN, THINK_CLOSE) if thinks else ())
+        special = frozenset(m for m in markers if tokenizer.token_to_id(m) in specials)
+        if special:
+            log.info("chat markers %s are special tokens: shaped requests keep special tokens in their text",
+                     ", ".join(sorted(special)))
+        return cls(tokenizer, fmt, thinks, special)
 
     @staticmethod
     def check_parser(name: str) -> str:
@@ -62,4 +76,6 @@ class ChatFormat:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
         opened = text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE) and text.rstrip().endswith(THINK_OPEN)
         shaping = Shaping(plan, thinks=self.thinks, starts_thinking=self.thinks and opened)
+        if self.special_markers and shaping.active:
+            shaping = dataclasses.replace(shaping, keep_special_tokens=True)
         return self.tokenizer.encode(text, add_special_tokens=False), shaping

@@ -57,6 +57,7 @@ class Shaping:
     plan: ToolPlan | None = None
     thinks: bool = False
     starts_thinking: bool = False
+    keep_special_tokens: bool = False  # a marker the shaper reads is a special token: the engine must write it
 
     @property
     def active(self) -> bool:

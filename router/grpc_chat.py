@@ -47,6 +47,8 @@ class ChatTurn:
     def params(self, params: SamplingParams) -> SamplingParams:
         """The request's own sampling params, with the grammar that enforces its tool calls (if any)."""
         constraint = self.shaping.plan.constraint if self.shaping.plan is not None else None
+        if self.shaping.keep_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if constraint is None:
             return params
         if params.structured is not None:

@@ -121,7 +121,8 @@ class _OpenAIServer:
         if shaping.plan is not None and self.metrics is not None:
             self.metrics.tool_requests.labels(shaping.plan.fmt.name, shaping.plan.metric_mode).inc()
         return await self._generate(request, body, [prompt_ids], functools.partial(ChatResponses, shaping=shaping),
-                                    tool_constraint=shaping.plan.constraint if shaping.plan else None)
+                                    tool_constraint=shaping.plan.constraint if shaping.plan else None,
+                                    keep_special_tokens=shaping.keep_special_tokens)
 
     async def responses(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest, self.max_request_bytes)
@@ -154,12 +155,12 @@ class _OpenAIServer:
     # ---- the one generation path -----------------------------------------------------------------
     async def _generate(self, request: Request, body: GenerationRequest, prompts: list[list[int]],
                         builder_class: Callable[..., ResponseBuilder], echo: list[str | None] | None = None,
-                        tool_constraint=None) -> Response:
+                        tool_constraint=None, keep_special_tokens: bool = False) -> Response:
         """``prompts``: one, or a completions batch; choice ``p * n + i`` is prompt p's i-th choice.
         ``echo``: each prompt's text (None: the decoded ids), returned before its completions."""
         # a batch is completions only, whose max_tokens does not depend on the prompt: one params list
         params = body.sampling_params(len(prompts[0]), self.backend.card.max_model_len, self.salt_for(request),
-                                      tool_constraint)
+                                      tool_constraint, keep_special_tokens)
         for ids in prompts:
             self.backend.check_request(ids, params[0])  # choices differ only in their seeds
         if echo:  # ids are known to be in the vocabulary now

@@ -172,7 +172,8 @@ class GenerationRequest(StrictModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int, tenant_salt: str | None = None,
-                        tool_constraint: StructuredOutput | None = None) -> list[SamplingParams]:
+                        tool_constraint: StructuredOutput | None = None,
+                        keep_special_tokens: bool = False) -> list[SamplingParams]:
         """One SamplingParams per choice; raises InvalidRequestError for what we cannot honour.
         ``tenant_salt``: the API key's (router/tenancy.py), when the router salts by key; ``tool_constraint``:
         the grammar that enforces the request's tool calls (router/openai_tools.py)."""
@@ -204,6 +205,7 @@ class GenerationRequest(StrictModel):
             logit_bias=self.token_bias(),
             prompt_logprobs=self.requested_prompt_logprobs(),
             structured=structured,
+            skip_special_tokens=not keep_special_tokens,
             cache_salt=self.cache_salt,
             tenant_salt=tenant_salt,
         )

@@ -261,7 +261,7 @@ async def serve_response(server, request, body: ResponsesRequest) -> Response:
     server.check_model(chat.model)
     prompt_ids, shaping = server.chat_format.prompt(chat)
     [params] = chat.sampling_params(len(prompt_ids), server.backend.card.max_model_len, server.salt_for(request),
-                                    shaping.plan.constraint if shaping.plan else None)
+                                    shaping.plan.constraint if shaping.plan else None, shaping.keep_special_tokens)
     server.backend.check_request(prompt_ids, params)
     out = ResponsesOutput(body, len(prompt_ids))
     run = await ChoiceRun.started(server.backend, out.id, [(prompt_ids, params)], request)

@@ -228,6 +228,7 @@ class ToolFormat:
     native: bool
     make: Callable[[], MarkerParser | GenericParser]
     start: str | None = None  # the marker a call opens with (a strict auto call's trigger), if one
+    markers: tuple[str, ...] = ()  # the marker strings the parser reads (kept in the text if they are special tokens)
 
     def parser(self):
         return self.make()
@@ -235,13 +236,14 @@ class ToolFormat:
 
 FORMATS = {
     "hermes": ToolFormat("hermes", True, lambda: MarkerParser(("<tool_call>",), "</tool_call>", calls_of),
-                         start="<tool_call>"),
+                         start="<tool_call>", markers=("<tool_call>", "</tool_call>")),
     "mistral": ToolFormat("mistral", True, lambda: MarkerParser(("[TOOL_CALLS]",), None,
                                                                 lambda p: calls_of(p, many=True)),
-                          start="[TOOL_CALLS]"),
+                          start="[TOOL_CALLS]", markers=("[TOOL_CALLS]",)),
     "llama3_json": ToolFormat("llama3_json", True, lambda: MarkerParser(("<|python_tag|>",), None,
                                                                         lambda p: calls_of(p, sep=";"),
-                                                                        bare_json=True)),
+                                                                        bare_json=True),
+                              markers=("<|python_tag|>",)),
     "generic": ToolFormat("generic", False, GenericParser),
 }
 
