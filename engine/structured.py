@@ -144,53 +144,59 @@ def generation_schema(schema: dict) -> dict:
 
 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_VALUE_KEYS = ("const", "enum", "default", "examples")  # JSON values, not schemas: never rewritten
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
 
 
-def close_objects(schema, *, in_all_of: bool = False):
-    """A copy of ``schema`` where every object schema with ``properties`` and none of ``_OPEN_KEYS`` gets
-    ``"additionalProperties": false``, and every array schema with ``prefixItems`` and no ``items`` /
-    ``unevaluatedItems`` gets ``"items": false`` — except the direct branches of an ``allOf``."""
+def _rewrite(schema, fix, in_all_of: bool = False):
+    """A copy of ``schema`` with ``fix(node, copy, in_all_of)`` applied to every subschema's copy, bottom-up —
+    in properties, items, combinators and definitions alike (a mapping of names to schemas is not a schema)."""
     if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
+        return [_rewrite(s, fix, in_all_of) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for k, v in schema.items():
-        if k in ("const", "enum", "default", "examples"):
+        if k in _VALUE_KEYS:
             out[k] = v
-        elif k == "allOf" and isinstance(v, list):
-            out[k] = [close_objects(s, in_all_of=True) for s in v]
-        elif k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") and isinstance(v, dict):
-            out[k] = {name: close_objects(s) for name, s in v.items()}
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rewrite(sub, fix) for name, sub in v.items()}
         else:
-            out[k] = close_objects(v)
-    if not in_all_of and "allOf" not in schema:
-        if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
-            out["additionalProperties"] = False
-        if isinstance(schema.get("prefixItems"), list) and "items" not in schema and "unevaluatedItems" not in schema:
-            out["items"] = False
+            out[k] = _rewrite(v, fix, in_all_of=k == "allOf")
+    fix(schema, out, in_all_of)
     return out
+
+
+def close_objects(schema):
+    """A copy of ``schema`` where every object schema with ``properties`` and none of ``_OPEN_KEYS`` gets
+    ``"additionalProperties": false``, and every array schema with ``prefixItems`` and no ``items`` /
+    ``unevaluatedItems`` gets ``"items": false`` — except the direct branches of an ``allOf``."""
+    def close(node: dict, out: dict, in_all_of: bool) -> None:
+        if in_all_of or "allOf" in node:
+            return
+        if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
+            out["additionalProperties"] = False
+        if isinstance(node.get("prefixItems"), list) and "items" not in node and "unevaluatedItems" not in node:
+            out["items"] = False
+
+    return _rewrite(schema, close)
 
 
 def bound_integers(schema):
     """A copy of ``schema`` where every ``"type": "integer"`` (or a type list holding it) without a lower or
-    upper bound gets ±``SAFE_INTEGER`` there — in properties, items, combinators and definitions alike.
-    Bounds the schema states (``minimum``, ``exclusiveMinimum``, ...) are kept, and so is a ``const`` /
-    ``enum`` (already finite)."""
-    if isinstance(schema, list):
-        return [bound_integers(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bound_integers(v) if k not in ("const", "enum", "default", "examples") else v
-           for k, v in schema.items()}
-    kind = schema.get("type")
-    if (kind == "integer" or isinstance(kind, list) and "integer" in kind) and "const" not in schema \
-            and "enum" not in schema:
-        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+    upper bound gets ±``SAFE_INTEGER`` there. Bounds the schema states (``minimum``, ``exclusiveMinimum``, ...)
+    are kept, and so is a ``const`` / ``enum`` (already finite)."""
+    def bound(node: dict, out: dict, _in_all_of: bool) -> None:
+        kind = node.get("type")
+        if not (kind == "integer" or isinstance(kind, list) and "integer" in kind) or "const" in node \
+                or "enum" in node:
+            return
+        if "minimum" not in node and "exclusiveMinimum" not in node:
             out["minimum"] = -SAFE_INTEGER
-        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+        if "maximum" not in node and "exclusiveMaximum" not in node:
             out["maximum"] = SAFE_INTEGER
-    return out
+
+    return _rewrite(schema, bound)
 
 
 def _check_meta_schema(schema: dict) -> None:

@@ -84,9 +84,9 @@ class RouterMetrics:
                                         registry=r)
         self.tool_requests = Counter("duet_tool_requests", "Chat requests with tools, by the format their calls are "
                                      "written in (generic: the model's chat template has no tool format and duet's "
-                                     "JSON format stands in, a fallback) and tool_choice mode (auto_strict: strict tools enforced by a "
-                                     "grammar; auto_strict_parsed: a format duet cannot enforce them in, parsed only, "
-                                     "a fallback).", ("format", "mode"),
+                                     "JSON format stands in, a fallback) and tool_choice mode (auto_strict: strict "
+                                     "tools enforced by a grammar; auto_strict_parsed: a format duet cannot enforce "
+                                     "them in, parsed only, a fallback).", ("format", "mode"),
                                      registry=r)
         self.cold_start_time = Histogram("duet_worker_cold_start_seconds", "Workers started, from the actor spawned "
                                          "to it ready (model loaded, handshakes done).", ("role",),

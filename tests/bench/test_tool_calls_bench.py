@@ -14,7 +14,8 @@ def test_the_judge_accepts_only_valid_finished_calls():
     assert problem("required", REQUIRED, [], "stop") == "no call"
     assert problem("required, one call", ONE, [ok, ok], "tool_calls") == "2 calls without parallel calls"
     assert problem("named search_web", {}, [ok], "stop") == "called 'get_weather'"
-    assert "maximum of 14" in problem("required", REQUIRED, [("get_weather", '{"city": "Paris", "days": 30}')], "tool_calls")
+    too_long = ("get_weather", '{"city": "Paris", "days": 30}')
+    assert "maximum of 14" in problem("required", REQUIRED, [too_long], "tool_calls")
     assert problem("required", REQUIRED, [("get_weather", '{"city": "Par')], "tool_calls").startswith("get_weather")
     assert problem("auto, strict", {}, [], "stop") is None  # auto may answer in text
     assert problem("required", REQUIRED, [("convert_currency", '{"amount": 1, "from": "eur", "to": "USD"}')],
