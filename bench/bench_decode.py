@@ -64,15 +64,37 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
+def record_compiles(compiled: list[str]) -> None:
+    """From now on append the name of every Triton kernel compiled in this process to ``compiled``: a compile
+    inside a timed step is a one-off stall (~1 s), so each row says which its timed steps met."""
+    import triton
+
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kw):
+        compiled.append(fn.name)
+        return previous(fn=fn, **kw) if previous else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+COMPILED: list[str] = []
+
+
 def run_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
     """Prefill ``batch`` prompts of ``context`` tokens, then time ``steps`` decode-only steps."""
     from engine.request import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
+    # Long enough that no sequence ends inside the timed steps (the first prompts decode while the last ones still
+    # prefill): a batch that shrank there would time smaller batches, and on CUDA the capture of their graphs
+    # (seen on an H200: a 0.4-1.2 s Triton compile inside "batch 32"). What is left is aborted after timing.
+    max_tokens = steps + 2 + engine.config.max_num_seqs
+    request_ids = []
     for i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
-        engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
-            max_tokens=steps + 3, temperature=0, ignore_eos=True))
+        request_ids.append(engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True)).request_id)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
@@ -82,13 +104,23 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict
     device = engine.config.device
     _sync(device)
     t0 = time.perf_counter()
+    step_ends = []
+    compiles_before = len(COMPILED)
     for _ in range(steps):
-        engine.step()
+        engine.step()  # returns after the step's tokens reached the host: a step's time is wall time
+        step_ends.append(time.perf_counter())
     _sync(device)
     elapsed = time.perf_counter() - t0
+    if len(engine.scheduler.running) != batch:
+        raise SystemExit(f"the batch changed to {len(engine.scheduler.running)} sequences while timed")
+    step_ms = sorted(1e3 * (b - a) for a, b in zip([t0, *step_ends], step_ends))
+    for request_id in request_ids:
+        engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     return {"batch": batch, "seconds": elapsed, "tokens": batch * steps,
+            "step_ms_median": step_ms[len(step_ms) // 2], "step_ms_max": step_ms[-1],
+            "compiles_in_timed_steps": COMPILED[compiles_before:],
             "mean_context": context + 2 + (steps - 1) / 2}  # the prompt, the tokens before, half of the timed
 
 
@@ -130,6 +162,8 @@ def main() -> None:
         from engine.default_model import default_model_path
         model = args.model or str(default_model_path())
     on_cuda = args.device.startswith("cuda")
+    if on_cuda:
+        record_compiles(COMPILED)
     bandwidth = copy_bandwidth(args.device, (512 if on_cuda else 256) << 20)
     from engine.config import ModelConfig
     from engine.loader import resolve_dtype
@@ -156,7 +190,9 @@ def main() -> None:
               f"weights {weight_bytes(engine.runner.model) / 1e6:.1f} MB{extra}")
         for r in rows:
             print(f"  batch {r['batch']:>4}: {r['tok_s']:9.1f} tok/s  {r['ms_per_step']:8.2f} ms/step  "
-                  f"{100 * r['bandwidth_fraction']:5.1f} % of copy bandwidth")
+                  f"{100 * r['bandwidth_fraction']:5.1f} % of copy bandwidth  (step median {r['step_ms_median']:.2f}, "
+                  f"max {r['step_ms_max']:.2f} ms)" + (f"; Triton compiles while timed: {r['compiles_in_timed_steps']}"
+                                                      if r["compiles_in_timed_steps"] else ""))
         del engine
     if args.json:
         with open(args.json, "w") as f:

@@ -4,7 +4,11 @@
 attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only);
 GEMMs by oneDNN on weights packed once at load.
 ``triton``: the Triton launchers, the fused per-token ops of kernels/fused.py included (CUDA, or the Triton
-interpreter on CPU when forced, as the tests do).
+interpreter on CPU when forced, as the tests do). One exception, by measurement: on a CUDA device the dense
+(unquantized) GEMMs go to cuBLAS through ``torch.nn.functional.linear``, which ran 2.9-3.2x our Triton GEMM at
+decode shapes (M = 1, 16, 64 of 4096x4096) and 1.3x at prefill (M = 4096) on an H200 (`make bench-kernels`,
+2026-11-25, docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
+the Triton GEMM runs, so the tests keep it exercised through the engine.
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
 
@@ -86,7 +90,7 @@ def _load_native() -> None:
     cpu_native.load()
 
 
-def get_ops(backend: str) -> KernelOps:
+def get_ops(backend: str, device: str = "cpu") -> KernelOps:
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
     if backend == "cpu":
@@ -123,7 +127,7 @@ def get_ops(backend: str) -> KernelOps:
         store_kv=store_kv.store_kv,
         prefill_attention=prefill_attention.prefill_attention,
         decode_attention=decode_attention.paged_decode_attention,
-        linear=gemm.gemm,
+        linear=gemm.gemm_ref if device.startswith("cuda") else gemm.gemm,  # cuBLAS on a GPU (module doc)
         w8a16_linear=gemm.w8a16_gemm,
         rms_norm=fused.rms_norm,
         rotary_=fused.rotary_,

@@ -59,8 +59,8 @@ def prefill_attention_ref(
             continue
         k = gather_kv(key_cache, block_tables[s], kv_len).float()
         v = gather_kv(value_cache, block_tables[s], kv_len).float()
-        pos_q = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-        pos_k = torch.arange(kv_len).unsqueeze(0)
+        pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
+        pos_k = torch.arange(kv_len, device=q.device).unsqueeze(0)
         allowed = pos_k <= pos_q
         if sliding_window is not None:
             allowed &= pos_k > pos_q - sliding_window

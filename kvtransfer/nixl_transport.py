@@ -111,7 +111,8 @@ class NixlTransport:
         except Exception as exc:  # nixl raises its own binding exception types
             raise KVConfigError(
                 f"cannot create NIXL agent {self.agent_name!r} with backends {list(backends)}"
-                f" ({_ucx_env_summary()}; NIXL's UCX backend needs tcp or an RDMA transport): {exc}"
+                f" ({_ucx_env_summary()}; NIXL's UCX backend needs tcp or an RDMA transport, and "
+                f"cuda_copy too where NVIDIA GPUs are present): {exc}"
             ) from exc
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:

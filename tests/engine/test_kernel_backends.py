@@ -22,30 +22,34 @@ pytestmark = pytest.mark.skipif(
     reason="Triton needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU-only machines)")
 
 PROMPTS = [[5, 6, 7], list(range(10, 43)), list(range(60, 80))]
+# compiled kernels on a GPU machine (both backends there, float32 as on CPU), the interpreter elsewhere
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def engine(model_dir, **kw):
-    return Engine(EngineConfig(model=str(model_dir), num_blocks=32, **kw))
+    return Engine(EngineConfig(model=str(model_dir), num_blocks=32, device=DEVICE, dtype="float32", **kw))
 
 
 def prompt_logits(e: Engine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill forward through the engine's runner and cache."""
     from engine.attention import AttentionMetadata
 
-    B = e.config.block_size
+    B, dev = e.config.block_size, e.runner.device
     blocks = e.pool.allocate(-(-len(prompt) // B))
     ids = [b.block_id for b in blocks]
+    i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([ids[p // B] * B + p % B for p in range(len(prompt))]),
+        slot_mapping=torch.tensor([ids[p // B] * B + p % B for p in range(len(prompt))], device=dev),
         num_prefill_tokens=len(prompt),
-        prefill_block_tables=torch.tensor([ids], dtype=torch.int32),
-        prefill_cu_seqlens_q=torch.tensor([0, len(prompt)], dtype=torch.int32),
-        prefill_seq_lens=torch.tensor([len(prompt)], dtype=torch.int32),
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32), decode_seq_lens=torch.zeros(0, dtype=torch.int32))
+        prefill_block_tables=torch.tensor([ids], **i32),
+        prefill_cu_seqlens_q=torch.tensor([0, len(prompt)], **i32),
+        prefill_seq_lens=torch.tensor([len(prompt)], **i32),
+        decode_block_tables=torch.zeros(0, 1, **i32), decode_seq_lens=torch.zeros(0, **i32))
     try:
         with torch.inference_mode():
-            hidden = e.runner.model(torch.tensor(prompt), torch.arange(len(prompt)), e.runner.kv_cache, meta)
-            return e.runner.model.compute_logits(hidden)
+            hidden = e.runner.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
+                                    e.runner.kv_cache, meta)
+            return e.runner.model.compute_logits(hidden).cpu()
     finally:
         e.pool.free_blocks(blocks)
 
@@ -83,3 +87,14 @@ def test_w8a16_triton_matches_w8a16_torch(tiny_model):
     a = prompt_logits(engine(model_dir, kernels="torch", quantization="w8a16"), PROMPTS[2])
     b = prompt_logits(engine(model_dir, kernels="triton", quantization="w8a16"), PROMPTS[2])
     assert (a - b).abs().max() <= 1e-4
+
+
+def test_dense_gemms_go_to_cublas_on_cuda_only():
+    """engine/ops.py: on a CUDA device the triton backend's dense GEMM is torch's (cuBLAS, faster at every measured
+    shape); elsewhere the Triton GEMM; int8 weight-only GEMMs stay Triton on both."""
+    from engine.ops import get_ops
+    from kernels import gemm
+
+    on_gpu, here = get_ops("triton", "cuda"), get_ops("triton", "cpu")
+    assert on_gpu.linear is gemm.gemm_ref and here.linear is gemm.gemm
+    assert on_gpu.w8a16_linear is gemm.w8a16_gemm and here.w8a16_linear is gemm.w8a16_gemm

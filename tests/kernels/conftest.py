@@ -13,3 +13,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def host_value_checks_on_cuda(monkeypatch):
+    """On CUDA the launchers skip the checks that read values on the host (a device sync each; the engine's
+    values are right by construction, and a CUDA graph can hold no sync), so the argument tests here turn them
+    on: an out-of-range slot passed unchecked is an out-of-bounds write that poisons the process' CUDA context
+    (seen on an H200, 2026-11-25: every later test in that worker failed). A test may set its own value."""
+    if torch.cuda.is_available():
+        monkeypatch.setenv("DUET_KERNEL_CHECKS", "1")

@@ -67,7 +67,7 @@ def _valid_args():
     (lambda a: a.update(key_cache=a["key_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
      "key_cache must be contiguous in its last dim"),
     (lambda a: a.update(key=a["key"].unsqueeze(0)), ValueError, "key must have 3 dims"),
-    (lambda a: a.update(value=a["value"].numpy()), TypeError, "value must be a torch.Tensor"),
+    (lambda a: a.update(value=a["value"].cpu().numpy()), TypeError, "value must be a torch.Tensor"),
 ])
 def test_rejects_bad_arguments_by_name(change, error, match):
     args = _valid_args()

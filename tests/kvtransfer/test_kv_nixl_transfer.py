@@ -265,9 +265,11 @@ def test_pull_from_killed_peer_fails_fast():
 
 
 def test_pull_from_stopped_peer_times_out(monkeypatch):
-    # Over TCP the owner must progress its UCX worker to serve a READ; a SIGSTOPped owner never does.
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    frozen = start_owner("frozen-owner", ucx_tls="tcp")
+    # Over TCP the owner must progress its UCX worker to serve a READ; a SIGSTOPped owner never does. NIXL's UCX
+    # backend refuses a UCX_TLS without cuda_copy where NVIDIA GPUs are present (seen on an H200 VM): added there.
+    tls = "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
+    monkeypatch.setenv("UCX_TLS", tls)
+    frozen = start_owner("frozen-owner", ucx_tls=tls)
     kv = torch.zeros(cache_shape(TEST_COMPAT, PULLER_BLOCKS), dtype=torch.bfloat16)
     try:
         with NixlTransport(kv, TEST_COMPAT, agent_name="frozen-puller") as transport:

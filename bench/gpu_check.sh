@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# duet's GPU path in one bounded call, for a lent GPU machine (no network there): the CUDA tests, then
+# make bench-kernels, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier copies.
+#
+#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (default: all)
+#
+# Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md "GPU runs": gguf,
+# llguidance, jsonschema + its three, redis, nixl + a trimmed nixl_cu13); they are installed into /tmp/site.
+# Each stage has its own time limit and writes $OUT/<stage>.log (OUT defaults to build/gpu); the summary
+# prints each stage's exit code and the lines that carry its figures.
+set -u
+OUT=${OUT:-build/gpu}
+mkdir -p "$OUT"
+STAGES=${*:-env tests kernels decode tiers}
+PY=${PYTHON:-python3}
+export PYTHONPATH=/tmp/site:$PWD DUET_GPU_CHECK=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; tail -5 "$OUT/pip.log"; }
+fi
+MODEL_1B=/tmp/duet-llama-1b
+if [[ " $STAGES " == *" decode "* ]]; then  # built on the CPUs while the tests use the GPU
+    $PY -c "
+from engine.tiny import make_tiny_model
+make_tiny_model('$MODEL_1B', arch='llama', hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                intermediate_size=8192, dtype='bfloat16', max_position_embeddings=4096)" > "$OUT/model.log" 2>&1 &
+    MODEL_PID=$!
+fi
+
+stage() {  # stage NAME LIMIT_S CMD...: run, bounded; print rc, time and the figure lines
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)"
+    grep -E "ratio:|passed|failed|error|Error|MISMATCH|tok/s|GB/s|TFLOP|HBM|check |captured" "$OUT/$name.log" \
+        | grep -v "^\s*$" | tail -n 40
+}
+
+for s in $STAGES; do
+    case $s in
+    env)
+        {
+            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+            $PY -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton',
+                    triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+            $PY -c "import nixl, gguf, llguidance, redis, jsonschema; print('carried wheels import')"
+            command -v cc gcc nvcc
+        } > "$OUT/env.log" 2>&1
+        cat "$OUT/env.log"
+        ;;
+    tests)
+        xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+        stage tests 180 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
+            tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_decode_graphs.py \
+            tests/engine/test_kernel_backends.py tests/kvtransfer/test_kv_nixl_transfer.py \
+            --ignore tests/kernels/test_cpu_native.py --ignore tests/kernels/test_sm90_compile.py
+        ;;
+    kernels)
+        stage kernels 120 $PY -m bench.bench_kernels
+        ;;
+    decode)
+        [ -n "${MODEL_PID:-}" ] && wait "$MODEL_PID"
+        tail -3 "$OUT/model.log"
+        stage decode 180 $PY -m bench.bench_decode --model "$MODEL_1B" --dtype bfloat16 --device cuda \
+            --json "$OUT/decode.json"
+        ;;
+    tiers)
+        stage tiers 60 $PY -m bench.bench_tiers_copy --repeats 3
+        ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+    esac
+done
