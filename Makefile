@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -85,6 +85,14 @@ bench-decode: install
 # GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
 bench-kernels: install
 	$(if $(SMALL),TRITON_INTERPRET=1,) $(PY) -m bench.bench_kernels $(if $(SMALL),--small,)
+
+# duet's GPU path in one bounded call on a GPU machine without network (a lent one; see docs/benchmarks.md "GPU"):
+# the CUDA tests, bench-kernels, bench-decode on a Llama-3.2-1B-shaped random model, the KV tier copies; logs in
+# $$OUT (build/gpu). `make gpu-wheels` first, on a machine with PyPI: the packages that machine lacks, into .whl/
+gpu-wheels:
+	bash bench/gpu_wheels.sh
+gpu-check:
+	bash bench/gpu_check.sh
 
 bench-kvtransfer: install
 	$(PY) -m bench.bench_kvtransfer
