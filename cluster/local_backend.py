@@ -19,6 +19,7 @@ from router.backend import Backend, Health, ModelCard
 class LocalBackend(Backend):
     def __init__(self, engine: Engine, model_id: str | None = None) -> None:
         self.engine = engine
+        engine.capture_decode_graphs()  # a colocated engine decodes: every bucket before serving (CUDA only)
         self.async_engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
         self.card = ModelCard(model_id=model_id or str(engine.config.model), max_model_len=engine.max_model_len,

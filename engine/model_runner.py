@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import time
 
 import torch
 
@@ -197,9 +198,11 @@ class DecodeGraphs:
     A graph replays fixed kernels on fixed addresses, so a step's inputs are copied into static buffers sized
     for ``max_batch`` sequences and a block table as wide as ``max_model_len`` needs; a batch of ``n`` runs the
     graph of the smallest bucket >= n, its extra rows padding: slot -1 (``store_kv`` skips it), length 1 and
-    block 0 (read, never written; their outputs are dropped). Buckets are captured lazily, the first time a
-    decode batch of their size runs (a prefill-only worker captures none), on a padding-only batch, after one
-    eager warm-up run (Triton compiles there), all in one memory pool.
+    block 0 (read, never written; their outputs are dropped). Each bucket is captured on a padding-only batch,
+    after one eager warm-up run (Triton compiles there), all in one memory pool: every bucket at once by
+    ``capture_all`` (a decode or colocated worker at start-up and on a flip into decode: the first step of a
+    new bucket would otherwise stall its batch by a capture and a compile), else lazily, the first time a decode
+    batch of that size runs (a prefill-only worker captures none).
 
     The kernels on this path make no host syncs on CUDA (data checks are off there unless
     ``DUET_KERNEL_CHECKS=1``, which the capture refuses). A capture that fails anyway is logged, counted in
@@ -226,6 +229,17 @@ class DecodeGraphs:
 
     def bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
+
+    def capture_all(self) -> int:
+        """Capture every bucket not captured yet, the largest first (the shared pool is sized by it); the number."""
+        new = [b for b in reversed(self.sizes) if b not in self.graphs]
+        t0 = time.perf_counter()
+        for b in new:
+            self._fill(b, [], [], [], [], [])
+            self.graphs[b] = self._capture(b) if self.capture else (None, None)
+        if new:
+            log.info("captured decode graphs for %d batch sizes in %.2f s", len(new), time.perf_counter() - t0)
+        return len(new)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             seq_lens: list[int]) -> torch.Tensor:

@@ -4,6 +4,8 @@
   the architectures whose attention differs (Llama GQA, Qwen2 biases + tied head, Mistral's sliding window);
 - bfloat16 serving stays close to transformers in bf16 on the same GPU (the first tokens agree; bf16 sums in
   another order drift later, so only a prefix is required);
+- a decode engine that captured every bucket up front serves batches of every size without a Triton compile
+  or another capture (the first batch of a new size would otherwise stall on both);
 - the host KV tier on a CUDA engine (pinned host memory, copies on a side stream ordered by CUDA events) gives
   the outputs of an engine without it and brings blocks back byte for byte.
 """
@@ -44,6 +46,29 @@ def test_float32_greedy_equals_transformers_with_graphs(tiny_model, variant):
     for n, r, want in zip(PROMPT_LENS, res, ref):
         got = r["token_ids"]
         assert got == want, f"prompt of {n} tokens diverges at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+
+
+def test_graphs_captured_up_front_serve_every_batch_size_without_a_compile(tiny_model):
+    import triton
+
+    engine = cuda_engine(tiny_model("llama"), max_num_seqs=16, cuda_graph_max_batch=16)
+    graphs = engine.runner.decode_graphs
+    assert engine.capture_decode_graphs() == len(graphs.sizes) and set(graphs.graphs) == set(graphs.sizes)
+    assert engine.runner.fallbacks == []
+    compiled: list[str] = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **kw: compiled.append(fn.name)
+    try:
+        # prompts ending at different steps: decode batches shrink through every bucket from 16 down to 1
+        prompts = random_prompts(512, lens=tuple(range(3, 3 + 16)))
+        params = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True) for i in range(16)]
+        engine.generate(prompts, params)
+        # prefill kernels compile on first use (prefill steps run eagerly); the decode attention kernels, which a
+        # lazy capture compiles per bucket (split-K or not), must not
+        assert not [name for name in compiled if "decode" in name], compiled
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert set(graphs.graphs) == set(graphs.sizes) and graphs.replays > 0
 
 
 def test_bfloat16_first_tokens_agree_with_transformers_in_bfloat16(tiny_model):

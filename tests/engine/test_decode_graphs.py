@@ -124,3 +124,12 @@ def test_triton_decode_forward_reads_no_values_on_the_host(tiny_model, monkeypat
         assert out.shape == (4, e.model_config.hidden_size) and bool(out.isfinite().all())
     assert probes["1"].seen, "the probe saw none of the checks' host reads"
     assert probes["0"].seen == []
+
+
+def test_capture_all_fills_every_bucket_once(tiny_model):
+    e = make(tiny_model("llama"), "torch", False)
+    assert e.capture_decode_graphs() == 0  # a CPU engine has no graphs: nothing to capture
+    g = DecodeGraphs(e.runner, 20, 4, capture=False)
+    g.graphs[4] = (None, None)  # one bucket already there (a decode batch ran): not captured again
+    assert g.capture_all() == len(g.sizes) - 1 and set(g.graphs) == set(g.sizes)
+    assert g.capture_all() == 0
