@@ -218,5 +218,9 @@ def test_openapi_document_describes_the_new_fields(served):
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         assert "structured_outputs" in schemas[model]["properties"], model
     assert set(schemas["StructuredOutputs"]["properties"]) == {"json", "regex", "choice", "grammar", "json_object"}
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for field in ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"):  # issue 25
+        assert field in chat, field
+    assert "post" in doc["paths"]["/v1/responses"]
     models = served.client.models.list().data
     assert all(m.model_extra["max_model_len"] == served.backend.card.max_model_len for m in models)
