@@ -55,14 +55,19 @@ class Setup:
         self.dtype = torch.float16 if small else torch.bfloat16
         self.q_heads, self.kv_heads, self.head_dim, self.block_size = (4, 2, 64, 16) if small else (32, 8, 128, 16)
 
-    def time_ms(self, fn) -> float:
+    def time_ms(self, fn, graph: bool = False) -> float:
+        """Median ms; ``graph``: replayed from a CUDA graph, as the engine runs decode steps — at decode shapes a
+        Triton launch from Python costs more than the kernel (measured on an H200: our M=1 GEMM timed 160 us
+        launched, ~12 us replayed; bench/gemm_sweep.py)."""
         if self.small:
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=200)
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
     def randn(self, *shape, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device=self.device) * scale).to(self.dtype)
@@ -142,10 +147,10 @@ def bench_gemm(s: Setup) -> float:
     for m in ms_list:
         x, w = s.randn(m, k), s.randn(n, k, scale=k ** -0.5)
         check(f"gemm M={m}", gemm(x, w), (x.float() @ w.float().T), 5e-2)
-        ms = s.time_ms(lambda: gemm(x, w))
-        ms_ref = s.time_ms(lambda: torch.matmul(x, w.T))
-        flops = 2 * m * n * k
         kind = "decode" if m <= 64 else "prefill"
+        ms = s.time_ms(lambda: gemm(x, w), graph=kind == "decode")
+        ms_ref = s.time_ms(lambda: torch.matmul(x, w.T), graph=kind == "decode")
+        flops = 2 * m * n * k
         print(f"gemm {kind:7s} {m}x{n}x{k}: triton {flops / ms / 1e9:.2f} TFLOP/s, "
               f"torch.matmul {flops / ms_ref / 1e9:.2f} TFLOP/s, triton/torch {ms_ref / ms:.3f}")
         ratios.append(ms_ref / ms)
@@ -159,9 +164,9 @@ def bench_w8a16(s: Setup) -> None:
             x, w = s.randn(m, k), s.randn(n, k, scale=k ** -0.5)
             qweight, scales = quantize_weight_int8(w, group_size)
             check(f"w8a16 M={m}", w8a16_gemm(x, qweight, scales), w8a16_gemm_ref(x, qweight, scales), 5e-2)
-            ms_q = s.time_ms(lambda: w8a16_gemm(x, qweight, scales))
-            ms_bf16 = s.time_ms(lambda: gemm(x, w))
-            ms_torch = s.time_ms(lambda: torch.matmul(x, w.T))
+            ms_q = s.time_ms(lambda: w8a16_gemm(x, qweight, scales), graph=True)
+            ms_bf16 = s.time_ms(lambda: gemm(x, w), graph=True)
+            ms_torch = s.time_ms(lambda: torch.matmul(x, w.T), graph=True)
             weights = "per-channel" if group_size is None else f"group {group_size}"
             print(f"w8a16 decode {m}x{n}x{k} ({weights}): {ms_q * 1e3:.1f} us vs {str(s.dtype)[6:]} triton "
                   f"{ms_bf16 * 1e3:.1f} us / torch {ms_torch * 1e3:.1f} us, speedup vs torch {ms_torch / ms_q:.2f}x")

@@ -91,7 +91,7 @@ class ModelRunner:
             self.model.quantize_int8()
             if self.device.type == "cuda":  # measured, not assumed: say what it buys
                 log.warning("w8a16 on CUDA halves the weights' memory but is not faster: our int8 GEMM ran at "
-                            "0.11-0.36x of cuBLAS bf16 at decode shapes on an H200 (docs/benchmarks.md, GPU)")
+                            "0.86-0.87x of cuBLAS bf16 at decode shapes on an H200 (docs/benchmarks.md, GPU)")
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
         self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads

@@ -5,9 +5,10 @@ attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-sh
 GEMMs by oneDNN on weights packed once at load.
 ``triton``: the Triton launchers, the fused per-token ops of kernels/fused.py included (CUDA, or the Triton
 interpreter on CPU when forced, as the tests do). One exception, by measurement: on a CUDA device the dense
-(unquantized) GEMMs go to cuBLAS through ``torch.nn.functional.linear``, which ran 2.9-3.2x our Triton GEMM at
-decode shapes (M = 1, 16, 64 of 4096x4096) and 1.3x at prefill (M = 4096) on an H200 (`make bench-kernels`,
-2026-11-25, docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
+(unquantized) GEMMs go to cuBLAS through ``torch.nn.functional.linear``: on an H200 it ran 1.1-1.2x our best
+Triton tile config at decode shapes replayed from CUDA graphs (M = 1, 16 of 4096x4096; 3x when launched from
+Python) and 1.3x at prefill (M = 4096) (bench/gemm_sweep.py, `make bench-kernels`, 2026-11-25,
+docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
 the Triton GEMM runs, so the tests keep it exercised through the engine.
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
