@@ -2,7 +2,7 @@
 # duet's GPU path in one bounded call, for a lent GPU machine (no network there): the CUDA tests, then
 # make bench-kernels, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier copies.
 #
-#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (default: all)
+#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md "GPU runs": gguf,
 # llguidance, jsonschema + its three, redis, nixl + a trimmed nixl_cu13); they are installed into /tmp/site.
@@ -67,6 +67,9 @@ for s in $STAGES; do
         ;;
     tiers)
         stage tiers 60 $PY -m bench.bench_tiers_copy --repeats 3
+        ;;
+    gemm)  # our GEMM's tile configs at decode shapes in CUDA graphs (~40 s)
+        stage gemm 120 $PY -m bench.gemm_sweep
         ;;
     *) echo "unknown stage $s"; exit 2 ;;
     esac
