@@ -64,25 +64,9 @@ def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def record_compiles(compiled: list[str]) -> None:
-    """From now on append the name of every Triton kernel compiled in this process to ``compiled``: a compile
-    inside a timed step is a one-off stall (~1 s), so each row says which its timed steps met."""
-    import triton
-
-    previous = triton.knobs.runtime.jit_post_compile_hook
-
-    def hook(*, fn, **kw):
-        compiled.append(fn.name)
-        return previous(fn=fn, **kw) if previous else None
-
-    triton.knobs.runtime.jit_post_compile_hook = hook
-
-
-COMPILED: list[str] = []
-
-
-def run_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
-    """Prefill ``batch`` prompts of ``context`` tokens, then time ``steps`` decode-only steps."""
+def run_decode(engine, batch: int, context: int, steps: int, vocab: int, compiled: list[str]) -> dict:
+    """Prefill ``batch`` prompts of ``context`` tokens, then time ``steps`` decode-only steps; ``compiled`` collects
+    Triton's compiles (kernels._triton_utils.compiles_recorded), to tell which happened while timed."""
     from engine.request import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
@@ -105,7 +89,7 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict
     _sync(device)
     t0 = time.perf_counter()
     step_ends = []
-    compiles_before = len(COMPILED)
+    compiles_before = len(compiled)
     for _ in range(steps):
         engine.step()  # returns after the step's tokens reached the host: a step's time is wall time
         step_ends.append(time.perf_counter())
@@ -120,17 +104,17 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict
         engine.step()
     return {"batch": batch, "seconds": elapsed, "tokens": batch * steps,
             "step_ms_median": step_ms[len(step_ms) // 2], "step_ms_max": step_ms[-1],
-            "compiles_in_timed_steps": COMPILED[compiles_before:],
+            "compiles_in_timed_steps": compiled[compiles_before:],
             "mean_context": context + 2 + (steps - 1) / 2}  # the prompt, the tokens before, half of the timed
 
 
-def measure(engine, batches, context, steps, bandwidth) -> list[dict]:
+def measure(engine, batches, context, steps, bandwidth, compiled: list[str]) -> list[dict]:
     cfg, runner = engine.model_config, engine.runner
     w_bytes = weight_bytes(runner.model)
     kv_tok = kv_bytes_per_token(cfg, runner.dtype)
     rows = []
     for b in batches:
-        r = run_decode(engine, b, context, steps, cfg.vocab_size)
+        r = run_decode(engine, b, context, steps, cfg.vocab_size, compiled)
         step_s = r["seconds"] / steps
         bytes_per_step = w_bytes + b * r["mean_context"] * kv_tok
         rows.append({**r, "tok_s": r["tokens"] / r["seconds"], "ms_per_step": 1e3 * step_s,
@@ -152,6 +136,7 @@ def main() -> None:
 
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from kernels._triton_utils import compiles_recorded
 
     if args.tiny:
         import tempfile
@@ -162,8 +147,6 @@ def main() -> None:
         from engine.default_model import default_model_path
         model = args.model or str(default_model_path())
     on_cuda = args.device.startswith("cuda")
-    if on_cuda:
-        record_compiles(COMPILED)
     bandwidth = copy_bandwidth(args.device, (512 if on_cuda else 256) << 20)
     from engine.config import ModelConfig
     from engine.loader import resolve_dtype
@@ -186,7 +169,8 @@ def main() -> None:
         captured = engine.capture_decode_graphs()  # as a decode worker does at start-up
         if captured:
             print(f"{name}: {captured} decode graphs captured up front in {time.perf_counter() - t0:.2f} s")
-        rows = measure(engine, args.batches, args.context, args.steps, bandwidth)
+        with compiles_recorded() as compiled:
+            rows = measure(engine, args.batches, args.context, args.steps, bandwidth, compiled)
         results[name] = rows
         graphs = engine.runner.decode_graphs
         extra = f"; graphs captured {sorted(graphs.graphs)}, replays {graphs.replays}" if graphs else ""

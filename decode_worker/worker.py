@@ -42,6 +42,9 @@ class DecodeRole(WorkerRole):
         super().__init__(worker)
         self._waiting: list[KVHandoff] = []  # engine thread: handoffs waiting for free blocks
         self.transfers_skipped_full_hit = 0
+        # made at start-up or by a flip into decode (engine thread, or before it runs): every CUDA-graph bucket
+        # now, not on the first batch of each size (CUDA only; a no-op on a CPU)
+        worker.engine.capture_decode_graphs()
 
     def peer_info(self) -> PeerInfo:
         return self.worker.puller.peer_info

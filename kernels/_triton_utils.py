@@ -13,6 +13,7 @@ only with ``DUET_KERNEL_CHECKS=1``; elsewhere those values are the caller's cont
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -159,3 +160,21 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@contextlib.contextmanager
+def compiles_recorded():
+    """``with compiles_recorded() as names:`` the name of every Triton kernel compiled in this process meanwhile is
+    appended to ``names`` (a compile while serving is a stall of up to ~1 s); the previous hook is restored."""
+    names: list[str] = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kw):
+        names.append(fn.name)
+        return previous(fn=fn, **kw) if previous else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous

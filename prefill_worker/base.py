@@ -169,8 +169,6 @@ class WorkerBase(ABC):
             log.warning("fault injection: every KV pull of %s waits %.2f s (transfer.fault_pull_delay_s)",
                         options.worker_id, options.fault_pull_delay_s)
         self.role = self._make_role(options.role)
-        if options.role == "decode":
-            self.engine.capture_decode_graphs()  # before the engine thread runs (CUDA only; a no-op on a CPU)
         self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
                                    name=f"engine-{options.worker_id}")
 
@@ -328,8 +326,6 @@ class WorkerBase(ABC):
 
                 torch.set_num_threads(options.torch_threads)  # the engine thread's own OpenMP setting
             self.role = self._make_role(options.role)
-            if options.role == "decode":
-                engine.capture_decode_graphs()  # part of the flip's time on a GPU, not the first batches'
             self._seq = 0
             for sink in self._sinks:
                 if hasattr(sink, "restart"):

@@ -20,7 +20,7 @@ from engine.request import SamplingParams
 from tests.engine.test_kv_tiers import drain, families, run_rounds
 from tests.engine.test_parity import PROMPT_LENS, hf_greedy, random_prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CPU suite has no GPU; `make gpu-check` runs these on one")]
 
 NUM_TOKENS = 32
 VARIANTS = {"llama": dict(arch="llama"), "qwen2": dict(arch="qwen2"),
@@ -49,25 +49,20 @@ def test_float32_greedy_equals_transformers_with_graphs(tiny_model, variant):
 
 
 def test_graphs_captured_up_front_serve_every_batch_size_without_a_compile(tiny_model):
-    import triton
+    from kernels._triton_utils import compiles_recorded
 
     engine = cuda_engine(tiny_model("llama"), max_num_seqs=16, cuda_graph_max_batch=16)
     graphs = engine.runner.decode_graphs
     assert engine.capture_decode_graphs() == len(graphs.sizes) and set(graphs.graphs) == set(graphs.sizes)
     assert engine.runner.fallbacks == []
-    compiled: list[str] = []
-    previous = triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **kw: compiled.append(fn.name)
-    try:
+    with compiles_recorded() as compiled:
         # prompts ending at different steps: decode batches shrink through every bucket from 16 down to 1
         prompts = random_prompts(512, lens=tuple(range(3, 3 + 16)))
         params = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True) for i in range(16)]
         engine.generate(prompts, params)
-        # prefill kernels compile on first use (prefill steps run eagerly); the decode attention kernels, which a
-        # lazy capture compiles per bucket (split-K or not), must not
-        assert not [name for name in compiled if "decode" in name], compiled
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = previous
+    # prefill kernels compile on first use (prefill steps run eagerly); the decode attention kernels, which a
+    # lazy capture compiles per bucket (split-K or not), must not
+    assert not [name for name in compiled if "decode" in name], compiled
     assert set(graphs.graphs) == set(graphs.sizes) and graphs.replays > 0
 
 

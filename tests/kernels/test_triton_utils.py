@@ -45,3 +45,23 @@ def test_triton_available_here():
     assert tu.triton_available("cuda") == torch.cuda.is_available()
     assert tu.triton_available("cpu") == tu.INTERPRET
     assert not tu.triton_available("meta")
+
+
+def test_compiles_recorded_chains_and_restores_the_hook():
+    import triton
+
+    from kernels._triton_utils import compiles_recorded
+
+    seen = []
+    outer = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **kw: seen.append(fn.name)
+    try:
+        class Fn:
+            name = "_some_kernel"
+        with compiles_recorded() as names:
+            triton.knobs.runtime.jit_post_compile_hook(fn=Fn(), key=None)  # as Triton calls it after a compile
+        assert names == ["_some_kernel"] and seen == ["_some_kernel"]  # recorded, and the earlier hook still ran
+        triton.knobs.runtime.jit_post_compile_hook(fn=Fn())
+        assert names == ["_some_kernel"] and seen == ["_some_kernel"] * 2  # the previous hook is back
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = outer
