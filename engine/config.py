@@ -32,7 +32,9 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+# Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
+_QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # RoPE: the parameters each supported type reads (required, optional with transformers' default).
@@ -53,6 +55,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                          "max_window_layers": 28},
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
+                         "sliding_window": 4096, "max_window_layers": 28},
 }
 
 # Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
@@ -106,6 +110,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims on q and k, after the projection, before RoPE
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
@@ -162,7 +167,7 @@ class ModelConfig:
         vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
         layer_types, window = _attention_layout(cfg, arch, num_layers)
         rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos)
-        llama_bias = arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
+        llama_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -181,6 +186,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
             o_proj_bias=llama_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=window,
             layer_types=layer_types,
             checkpoint_dtype=_read_dtype(cfg),
@@ -244,9 +250,9 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
         unknown = sorted({t for t in given if t not in LAYER_TYPES})
         if unknown:
             raise ModelLoadError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
-    if arch == "Qwen2ForCausalLM":
+    if arch in _QWEN_LAYOUT:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        if given is None:  # Qwen2Config: layers from max_window_layers on slide
+        if given is None:  # Qwen2Config / Qwen3Config: layers from max_window_layers on slide
             first = _int(cfg, "max_window_layers")
             given = ["sliding_attention" if window is not None and i >= first else "full_attention"
                      for i in range(num_layers)]

@@ -1,7 +1,7 @@
-"""The Llama family (Llama 2/3, Qwen2, Mistral) as one readable torch model over a paged KV cache.
+"""The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) as one readable torch model over a paged KV cache.
 
 Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
-tied embeddings, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
+tied embeddings, Qwen3 normalises each head of q and k (RMSNorm over the head's dims) before RoPE, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
 Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 scales RoPE. q/k/v and gate/up projections are
 fused into one GEMM each at load time (``stacked_params``).
 """
@@ -29,6 +29,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
         self.ops = ops
+        if cfg.qk_norm:  # torch's arithmetic (the fused norm kernels take whole rows of the hidden size)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -37,6 +40,11 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # written back into qkv: the fused RoPE below works on it in place
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            k.copy_(self.k_norm(k))
         if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row (q, k are views)
             self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
         else:

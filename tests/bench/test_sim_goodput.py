@@ -92,3 +92,28 @@ def test_the_warmup_is_other_requests_first_and_is_not_counted():
             for i in range(12)]
     assert attainment({"requests": recs}, {"ttft_s": 1.0, "tpot_s": 0.1}, skip=4) == (1.0, [1.0] * WINDOWS)
     assert attainment({"requests": recs}, {"ttft_s": 1.0, "tpot_s": 0.1})[0] == pytest.approx(8 / 12)
+
+
+def test_a_grid_point_near_the_bar_is_decided_by_the_median_of_three_nearby_rates():
+    from bench.sim_goodput import JITTER, Search
+
+    sc = cpu_scenario(limit=8)
+    seen: list[float] = []
+
+    class Scripted(Search):  # an additional check of the rule alone: attainments scripted by rate
+        def _run(self, rate):
+            self.simulated += 1
+            seen.append(round(rate / self.base_rate, 4))
+            table = {1.0: (0.88, [0.5, 0.99, 0.93, 0.88]), JITTER[0]: (0.92, [0.6, 0.99, 0.85, 0.91]),
+                     JITTER[1]: (0.91, [0.7, 0.99, 0.80, 0.95])}
+            far = (0.99, [0.99] * WINDOWS)
+            o, per = table.get(round(rate / self.base_rate, 4), far) if rate < 1.05 * self.base_rate else far
+            return o, per, {}
+
+    s = Scripted(sc, make_workload("mooncake", sc), Deployment("1P+1D", 1, 1), base_rate=1.0)
+    overall, per = s.measure(0)
+    assert seen == [1.0, *JITTER] and s.simulated == 3
+    assert overall == 0.91 and per == [0.6, 0.99, 0.85, 0.91]  # element-wise medians
+    seen.clear()
+    assert s.measure(1) == (0.99, [0.99] * WINDOWS) and seen == [1.1] and s.simulated == 4  # far from the bar: one run
+    assert s.measure(0)[0] == 0.91 and s.simulated == 4  # cached

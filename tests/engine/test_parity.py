@@ -80,6 +80,11 @@ SAVED_BY_TRANSFORMERS = {  # config.json written by transformers 5 itself (rope_
     "qwen2-window-on-later-layers": lambda: transformers.Qwen2Config(
         **SHAPE, use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True),
     "mistral-window": lambda: transformers.MistralConfig(**{**SHAPE, "head_dim": 32}, sliding_window=40),
+    # Qwen3: q/k norm per head; a head_dim that is not hidden / heads; the window on later layers only
+    "qwen3-window-on-later-layers": lambda: transformers.Qwen3Config(
+        **{**SHAPE, "head_dim": 32}, use_sliding_window=True, sliding_window=24, max_window_layers=1),
+    "qwen3-biases-tied": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, attention_bias=True,
+                                                          tie_word_embeddings=True),
 }
 
 
