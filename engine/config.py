@@ -30,11 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
 from engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES)
 # Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
 _QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM")  # the window, if any, on every layer
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # RoPE: the parameters each supported type reads (required, optional with transformers' default).
@@ -57,7 +61,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
                          "sliding_window": 4096, "max_window_layers": 28},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
 }
+_ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
 
 # Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
 # with the neutral value. (transformers' Llama would ignore them: the checkpoint is then not what it claims.)
@@ -111,6 +119,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims on q and k, after the projection, before RoPE
+    moe: MoeFields = MoeFields()  # experts (engine/config_moe.py); num_experts 0: a dense model
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
@@ -161,13 +170,14 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         cfg = {**_ARCH_DEFAULTS[arch], **cfg}
-        _refuse_unimplemented(cfg)
+        _refuse_unimplemented(cfg, arch)
         hidden, num_heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
         num_layers, max_pos = _int(cfg, "num_hidden_layers"), _int(cfg, "max_position_embeddings")
         vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
         layer_types, window = _attention_layout(cfg, arch, num_layers)
-        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos)
-        llama_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(cfg.get("attention_bias", False))
+        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos, _ROPE_THETA_DEFAULT.get(arch, 1e4))
+        llama_bias = arch in ("LlamaForCausalLM", *_QK_NORM) and bool(cfg.get("attention_bias", False))
+        qwen_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -183,10 +193,11 @@ class ModelConfig:
             rope_type=rope_type,
             rope_params=rope_params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+            qkv_bias=qwen_bias or llama_bias,
             o_proj_bias=llama_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM,
+            moe=read_moe(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else MoeFields(),
             sliding_window=window,
             layer_types=layer_types,
             checkpoint_dtype=_read_dtype(cfg),
@@ -227,7 +238,7 @@ def _int(cfg: dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
+def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in _SILU:
         raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
@@ -237,6 +248,8 @@ def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
         raise ModelLoadError(f"quantization_config (quant_method {method!r}) is not supported: the weights are "
                              "packed in a format duet does not unpack; use an unquantized checkpoint or a GGUF file")
     for name, neutral in _FOREIGN_MATH_FIELDS.items():
+        if arch in MOE_ARCHITECTURES and name in ("num_experts", "num_local_experts"):
+            continue  # read by engine/config_moe.py
         if name in cfg and cfg[name] not in neutral:
             raise ModelLoadError(f"{name}={cfg[name]!r} changes the model's math and duet does not implement it")
 
@@ -256,13 +269,19 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
             first = _int(cfg, "max_window_layers")
             given = ["sliding_attention" if window is not None and i >= first else "full_attention"
                      for i in range(num_layers)]
-    elif arch == "MistralForCausalLM":
+    elif arch in _MISTRAL_LAYOUT:
         window = cfg.get("sliding_window")
         uniform = "sliding_attention" if window else "full_attention"  # Mistral applies its window to every layer
         if given is not None and any(t != uniform for t in given):
-            raise ModelLoadError("layer_types mixes attention kinds, which MistralForCausalLM does not do "
+            raise ModelLoadError(f"layer_types mixes attention kinds, which {arch} does not do "
                                  f"(sliding_window={window!r}); this is a different model family")
         given = [uniform] * num_layers
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        # transformers' generations disagree on which layers of these slide (and whether the mask follows):
+        # no released checkpoint uses it, so a file asking for it is refused rather than guessed at
+        if cfg.get("use_sliding_window") or (given is not None and any(t != "full_attention" for t in given)):
+            raise ModelLoadError(f"use_sliding_window / sliding layer_types in a {arch} config are not supported")
+        window, given = None, ["full_attention"] * num_layers
     else:  # Llama has no sliding window (transformers' Llama ignores a sliding_window field)
         window = None
         if given is not None and any(t != "full_attention" for t in given):
@@ -275,7 +294,8 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
     return tuple(given), window
 
 
-def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int) -> tuple[str, float, tuple]:
+def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
+               theta_default: float = 1e4) -> tuple[str, float, tuple]:
     """(rope_type, rope_theta, type parameters) from rope_parameters and/or rope_theta + rope_scaling."""
     sources: list[tuple[str, dict[str, Any]]] = []
     params = cfg.get("rope_parameters")
@@ -303,7 +323,7 @@ def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int) 
                                      f"{merged[key]!r} in {origin[key]} and {value!r} in {source}")
             merged[key], origin[key] = value, source
     rope_type = merged.pop("rope_type", "default")
-    theta = float(merged.pop("rope_theta", 10000.0))
+    theta = float(merged.pop("rope_theta", theta_default))
     partial = merged.pop("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ModelLoadError(f"partial_rotary_factor={partial!r} (rotary on part of each head) is not supported")

@@ -52,6 +52,7 @@ class Linear(nn.Module):
         self.qweight: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        self.shards: list[int] | None = None  # row blocks of a fused projection (q/k/v, gate/up), for the loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

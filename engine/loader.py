@@ -118,29 +118,26 @@ def load_model(
             target = model.checkpoint_to_param(hf_name)
             if target is None:
                 continue
-            name, shard = target
+            name, piece = target
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
-            if shard is None:
-                dest, expected = param.data, tuple(param.shape)
-            else:
-                sizes = model.shard_sizes(name)
-                offset = sum(sizes[:shard])
-                dest = param.data.narrow(0, offset, sizes[shard])
-                expected = tuple(dest.shape)
-            if tuple(tensor.shape) != expected:
+            try:
+                dest = model.param_piece(name, param.data, piece)
+            except IndexError:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r}: expert {piece[0]} is beyond the config's "
+                                     f"{cfg.moe.num_experts} experts") from None
+            if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(
-                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {expected}")
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
-            loaded.setdefault(name, set()).add(-1 if shard is None else shard)
+            loaded.setdefault(name, set()).add(piece)
     missing = []
     for name, param in params.items():
-        fused = any(f in name for f, _ in CausalLM.stacked_params.values())
-        want = set(range(len(model.shard_sizes(name)))) if fused else {-1}
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if not want <= loaded.get(name, set()):
+        got = loaded.get(name, set())
+        if None not in got and not model.pieces(name) <= got:
             missing.append(name)
     if missing:
         raise ModelLoadError(f"{model_path}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")

@@ -2,11 +2,14 @@
 
 Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
 tied embeddings, Qwen3 normalises each head of q and k (RMSNorm over the head's dims) before RoPE, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
-Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 scales RoPE. q/k/v and gate/up projections are
-fused into one GEMM each at load time (``stacked_params``).
+Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 scales RoPE. Mixtral, Qwen2-MoE and Qwen3-MoE
+replace the MLP of their sparse layers with experts (engine/moe.py). q/k/v and gate/up projections are fused into one
+GEMM each at load time (``stacked_params``), each expert's gate/up into its block of one [E, 2I, H] tensor.
 """
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterable
 
 import torch
@@ -15,7 +18,14 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.moe import Experts, SparseMoE
 from engine.ops import KernelOps
+
+log = logging.getLogger(__name__)
+# one expert's projection in a checkpoint (Qwen: gate/up/down_proj; Mixtral: w1/w3/w2, under block_sparse_moe)
+_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 
 
 class Attention(nn.Module):
@@ -25,6 +35,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, ops)
+        self.qkv_proj.shards = [self.q_size, self.kv_size, self.kv_size]
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
@@ -54,10 +65,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, ops)
+        self.gate_up_proj.shards = [self.inter, self.inter]
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, ops)
         self.silu_mul = ops.silu_mul
 
@@ -75,7 +87,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, ops, cfg.layer_sliding_window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = SparseMoE(cfg, ops, MLP) if index in cfg.moe.sparse_layers else MLP(cfg, ops)
+
+    def linears(self) -> list[Linear]:
+        mlp = self.mlp.linears() if isinstance(self.mlp, SparseMoE) else [self.mlp.gate_up_proj, self.mlp.down_proj]
+        return [self.self_attn.qkv_proj, self.self_attn.o_proj, *mlp]
 
     def forward(self, x, residual, positions, rope, key_cache, value_cache, meta):
         """x: the previous layer's MLP output (the embeddings for layer 0, residual None); residual: the stream
@@ -121,36 +137,67 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def shard_sizes(self, fused_name: str) -> list[int]:
-        a = self.layers[0].self_attn
-        if ".qkv_proj." in fused_name:
-            return [a.q_size, a.kv_size, a.kv_size]
-        return [self.cfg.intermediate_size] * 2
+        """The row blocks of a fused parameter (q/k/v, gate/up, an expert's gate/up)."""
+        return self.get_submodule(fused_name.rsplit(".", 1)[0]).shards
 
-    def checkpoint_to_param(self, hf_name: str) -> tuple[str, int | None] | None:
-        """Our parameter name (and shard index for a fused one) for a checkpoint tensor; None = ignore."""
+    def checkpoint_to_param(self, hf_name: str) -> tuple[str, object] | None:
+        """Our parameter name and the piece of it a checkpoint tensor fills (``param_piece``); None = ignore."""
         if "rotary_emb.inv_freq" in hf_name:
             return None
-        name = hf_name.removeprefix("model.")
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if self.cfg.tie_word_embeddings and name == "lm_head.weight":
             return None  # tied: the embedding is the head (some checkpoints store both)
+        m = _EXPERT.fullmatch(name)
+        if m:
+            part, shard = _EXPERT_PART[m.group(3)]
+            return f"{m.group(1)}.{part}", (int(m.group(2)), shard)
         for frag, (fused, shard) in self.stacked_params.items():
             if frag in name:
                 return name.replace(frag, fused), shard
         return name, None
 
+    def param_piece(self, name: str, param: torch.Tensor, piece) -> torch.Tensor:
+        """The view a checkpoint tensor fills: the whole (None), shard s of a fused one (s), or expert e's
+        slice of an expert tensor, whole or its shard s ((e, None) / (e, s))."""
+        if piece is None:
+            return param
+        expert, shard = piece if isinstance(piece, tuple) else (None, piece)
+        t = param if expert is None else param[expert]
+        if shard is None:
+            return t
+        sizes = self.shard_sizes(name)
+        return t.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def pieces(self, name: str) -> set:
+        """The pieces that together fill a parameter (a checkpoint may also give it whole: None)."""
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Experts):
+            n = module.gate_up_proj.shape[0]
+            return {(e, s) for e in range(n) for s in ((0, 1) if name.endswith("gate_up_proj") else (None,))}
+        shards = getattr(module, "shards", None)
+        return set(range(len(shards))) if shards else {None}
+
+    def _linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears()]
+
     def quantize_int8(self, group_size: int | None = None) -> None:
         """w8a16: int8 weights for every projection (embedding and lm_head stay in float)."""
-        for layer in self.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                lin.quantize_int8(group_size)
+        if self.cfg.moe.num_experts:
+            log.warning("w8a16: the experts' weights stay in float (int8 covers attention, routers, shared experts)")
+        for lin in self._linears():
+            lin.quantize_int8(group_size)
 
     def pack_linears(self) -> None:
         """Every projection and the LM head into the backend's packed GEMM layout (``KernelOps.pack_linear``).
-        A tied LM head keeps the dense table too (the embedding lookup reads it)."""
-        for layer in self.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                lin.pack()
+        A tied LM head keeps the dense table too (the embedding lookup reads it). Expert tensors stay dense."""
+        for lin in self._linears():
+            lin.pack()
         self.lm_head.pack(keep_dense=self.cfg.tie_word_embeddings)
+
+    def tokens_per_expert(self) -> dict[int, list[int]]:
+        """Routed tokens per expert since start-up, per sparse layer (empty for a dense model)."""
+        return {i: layer.mlp.tokens_per_expert.tolist() for i, layer in enumerate(self.layers)
+                if isinstance(layer.mlp, SparseMoE)}
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.state_dict(keep_vars=False).items()

@@ -104,7 +104,11 @@ class ModelRunner:
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.cuda_graph_max_batch:
+        if self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts:
+            reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/moe.py)"
+            log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
+            self.fallbacks.append(f"cuda graphs: {reason}")
+        elif self.device.type == "cuda" and cfg.cuda_graph_max_batch:
             self.decode_graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                               -(-self.max_model_len // cfg.block_size))
 

@@ -85,6 +85,17 @@ SAVED_BY_TRANSFORMERS = {  # config.json written by transformers 5 itself (rope_
         **{**SHAPE, "head_dim": 32}, use_sliding_window=True, sliding_window=24, max_window_layers=1),
     "qwen3-biases-tied": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, attention_bias=True,
                                                           tie_word_embeddings=True),
+    # mixture of experts: 8 experts, top 2 (Mixtral: always renormalised; sliding window on every layer)
+    "mixtral-window": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
+                                                         sliding_window=40),
+    # Qwen3-MoE: q/k norm; a dense first layer (mlp_only_layers) and top 3 of 6 renormalised
+    "qwen3-moe-dense-first": lambda: transformers.Qwen3MoeConfig(
+        **{**SHAPE, "head_dim": 32}, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+        norm_topk_prob=True, mlp_only_layers=[0]),
+    # Qwen2-MoE: the gated shared expert; sparse every second layer; weights not renormalised
+    "qwen2-moe-shared-expert": lambda: transformers.Qwen2MoeConfig(
+        **SHAPE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=96, decoder_sparse_step=2),
 }
 
 
