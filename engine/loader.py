@@ -108,6 +108,7 @@ def load_model(
         model = CausalLM(cfg, ops, max_positions)
     model.to_empty(device=device)
     model.to(dtype)
+    model.reset_counters()  # to_empty left the counting buffers uninitialised
     model.rope = model.rope.__class__(cfg, max_positions).to(device)  # buffers are not checkpoint data
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

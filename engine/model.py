@@ -194,6 +194,11 @@ class CausalLM(nn.Module):
             lin.pack()
         self.lm_head.pack(keep_dense=self.cfg.tie_word_embeddings)
 
+    def reset_counters(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.tokens_per_expert.zero_()
+
     def tokens_per_expert(self) -> dict[int, list[int]]:
         """Routed tokens per expert since start-up, per sparse layer (empty for a dense model)."""
         return {i: layer.mlp.tokens_per_expert.tolist() for i, layer in enumerate(self.layers)
