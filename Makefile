@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-moe bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -81,6 +81,10 @@ bench-engine: install
 # decode tok/s and memory-bandwidth fraction; baseline: CUDA without graphs (GPU) or the torch kernels (CPU)
 bench-decode: install
 	$(HUGEPAGES) $(PY) -m bench.bench_decode $(if $(TINY),--tiny,)
+
+# mixture of experts: grouped expert GEMMs vs a per-token loop, end to end on a tiny Qwen3-MoE (same tokens)
+bench-moe: install
+	$(PY) -m bench.bench_moe
 
 # GPU: real kernels vs torch; SMALL=1 (or no CUDA): every kernel once, tiny, in the Triton interpreter
 bench-kernels: install
