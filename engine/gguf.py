@@ -10,9 +10,11 @@ package's (every tensor type it can dequantize: F32, F16, BF16, Q4_0 … Q8_0, t
 The loader turns the arrays into the serving dtype.
 
 Being exact about what the file says:
-- Architectures: ``llama`` (→ LlamaForCausalLM) and ``qwen2`` (→ Qwen2ForCausalLM). llama.cpp's converter
-  interleaves the rows of Llama's Q and K projections (weights and biases) for its rotary kernel; we undo it
-  exactly as transformers does (:func:`unpermute_rows`). Qwen2 files are not permuted.
+- Architectures: ``llama`` (→ LlamaForCausalLM), ``qwen2`` (→ Qwen2ForCausalLM) and ``qwen3`` (→
+  Qwen3ForCausalLM: per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``; its head size from
+  ``attention.key_length``). llama.cpp's converter interleaves the rows of Llama's Q and K projections (weights
+  and biases) for its rotary kernel; we undo it exactly as transformers does (:func:`unpermute_rows`). Qwen
+  files are not permuted.
 - Every ``<arch>.*`` metadata key must be one we understand (:data:`_KNOWN_ARCH_KEYS`); any other is a
   hyperparameter of a variant we do not implement (sliding window, soft-capping, experts, ALiBi, ...) and
   the file is refused with a ``ModelLoadError`` naming it. ``general.*`` keys are descriptive and ignored.
@@ -35,7 +37,7 @@ import numpy as np
 from engine.config import ModelConfig, checkpoint_name
 from engine.errors import ModelLoadError
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _KNOWN_ARCH_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
@@ -47,7 +49,7 @@ _KNOWN_ARCH_KEYS = {
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _ROPE_FREQS = "rope_freqs.weight"
@@ -147,6 +149,7 @@ class GGUFCheckpoint:
             qkv_bias="blk.0.attn_q.bias" in self.tensor_names,
             o_proj_bias="blk.0.attn_output.bias" in self.tensor_names,
             mlp_bias="blk.0.ffn_down.bias" in self.tensor_names,
+            qk_norm=self.architecture == "Qwen3ForCausalLM",
             checkpoint_dtype=self._stored_dtype(),
             model_id=checkpoint_name(self.path),
         )

@@ -14,11 +14,12 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+              "Qwen3ForCausalLM": "qwen3"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 # K-quant block layouts: bytes per 256-value block, offset of the fp16 scale d, offset of the fp16 minimum
 # scale dmin (None: the quants are signed), mean quant (dmin = d * mean centres the weights).
 _K_QUANTS = {"Q4_K": (144, 0, 2, 7.5), "Q5_K": (176, 0, 2, 15.5), "Q6_K": (210, 208, None, 0.0)}
@@ -92,6 +93,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
         if tok_cfg.get(f"{role}_token"):
             key = {"unk": "unknown", "pad": "padding"}.get(role, role)
             kv[f"tokenizer.ggml.{key}_token_id"] = vocab[tok_cfg[f"{role}_token"]]
+    if cfg.get("head_dim"):  # as llama.cpp's converter writes an explicit head size
+        kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = head_dim
     kv.update(metadata or {})
     for key in drop_metadata:
         kv.pop(key, None)

@@ -61,6 +61,26 @@ def test_greedy_equals_transformers_loading_the_same_gguf(tiny_model, gguf_dir, 
     assert ModelConfig.from_checkpoint(path).checkpoint_dtype == {"F16": "float16", "BF16": "bfloat16"}.get(qtype, "float32")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_gguf_equals_transformers_loading_the_same_file(tiny_model, gguf_dir, qtype):
+    """llama.cpp's qwen3 layout (q/k norms per head) against transformers' GGUF loading; F32 also against the
+    checkpoint it came from (head_dim 128: transformers' qwen3 GGUF mapping takes its default head size)."""
+    from tests.engine.hf_saved import save_with_transformers
+
+    hf_dir = gguf_dir / "qwen3-hf"
+    if not hf_dir.exists():
+        save_with_transformers(hf_dir, transformers.Qwen3Config(
+            vocab_size=512, hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=128, max_position_embeddings=1024), tiny_model("llama"))
+    path = write_gguf(hf_dir, gguf_dir / f"qwen3-{qtype}.gguf", qtype)
+    assert ModelConfig.from_checkpoint(path).qk_norm
+    ours = greedy(engine_for(path, dtype="float32"))
+    assert ours == hf_gguf_greedy(path)
+    if qtype == "F32":
+        assert ours == greedy(engine_for(hf_dir))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_f32_gguf_restores_the_checkpoint_exactly(tiny_model, gguf_dir, arch):
     """HF → GGUF (llama.cpp's Q/K row permutation) → duet gives back every weight bit for bit."""
