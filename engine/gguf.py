@@ -12,7 +12,9 @@ The loader turns the arrays into the serving dtype.
 Being exact about what the file says:
 - Architectures: ``llama`` (→ LlamaForCausalLM), ``qwen2`` (→ Qwen2ForCausalLM) and ``qwen3`` (→
   Qwen3ForCausalLM: per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``; its head size from
-  ``attention.key_length``). llama.cpp's converter interleaves the rows of Llama's Q and K projections (weights
+  ``attention.key_length``) and ``qwen3moe`` (→ Qwen3MoeForCausalLM: every block sparse, ``ffn_gate_inp`` the
+  router, each of ``ffn_{gate,up,down}_exps`` every expert's projection in one 3-D tensor; top-k weights
+  renormalised, as llama.cpp runs it). llama.cpp's converter interleaves the rows of Llama's Q and K projections (weights
   and biases) for its rotary kernel; we undo it exactly as transformers does (:func:`unpermute_rows`). Qwen
   files are not permuted.
 - Every ``<arch>.*`` metadata key must be one we understand (:data:`_KNOWN_ARCH_KEYS`); any other is a
@@ -35,15 +37,19 @@ from typing import Any
 import numpy as np
 
 from engine.config import ModelConfig, checkpoint_name
+from engine.config_moe import MoeFields
 from engine.errors import ModelLoadError
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM"}
+_MOE = {"qwen3moe"}  # every block sparse, top-k weights renormalised (llama.cpp's qwen3moe graph)
 _KNOWN_ARCH_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
     "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
-    "expert_count", "expert_used_count",  # only as 0 (checked below)
+    "expert_count", "expert_used_count",  # only as 0 outside _MOE (checked below)
+    "expert_feed_forward_length",  # _MOE only
 }
 # GGUF tensor name (after blk.N.) -> HF name (after model.layers.N.)
 _LAYER_TENSORS = {
@@ -51,6 +57,9 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # every expert in one 3-D tensor ([E, I, H] / [E, H, I]) and the router
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp": "mlp.gate",
 }
 _ROPE_FREQS = "rope_freqs.weight"
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -107,9 +116,18 @@ class GGUFCheckpoint:
             shown = ", ".join(f"{k}={self.metadata[k]!r}" for k in unknown[:4])
             raise ModelLoadError(f"{self.path}: GGUF metadata {shown} changes the model in a way duet does not "
                                  "implement (or does not know)")
-        for key in ("expert_count", "expert_used_count"):
-            if self._arch(key, 0):
-                raise ModelLoadError(f"{self.path}: {prefix}{key}={self._arch(key)} (mixture of experts) is not supported")
+        moe = MoeFields()
+        if self.gguf_arch in _MOE:
+            experts, top_k = int(self._arch("expert_count")), int(self._arch("expert_used_count"))
+            if not 1 <= top_k <= experts:
+                raise ModelLoadError(f"{self.path}: expert_used_count {top_k} with expert_count {experts}")
+            moe = MoeFields(experts, top_k, int(self._arch("expert_feed_forward_length")), norm_topk_prob=True,
+                            sparse_layers=tuple(range(int(self._arch("block_count")))))
+        else:
+            for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+                if self._arch(key, 0):
+                    raise ModelLoadError(f"{self.path}: {prefix}{key}={self._arch(key)} (mixture of experts) is not "
+                                         f"supported for GGUF architecture {self.gguf_arch!r}")
         hidden, num_heads = int(self._arch("embedding_length")), int(self._arch("attention.head_count"))
         num_kv_heads = self._arch("attention.head_count_kv", num_heads)
         if isinstance(num_kv_heads, list):  # per-layer counts
@@ -149,7 +167,8 @@ class GGUFCheckpoint:
             qkv_bias="blk.0.attn_q.bias" in self.tensor_names,
             o_proj_bias="blk.0.attn_output.bias" in self.tensor_names,
             mlp_bias="blk.0.ffn_down.bias" in self.tensor_names,
-            qk_norm=self.architecture == "Qwen3ForCausalLM",
+            qk_norm=self.gguf_arch in ("qwen3", "qwen3moe"),
+            moe=moe,
             checkpoint_dtype=self._stored_dtype(),
             model_id=checkpoint_name(self.path),
         )

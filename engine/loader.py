@@ -132,7 +132,7 @@ def load_model(
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
-            loaded.setdefault(name, set()).add(piece)
+            loaded.setdefault(name, set()).update(model.covered(name, piece))
     missing = []
     for name, param in params.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":

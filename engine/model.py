@@ -24,6 +24,7 @@ from engine.ops import KernelOps
 log = logging.getLogger(__name__)
 # one expert's projection in a checkpoint (Qwen: gate/up/down_proj; Mixtral: w1/w3/w2, under block_sparse_moe)
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_ALL_EXPERTS = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                 "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 
@@ -151,22 +152,35 @@ class CausalLM(nn.Module):
         if m:
             part, shard = _EXPERT_PART[m.group(3)]
             return f"{m.group(1)}.{part}", (int(m.group(2)), shard)
+        m = _ALL_EXPERTS.fullmatch(name)  # one projection of every expert in one tensor (GGUF)
+        if m:
+            part, shard = _EXPERT_PART[m.group(2)]
+            return f"{m.group(1)}.{part}", None if shard is None else (None, shard)
         for frag, (fused, shard) in self.stacked_params.items():
             if frag in name:
                 return name.replace(frag, fused), shard
         return name, None
 
     def param_piece(self, name: str, param: torch.Tensor, piece) -> torch.Tensor:
-        """The view a checkpoint tensor fills: the whole (None), shard s of a fused one (s), or expert e's
-        slice of an expert tensor, whole or its shard s ((e, None) / (e, s))."""
+        """The view a checkpoint tensor fills: the whole (None), shard s of a fused one (s), expert e's slice of
+        an expert tensor, whole or its shard s ((e, None) / (e, s)), or shard s of every expert ((None, s))."""
         if piece is None:
             return param
+        if isinstance(piece, tuple) and piece[0] is None:
+            sizes = self.shard_sizes(name)
+            return param.narrow(1, sum(sizes[:piece[1]]), sizes[piece[1]])
         expert, shard = piece if isinstance(piece, tuple) else (None, piece)
         t = param if expert is None else param[expert]
         if shard is None:
             return t
         sizes = self.shard_sizes(name)
         return t.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def covered(self, name: str, piece) -> set:
+        """The pieces (``pieces``) that loading ``piece`` fills."""
+        if isinstance(piece, tuple) and piece[0] is None:
+            return {(e, piece[1]) for e in range(self.get_submodule(name.rsplit(".", 1)[0]).gate_up_proj.shape[0])}
+        return {piece}
 
     def pieces(self, name: str) -> set:
         """The pieces that together fill a parameter (a checkpoint may also give it whole: None)."""

@@ -8,6 +8,7 @@ it can only dequantize, random blocks with small scales stand in for quantized d
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -15,11 +16,13 @@ import numpy as np
 from safetensors.numpy import load_file
 
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3"}
+              "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate": "ffn_gate_inp"}
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 # K-quant block layouts: bytes per 256-value block, offset of the fp16 scale d, offset of the fp16 minimum
 # scale dmin (None: the quants are signed), mean quant (dmin = d * mean centres the weights).
 _K_QUANTS = {"Q4_K": (144, 0, 2, 7.5), "Q5_K": (176, 0, 2, 15.5), "Q6_K": (210, 208, None, 0.0)}
@@ -31,6 +34,8 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str:
+    if hf.startswith("blk."):  # already llama.cpp's (stacked experts)
+        return hf
     base, _, kind = hf.rpartition(".")
     if base == "model.embed_tokens":
         return f"token_embd.{kind}"
@@ -93,6 +98,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
         if tok_cfg.get(f"{role}_token"):
             key = {"unk": "unknown", "pad": "padding"}.get(role, role)
             kv[f"tokenizer.ggml.{key}_token_id"] = vocab[tok_cfg[f"{role}_token"]]
+    if arch == "qwen3moe":
+        kv.update({f"{arch}.expert_count": cfg["num_local_experts"], f"{arch}.expert_used_count": cfg["num_experts_per_tok"],
+                   f"{arch}.expert_feed_forward_length": cfg["moe_intermediate_size"]})
     if cfg.get("head_dim"):  # as llama.cpp's converter writes an explicit head size
         kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = head_dim
     kv.update(metadata or {})
@@ -106,6 +114,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
     weights = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         weights.update(load_file(str(f)))
+    weights = _stack_experts(weights)
     for hf, w in weights.items():
         w = w.astype(np.float32)
         if arch == "llama" and ".q_proj." in hf:
@@ -120,6 +129,20 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stack_experts(weights: dict) -> dict:
+    """Per-expert projections -> llama.cpp's one [E, rows, cols] tensor per layer and projection."""
+    out, stacks = {}, {}
+    for hf, w in weights.items():
+        m = _EXPERTS.fullmatch(hf)
+        if m:
+            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = w
+        else:
+            out[hf] = w
+    for (layer, part), per in sorted(stacks.items()):
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([per[e] for e in sorted(per)])
     return out
 
 

@@ -81,6 +81,24 @@ def test_qwen3_gguf_equals_transformers_loading_the_same_file(tiny_model, gguf_d
         assert ours == greedy(engine_for(hf_dir))
 
 
+@pytest.mark.slow
+def test_qwen3_moe_gguf_equals_transformers_loading_the_same_file(tiny_model, gguf_dir):
+    """llama.cpp's qwen3moe (every expert's projection in one 3-D tensor, the router ffn_gate_inp) against
+    transformers' GGUF loading and the checkpoint it came from (moe_intermediate_size 768: transformers' qwen3moe
+    GGUF mapping takes its default)."""
+    from tests.engine.hf_saved import save_with_transformers
+
+    hf_dir = save_with_transformers(gguf_dir / "qwen3moe-hf", transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=768, norm_topk_prob=True), tiny_model("llama"))
+    path = write_gguf(hf_dir, gguf_dir / "qwen3moe-F32.gguf", "F32")
+    cfg = ModelConfig.from_checkpoint(path)
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.sparse_layers) == (4, 2, (0, 1))
+    ours = greedy(engine_for(path))
+    assert ours == hf_gguf_greedy(path) == greedy(engine_for(hf_dir))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_f32_gguf_restores_the_checkpoint_exactly(tiny_model, gguf_dir, arch):
     """HF → GGUF (llama.cpp's Q/K row permutation) → duet gives back every weight bit for bit."""
