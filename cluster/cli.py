@@ -114,6 +114,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "autoscaler.ttft_slo_s": args.ttft_slo_s, "autoscaler.itl_slo_s": args.itl_slo_s,
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
+        "engine.max_model_len": args.max_model_len,
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
     }
@@ -175,6 +176,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="device KV blocks per worker (overrides the byte sizes)")
+    p.add_argument("--max-model-len", type=int, help="the served context (default: the model's; LongRoPE models "
+                   "use their long factors when it exceeds the pre-training length)")
     _add_kv_size_args(p)
     p.add_argument("--kv-host-bytes", type=int, help="host-memory KV tier per worker (default 0: none)")
     p.add_argument("--kv-disk-bytes", type=int, help="disk KV tier per worker, under --kv-disk-dir (default 0: none)")

@@ -34,10 +34,10 @@ from engine.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", *MOE_ARCHITECTURES)
 # Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
 _QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM")  # the window, if any, on every layer
+_MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # the window, if any, on every layer
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -46,6 +46,8 @@ ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "default": ((), ()),
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
+    # Phi-3: per-frequency divisors, short below the pre-training length, long beyond it (engine/layers.py)
+    "longrope": (("short_factor", "long_factor"), ("original_max_position_embeddings", "factor", "attention_factor")),
 }
 # Parameters other RoPE types read: carrying one under a type that ignores it means the file is not what it
 # says (transformers would silently drop it), so it is refused.
@@ -64,6 +66,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
 }
 _ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
 
@@ -141,6 +144,10 @@ class ModelConfig:
         missing = [k for k in ROPE_TYPES[self.rope_type][0] if k not in self.rope_params_dict]
         if missing:
             raise ModelLoadError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
+        for key in ("short_factor", "long_factor"):
+            given = self.rope_params_dict.get(key)
+            if given is not None and (not isinstance(given, tuple) or len(given) != self.head_dim // 2):
+                raise ModelLoadError(f"rope {key} must list head_dim / 2 = {self.head_dim // 2} factors, got {given!r}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ModelLoadError(f"rope_freqs has {len(self.rope_freq_factors)} factors, head_dim {self.head_dim} needs "
                                  f"{self.head_dim // 2}")
@@ -175,7 +182,8 @@ class ModelConfig:
         num_layers, max_pos = _int(cfg, "num_hidden_layers"), _int(cfg, "max_position_embeddings")
         vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
         layer_types, window = _attention_layout(cfg, arch, num_layers)
-        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos, _ROPE_THETA_DEFAULT.get(arch, 1e4))
+        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos, _ROPE_THETA_DEFAULT.get(arch, 1e4),
+                                                        legacy_longrope=arch == "Phi3ForCausalLM")
         llama_bias = arch in ("LlamaForCausalLM", *_QK_NORM) and bool(cfg.get("attention_bias", False))
         qwen_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
         return cls(
@@ -295,7 +303,7 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
 
 
 def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
-               theta_default: float = 1e4) -> tuple[str, float, tuple]:
+               theta_default: float = 1e4, legacy_longrope: bool = False) -> tuple[str, float, tuple]:
     """(rope_type, rope_theta, type parameters) from rope_parameters and/or rope_theta + rope_scaling."""
     sources: list[tuple[str, dict[str, Any]]] = []
     params = cfg.get("rope_parameters")
@@ -323,6 +331,8 @@ def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
                                      f"{merged[key]!r} in {origin[key]} and {value!r} in {source}")
             merged[key], origin[key] = value, source
     rope_type = merged.pop("rope_type", "default")
+    if legacy_longrope and rope_type in ("su", "yarn"):  # Phi-3's early names for LongRoPE (transformers maps them)
+        rope_type = "longrope"
     theta = float(merged.pop("rope_theta", theta_default))
     partial = merged.pop("partial_rotary_factor", 1.0)
     if partial != 1.0:
@@ -331,13 +341,18 @@ def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
         raise ModelLoadError(f"unsupported rope_type {rope_type!r} (in {origin.get('rope_type')}); "
                              f"supported: {', '.join(ROPE_TYPES)}")
     required, optional = ROPE_TYPES[rope_type]
-    if "original_max_position_embeddings" in optional:
+    if "original_max_position_embeddings" in optional:  # Phi-3 keeps it at the top level too
+        top = cfg.get("original_max_position_embeddings")
+        if top is not None and merged.setdefault("original_max_position_embeddings", top) != top:
+            raise ModelLoadError(f"config.json gives original_max_position_embeddings={top!r} and "
+                                 f"{merged['original_max_position_embeddings']!r} in {origin['original_max_position_embeddings']}")
         merged.setdefault("original_max_position_embeddings", max_pos)  # transformers' fallback
     stray = sorted(k for k in merged if k in _ROPE_VOCABULARY and k not in required + optional)
     if stray:
         raise ModelLoadError(f"RoPE parameter(s) {stray} mean nothing for rope_type {rope_type!r}; "
                              "the file is inconsistent (which RoPE did its authors train with?)")
-    return rope_type, theta, tuple(sorted((k, merged[k]) for k in required + optional if k in merged))
+    frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}  # factor lists, hashable
+    return rope_type, theta, tuple(sorted((k, frozen[k]) for k in required + optional if k in frozen))
 
 
 def _one_rope_for_all_layers(nested: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ fused per-token ops (``KernelOps.rms_norm`` / ``rotary_`` / ``silu_mul``: the CP
 instead of the torch code here, with the same arithmetic."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -12,6 +13,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.ops import KernelOps
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -75,12 +78,37 @@ class Linear(nn.Module):
             self.weight = None
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], incl. ``linear`` and ``llama3`` scaling as HF computes them, and
-    GGUF's per-frequency ``rope_freqs`` divisors."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def longrope_long(cfg: ModelConfig, max_positions: int) -> bool:
+    """LongRoPE's factor set, chosen once for the served context (llama.cpp's rule): the long factors when it
+    exceeds the pre-training length, else the short ones. transformers switches per forward pass on the
+    sequence's length instead, so the two agree when every sequence and the context are within the
+    pre-training length, or when the context exceeds it and a prompt alone does too (docs/ARCHITECTURE.md)."""
+    return max_positions > cfg.rope_params_dict["original_max_position_embeddings"]
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """LongRoPE's scale of cos and sin (1 for every other type): given, or sqrt(1 + ln f / ln L0) for the
+    context's growth f = max_position_embeddings / L0 (transformers' default)."""
+    if cfg.rope_type != "longrope":
+        return 1.0
     rs = cfg.rope_params_dict
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    original = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], incl. ``linear``, ``llama3`` and ``longrope`` scaling as HF computes
+    them, and GGUF's per-frequency ``rope_freqs`` divisors."""
+    dim = cfg.head_dim
+    rs = cfg.rope_params_dict
+    if cfg.rope_type == "longrope":
+        long = longrope_long(cfg, max_positions or cfg.max_position_embeddings)
+        ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / rs["factor"]
     elif cfg.rope_type == "llama3":
@@ -101,10 +129,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, max_positions)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = rope_attention_factor(cfg)
+        if cfg.rope_type == "longrope":
+            log.info("LongRoPE: the %s factors for a context of %d positions (pre-training length %d), cos/sin x %.4f",
+                     "long" if longrope_long(cfg, max_positions) else "short", max_positions,
+                     cfg.rope_params_dict["original_max_position_embeddings"], scale)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]

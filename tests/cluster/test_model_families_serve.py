@@ -30,6 +30,13 @@ FAMILIES = {
     "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**SHAPE, num_experts=6, num_experts_per_tok=2,
                                                      moe_intermediate_size=48, shared_expert_intermediate_size=96),
     "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    # LongRoPE, served within its pre-training length (--max-model-len 512 of 2,048): the short factors
+    "phi3": lambda: transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 2048}, sliding_window=16,
+                                            original_max_position_embeddings=512, pad_token_id=0, rope_parameters={
+                                                "rope_type": "longrope", "rope_theta": 10000.0,
+                                                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                                "original_max_position_embeddings": 512}),
 }
 
 
@@ -39,7 +46,7 @@ def test_family_served_greedy_equals_transformers(family, ray_session, tmp_path,
     reference, cfg = Reference.load(model), ModelConfig.from_dir(model)
     port = free_port()
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
-            "--local-prefill-max-tokens", "0", "--num-blocks", "160", "--address",
+            "--local-prefill-max-tokens", "0", "--num-blocks", "160", "--max-model-len", "512", "--address",
             ray_session.get_runtime_context().gcs_address, "--port", str(port), "--grpc-port", str(free_port())]
     crossed = 0
     with serving(argv, tmp_path / "serve.log", port, signal.SIGINT):

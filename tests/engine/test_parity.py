@@ -125,3 +125,34 @@ def test_chat_template_prompt_equals_transformers(tiny_model):
     res = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert res[0]["token_ids"] == hf_greedy(model_dir, [ids], 24)[0]
     assert res[0]["text"] == tok.decode(res[0]["token_ids"], skip_special_tokens=True)
+
+
+def _phi3(original: int, window: int | None = None) -> transformers.Phi3Config:
+    half = SHAPE["hidden_size"] // SHAPE["num_attention_heads"] // 2
+    return transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 4 * original}, sliding_window=window,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   original_max_position_embeddings=original,  # transformers: it wins over the one below
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                                    "long_factor": [2.0 + 0.5 * i for i in range(half)],
+                                                    "original_max_position_embeddings": original})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["short-factors-window", "long-factors"])
+def test_phi3_longrope_equals_transformers(tiny_model, tmp_path, case):
+    """Phi-3: fused qkv / gate_up in the checkpoint, LongRoPE with its attention factor (context 4x the
+    pre-training length). The short factors: a served context within the pre-training length (and a sliding
+    window); the long ones: a longer context, prompts longer than the pre-training length (where transformers
+    uses the long factors from the first forward on: engine/layers.py ``longrope_long``)."""
+    original = 512 if case.startswith("short") else 64
+    model_dir = save_with_transformers(tmp_path / case, _phi3(original, 40 if case.startswith("short") else None),
+                                       tiny_model("llama"))
+    lens = (1, 17, 45, 100, 160) if case.startswith("short") else (65, 100, 160)
+    prompts = random_prompts(512, lens=lens)
+    ours, engine = run_engine(model_dir, prompts, max_num_batched_tokens=128,
+                              max_model_len=original if case.startswith("short") else 4 * original)
+    assert engine.runner.model.rope.cos.abs().max() > 1.0  # the attention factor scales cos and sin
+    ref = hf_greedy(model_dir, prompts)
+    for p, a, b in zip(prompts, ours, ref):
+        assert a == b, f"prompt of {len(p)} tokens diverges at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
