@@ -8,10 +8,11 @@ Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is t
 
 1. A field that changes the model's arithmetic is either implemented or refused with a ``ModelLoadError``
    that names the field and its value. Refused today: an activation other than SiLU, partial rotary
-   embeddings, RoPE types other than default / linear / llama3, per-layer-type RoPE that differs between
-   layers, layer types other than full and sliding attention, ``quantization_config`` (packed weights),
-   and the fields of other families that a Llama-shaped config must not carry with a non-neutral value
-   (logit soft-capping, QK norm, µP multipliers, experts, bidirectional attention, ...).
+   embeddings, RoPE types other than default / linear / llama3 / longrope, per-layer-type RoPE that differs
+   between layers, layer types other than full and sliding attention, ``quantization_config`` (packed
+   weights), and the fields of other families that a config must not carry with a non-neutral value (logit
+   soft-capping, QK norm outside Qwen3, µP multipliers, experts outside the MoE architectures of
+   engine/config_moe.py, bidirectional attention, ...).
 2. Fields that moved between transformers generations are read in every spelling: ``rope_parameters``
    (transformers >= 5; flat, or nested per layer type) and ``rope_theta`` + ``rope_scaling`` (< 5);
    ``dtype`` and ``torch_dtype``. One ``ModelConfig`` comes out, whichever form the file used. When a file
