@@ -1,11 +1,18 @@
 """A ``Tokenizer`` from a GGUF file's metadata (a GGUF has no tokenizer.json: vocabulary, merges, token types
 and special-token ids are metadata under llama.cpp's key names).
 
-Supported: ``tokenizer.ggml.model == "gpt2"`` — byte-level BPE, what Llama 3, Qwen2 and SmolLM use. The text is
-split before BPE the way llama.cpp splits it for the file's ``tokenizer.ggml.pre`` (the regex the vocabulary's
-merges were learned with; :data:`_PRE_TOKENIZERS`). A pre-tokenizer we do not know, a missing one, or
-another tokenizer model (sentencepiece "llama", "t5", ...) is a ``ModelLoadError``: guessing the split gives
-other token ids than the model was trained on, without an error.
+Supported:
+- ``tokenizer.ggml.model == "gpt2"`` — byte-level BPE, what Llama 3, Qwen2 and SmolLM use. The text is split
+  before BPE the way llama.cpp splits it for the file's ``tokenizer.ggml.pre`` (the regex the vocabulary's
+  merges were learned with; :data:`_PRE_TOKENIZERS`). A pre-tokenizer we do not know or a missing one is a
+  ``ModelLoadError``: guessing the split gives other token ids than the model was trained on, without an error.
+- ``tokenizer.ggml.model == "llama"`` — SentencePiece BPE (Llama 2, Mistral, TinyLlama) in an ``llama``
+  architecture file, built as transformers builds it (its ``LlamaTokenizer``): "▁" for spaces with one
+  prepended to the text (Metaspace), byte fallback to the ``<0xNN>`` tokens, unknown pieces fused; the merges
+  the file lists, or — llama.cpp's converter writes none — the ones its vocabulary implies, ordered by the
+  merged piece's score (:func:`spm_merges`). BOS is added unless the file says ``add_bos_token = false``.
+  Other architectures' SentencePiece files (Phi-3 and Gemma spell spaces differently) and other models
+  ("t5", "bert", ...) are refused.
 
 Token types follow llama.cpp: CONTROL tokens (``<|im_start|>``, ...) are special added tokens (matched whole,
 dropped by ``skip_special_tokens``), USER_DEFINED ones are plain added tokens (matched whole, kept). EOS for
@@ -47,19 +54,54 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 
+def spm_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every split of a piece into two pieces of the
+    vocabulary, best merged piece first (score descending; ties: longer left, then longer right piece, then
+    the pieces' order in the vocabulary) — the order transformers recovers them in."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _spm_backend(meta: Mapping[str, Any], tokens: list[str], source: str) -> _Backend:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{source}: a SentencePiece tokenizer in a {arch!r} file is not supported (only "
+                             "'llama' files: other families spell their spaces differently)")
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ModelLoadError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    listed = meta.get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in listed] if listed else spm_merges(vocab, dict(zip(tokens, scores)))
+    backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    return backend
+
+
 def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(f"{source}: tokenizer.ggml.model={model!r} is not supported (supported: 'gpt2', "
-                             "byte-level BPE); serve the model's Hugging Face directory instead")
+                             "byte-level BPE; 'llama', SentencePiece BPE); serve the model's Hugging Face "
+                             "directory instead")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if model == "llama":
+        backend = _spm_backend(meta, tokens, source)
+        return _finish(backend, meta, tokens, token_types, source, add_bos_default=True, byte_level=False)
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in _PRE_TOKENIZERS:
         raise ModelLoadError(f"{source}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer duet knows "
                              f"({', '.join(sorted(_PRE_TOKENIZERS))}); splitting text another way would change "
                              "the token ids")
     splits, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
@@ -75,8 +117,16 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str = "GGUF fi
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, token_types) if kind == _CONTROL and set(t) <= alphabet])
+    return _finish(backend, meta, tokens, token_types, source, add_bos_default=False, byte_level=True)
+
+
+def _finish(backend: _Backend, meta: Mapping[str, Any], tokens: list[str], token_types: list[int], source: str, *,
+            add_bos_default: bool, byte_level: bool) -> Tokenizer:
+    """Added tokens, BOS/EOS, chat templates: the same for every tokenizer model."""
+    alphabet = set(byte_alphabet().values())
+    vocab = backend.get_vocab()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types)
+                                if kind == _CONTROL and (not byte_level or set(t) <= alphabet)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab])
 
@@ -90,7 +140,7 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any], source: str = "GGUF fi
 
     special = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-    template = [special["bos_token"]] * bool(meta.get("tokenizer.ggml.add_bos_token", False)) + ["$A"]
+    template = [special["bos_token"]] * bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) + ["$A"]
     template += [special["eos_token"]] * bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if None in template:
         raise ModelLoadError(f"{source}: add_bos_token/add_eos_token set but the token id is missing")

@@ -67,7 +67,9 @@ def _store(name: str, w: np.ndarray, qtype: str, rng: np.random.Generator):
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: str = "gpt-2",
                tokenizer_model: str = "gpt2", metadata: dict | None = None, drop_metadata: tuple[str, ...] = (),
-               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0, spm: dict | None = None) -> Path:
+    """``spm``: a SentencePiece vocabulary instead of the directory's tokenizer (``tokens``, ``scores``,
+    ``token_type``, ``bos`` / ``eos`` / ``unk`` ids, ``chat_template``), written as llama.cpp writes one: no merges."""
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = _GGUF_ARCH[cfg["architectures"][0]]
@@ -94,6 +96,16 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
         "tokenizer.ggml.add_bos_token": bool(tok_cfg.get("add_bos_token", False)),
         "tokenizer.chat_template": tok_cfg["chat_template"],
     }
+    if spm is not None:
+        for key in ("tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
+                    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            kv.pop(key, None)
+        kv.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": spm["tokens"],
+                   "tokenizer.ggml.scores": [float(x) for x in spm["scores"]], "tokenizer.ggml.token_type": spm["token_type"],
+                   "tokenizer.ggml.bos_token_id": spm["bos"], "tokenizer.ggml.eos_token_id": spm["eos"],
+                   "tokenizer.ggml.unknown_token_id": spm["unk"], "tokenizer.chat_template": spm["chat_template"],
+                   f"{arch}.vocab_size": len(spm["tokens"])})
+        tok_cfg = {}
     for role in ("bos", "eos", "unk", "pad"):
         if tok_cfg.get(f"{role}_token"):
             key = {"unk": "unknown", "pad": "padding"}.get(role, role)

@@ -1,0 +1,101 @@
+"""SentencePiece GGUF files (tokenizer.ggml.model = "llama", as llama.cpp writes Llama 2 / Mistral / TinyLlama:
+pieces with scores, <0xNN> byte tokens, no merges) against transformers' own GGUF tokenizer for the same file:
+encode and decode, specials and byte fallback included; then a tiny llama GGUF with that vocabulary generates
+what transformers generates from the same file and text (issue 26, must-show 2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tokenizers import SentencePieceBPETokenizer
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import ModelLoadError
+from engine.gguf import GGUFCheckpoint
+from engine.request import SamplingParams
+from engine.tiny import make_tiny_model, tiny_corpus
+from tests.engine.gguf_files import write_gguf
+
+CONTROL, USER = ["<|user|>", "<|assistant|>"], ["<tool>"]
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEXTS = ["Hello world", " leading space", "two  spaces and   three", "new\nline\n\n", "café ünïcode 日本語 🙂 ñ",
+         "<|user|>\nhi</s>", "a <tool> b<tool>", "", "   ", "The river and the mountain garden.", "x" * 40,
+         "<s>not special in text?</s>", "def f_3(x): return x * 7  # ok"]
+
+
+def spm_vocab() -> dict:
+    """A SentencePiece-style vocabulary trained here (the tokenizers library's SentencePiece BPE), laid out as
+    llama.cpp writes one: unk, BOS, EOS, the 256 byte tokens, control and user-defined tokens, then the pieces
+    with descending scores. A small alphabet leaves accented, CJK and emoji characters to byte fallback."""
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(tiny_corpus(), vocab_size=320, min_frequency=2, special_tokens=["<unk>"],
+                            limit_alphabet=50, show_progress=False)
+    pieces = [p for p, _ in sorted(spm.get_vocab().items(), key=lambda kv: kv[1]) if p != "<unk>"]
+    head = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *CONTROL, *USER]
+    types = [2, 3, 3, *[6] * 256, *[3] * len(CONTROL), *[4] * len(USER)]
+    tokens = head + pieces
+    return {"tokens": tokens, "scores": [0.0] * len(head) + [-float(i) for i in range(len(pieces))],
+            "token_type": types + [1] * len(pieces), "bos": 1, "eos": 2, "unk": 0, "chat_template": TEMPLATE}
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    vocab = spm_vocab()
+    out = tmp_path_factory.mktemp("spm")
+    hf_dir = make_tiny_model(out / "hf", "llama", vocab_size=len(vocab["tokens"]))
+    return write_gguf(hf_dir, out / "tiny-spm.gguf", "Q8_0", spm=vocab)
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(spm_gguf):
+    ours = GGUFCheckpoint(spm_gguf).tokenizer()
+    ref = transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
+    fallback = 0
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+        fallback += sum(t.startswith("<0x") for t in ref.convert_ids_to_tokens(ids))
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (text, skip)
+    assert fallback >= 10  # byte fallback really ran (é, ü, 日本語, 🙂 are not pieces)
+    assert ours.encode("x")[0] == 1  # BOS added: the file does not say otherwise
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.slow
+def test_llama_gguf_with_a_sentencepiece_vocabulary_generates_like_transformers(spm_gguf):
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name,
+                                                            dtype=torch.float32)
+    engine = Engine(EngineConfig(model=str(spm_gguf), num_blocks=64, dtype="float32"))
+    prompts = ["The river and the mountain garden", "café 🙂 def f(x):"]
+    res = engine.generate([engine.tokenizer.encode(p) for p in prompts],
+                          SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, r in zip(prompts, res):
+        ids = ref_tok(p)["input_ids"]
+        assert engine.tokenizer.encode(p) == ids
+        want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(ids):].tolist()
+        assert r["token_ids"] == want
+        # as text: random weights emit byte tokens that are not UTF-8, where a streamed text has no one right
+        # spelling (tokenizers turns a whole invalid run into U+FFFD, a streaming window cuts it elsewhere), so
+        # the whole decode is compared, both ways of treating specials
+        for skip in (True, False):
+            assert engine.tokenizer.decode(ids + want, skip) == ref_tok.decode(ids + want, skip_special_tokens=skip)
+
+
+def test_sentencepiece_in_another_architecture_or_without_scores_is_refused(spm_gguf, tmp_path):
+    from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
+
+    meta = dict(GGUFCheckpoint(spm_gguf).metadata)
+    with pytest.raises(ModelLoadError, match="SentencePiece tokenizer in a 'phi3' file"):
+        tokenizer_from_gguf_metadata({**meta, "general.architecture": "phi3"})
+    with pytest.raises(ModelLoadError, match="needs tokenizer.ggml.scores"):
+        tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k != "tokenizer.ggml.scores"})
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.model='t5'"):
+        tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.model": "t5"})
