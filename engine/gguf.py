@@ -12,9 +12,10 @@ The loader turns the arrays into the serving dtype.
 Being exact about what the file says:
 - Architectures: ``llama`` (→ LlamaForCausalLM), ``qwen2`` (→ Qwen2ForCausalLM) and ``qwen3`` (→
   Qwen3ForCausalLM: per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``; its head size from
-  ``attention.key_length``) and ``qwen3moe`` (→ Qwen3MoeForCausalLM: every block sparse, ``ffn_gate_inp`` the
+  ``attention.key_length``), ``qwen3moe`` (→ Qwen3MoeForCausalLM: every block sparse, ``ffn_gate_inp`` the
   router, each of ``ffn_{gate,up,down}_exps`` every expert's projection in one 3-D tensor; top-k weights
-  renormalised, as llama.cpp runs it). llama.cpp's converter interleaves the rows of Llama's Q and K projections (weights
+  renormalised, as llama.cpp runs it) and ``qwen2moe`` (→ Qwen2MoeForCausalLM: the same plus the shared expert
+  ``ffn_*_shexp`` and its gate; weights not renormalised). llama.cpp's converter interleaves the rows of Llama's Q and K projections (weights
   and biases) for its rotary kernel; we undo it exactly as transformers does (:func:`unpermute_rows`). Qwen
   files are not permuted.
 - Every ``<arch>.*`` metadata key must be one we understand (:data:`_KNOWN_ARCH_KEYS`); any other is a
@@ -41,15 +42,16 @@ from engine.config_moe import MoeFields
 from engine.errors import ModelLoadError
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM"}
-_MOE = {"qwen3moe"}  # every block sparse, top-k weights renormalised (llama.cpp's qwen3moe graph)
+                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+# every block sparse; whether the top-k weights are renormalised (llama.cpp's graphs for these architectures)
+_MOE = {"qwen3moe": True, "qwen2moe": False}
 _KNOWN_ARCH_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
     "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
     "expert_count", "expert_used_count",  # only as 0 outside _MOE (checked below)
-    "expert_feed_forward_length",  # _MOE only
+    "expert_feed_forward_length", "expert_shared_feed_forward_length",  # _MOE only (shared: qwen2moe)
 }
 # GGUF tensor name (after blk.N.) -> HF name (after model.layers.N.)
 _LAYER_TENSORS = {
@@ -60,6 +62,9 @@ _LAYER_TENSORS = {
     # every expert in one 3-D tensor ([E, I, H] / [E, H, I]) and the router
     "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp": "mlp.gate",
+    # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _ROPE_FREQS = "rope_freqs.weight"
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -121,9 +126,14 @@ class GGUFCheckpoint:
             experts, top_k = int(self._arch("expert_count")), int(self._arch("expert_used_count"))
             if not 1 <= top_k <= experts:
                 raise ModelLoadError(f"{self.path}: expert_used_count {top_k} with expert_count {experts}")
-            moe = MoeFields(experts, top_k, int(self._arch("expert_feed_forward_length")), norm_topk_prob=True,
+            shared = int(self._arch("expert_shared_feed_forward_length")) if self.gguf_arch == "qwen2moe" else 0
+            moe = MoeFields(experts, top_k, int(self._arch("expert_feed_forward_length")),
+                            norm_topk_prob=_MOE[self.gguf_arch], shared_expert_intermediate_size=shared,
                             sparse_layers=tuple(range(int(self._arch("block_count")))))
-        else:
+        if self.gguf_arch != "qwen2moe" and self._arch("expert_shared_feed_forward_length", 0):
+            raise ModelLoadError(f"{self.path}: {prefix}expert_shared_feed_forward_length: {self.gguf_arch!r} has "
+                                 "no shared expert")
+        if self.gguf_arch not in _MOE:
             for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
                 if self._arch(key, 0):
                     raise ModelLoadError(f"{self.path}: {prefix}{key}={self._arch(key)} (mixture of experts) is not "
@@ -213,6 +223,8 @@ class GGUFCheckpoint:
                 raise ModelLoadError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
                                      "package cannot dequantize") from None
             array = np.array(array, dtype=np.float32)  # a writable copy (F32 tensors are read-only memmap views)
+            if t.name.endswith(".ffn_gate_inp_shexp.weight") and array.ndim == 1:
+                array = array[None, :]  # the shared expert's gate: a [1, hidden] projection, stored as a vector
             if self.gguf_arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 array = unpermute_rows(array, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
             yield name, array, int(t.n_bytes)

@@ -16,12 +16,14 @@ import numpy as np
 from safetensors.numpy import load_file
 
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+              "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate": "ffn_gate_inp"}
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 # K-quant block layouts: bytes per 256-value block, offset of the fp16 scale d, offset of the fp16 minimum
 # scale dmin (None: the quants are signed), mean quant (dmin = d * mean centres the weights).
@@ -110,9 +112,12 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
         if tok_cfg.get(f"{role}_token"):
             key = {"unk": "unknown", "pad": "padding"}.get(role, role)
             kv[f"tokenizer.ggml.{key}_token_id"] = vocab[tok_cfg[f"{role}_token"]]
-    if arch == "qwen3moe":
-        kv.update({f"{arch}.expert_count": cfg["num_local_experts"], f"{arch}.expert_used_count": cfg["num_experts_per_tok"],
+    if arch in ("qwen3moe", "qwen2moe"):
+        kv.update({f"{arch}.expert_count": cfg.get("num_local_experts") or cfg["num_experts"],
+                   f"{arch}.expert_used_count": cfg["num_experts_per_tok"],
                    f"{arch}.expert_feed_forward_length": cfg["moe_intermediate_size"]})
+    if arch == "qwen2moe":
+        kv[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     if cfg.get("head_dim"):  # as llama.cpp's converter writes an explicit head size
         kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = head_dim
     kv.update(metadata or {})
@@ -133,6 +138,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
             w = permute(w, heads)
         elif arch == "llama" and ".k_proj." in hf:
             w = permute(w, kv_heads)
+        if hf.endswith("mlp.shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp stores this [1, hidden] gate as a vector
         data, ggml_type = _store(hf, w, qtype, rng)
         writer.add_tensor(gguf_name(hf), data, raw_dtype=ggml_type)
     for name, data in (extra_tensors or {}).items():

@@ -99,6 +99,23 @@ def test_qwen3_moe_gguf_equals_transformers_loading_the_same_file(tiny_model, gg
     assert ours == hf_gguf_greedy(path) == greedy(engine_for(hf_dir))
 
 
+@pytest.mark.slow
+def test_qwen2_moe_gguf_equals_transformers_loading_the_same_file(tiny_model, gguf_dir):
+    """llama.cpp's qwen2moe: the experts as in qwen3moe plus the shared expert and its gate (a vector in the
+    file), weights not renormalised (transformers' qwen2moe GGUF mapping takes its default expert sizes)."""
+    from tests.engine.hf_saved import save_with_transformers
+
+    hf_dir = save_with_transformers(gguf_dir / "qwen2moe-hf", transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632), tiny_model("llama"))
+    path = write_gguf(hf_dir, gguf_dir / "qwen2moe-F32.gguf", "F32", pre="qwen2")
+    cfg = ModelConfig.from_checkpoint(path)
+    assert cfg.moe.shared_expert_intermediate_size == 5632 and not cfg.moe.norm_topk_prob and cfg.qkv_bias
+    ours = greedy(engine_for(path))
+    assert ours == hf_gguf_greedy(path) == greedy(engine_for(hf_dir))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_f32_gguf_restores_the_checkpoint_exactly(tiny_model, gguf_dir, arch):
     """HF → GGUF (llama.cpp's Q/K row permutation) → duet gives back every weight bit for bit."""
