@@ -43,8 +43,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    if softcap is not None:
+        return _softcapped(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
     n_p = meta.num_prefill_tokens
     if meta.num_decodes == 0:
         return ops.prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
@@ -57,4 +60,22 @@ def paged_attention(
                                       meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window)
     out[n_p:] = ops.decode_attention(q[n_p:], key_cache, value_cache, meta.decode_block_tables,
                                      meta.decode_seq_lens, scale, sliding_window)
+    return out
+
+
+def _softcapped(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window, softcap) -> torch.Tensor:
+    """Gemma 2's soft-capped attention: the torch references (no C or Triton kernel takes a cap; the runner
+    counts this as a kernel fallback when its backend has faster kernels)."""
+    from kernels.decode_attention import paged_decode_attention_ref
+    from kernels.prefill_attention import prefill_attention_ref
+
+    n_p = meta.num_prefill_tokens
+    out = torch.empty_like(q)
+    if meta.num_prefills:
+        out[:n_p] = prefill_attention_ref(q[:n_p], key_cache, value_cache, meta.prefill_block_tables,
+                                          meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window,
+                                          softcap)
+    if meta.num_decodes:
+        out[n_p:] = paged_decode_attention_ref(q[n_p:], key_cache, value_cache, meta.decode_block_tables,
+                                               meta.decode_seq_lens, scale, sliding_window, softcap)
     return out

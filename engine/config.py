@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config_gemma import GELU_TANH, GEMMA_ARCHITECTURES, GemmaFields, gemma2_layer_types, read_gemma2
 from engine.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
 # Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
 _QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # the window, if any, on every layer
@@ -68,7 +69,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
+    "Gemma2ForCausalLM": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256,
+                          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True},
 }
+_GEMMA_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")  # read_gemma2's
 _ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
 
 # Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
@@ -124,6 +129,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims on q and k, after the projection, before RoPE
     moe: MoeFields = MoeFields()  # experts (engine/config_moe.py); num_experts 0: a dense model
+    gemma: GemmaFields = GemmaFields()  # Gemma 2's departures (engine/config_gemma.py); all off elsewhere
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
@@ -207,6 +213,7 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in _QK_NORM,
             moe=read_moe(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else MoeFields(),
+            gemma=read_gemma2(cfg) if arch in GEMMA_ARCHITECTURES else GemmaFields(),
             sliding_window=window,
             layer_types=layer_types,
             checkpoint_dtype=_read_dtype(cfg),
@@ -249,7 +256,9 @@ def _int(cfg: dict[str, Any], key: str) -> int:
 
 def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in _SILU:
+    if arch in GEMMA_ARCHITECTURES and act in GELU_TANH:
+        pass  # read by engine/config_gemma.py
+    elif act not in _SILU:
         raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
     quant = cfg.get("quantization_config")
     if quant:
@@ -259,6 +268,8 @@ def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
     for name, neutral in _FOREIGN_MATH_FIELDS.items():
         if arch in MOE_ARCHITECTURES and name in ("num_experts", "num_local_experts"):
             continue  # read by engine/config_moe.py
+        if arch in GEMMA_ARCHITECTURES and name in _GEMMA_FIELDS:
+            continue
         if name in cfg and cfg[name] not in neutral:
             raise ModelLoadError(f"{name}={cfg[name]!r} changes the model's math and duet does not implement it")
 
@@ -278,6 +289,9 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
             first = _int(cfg, "max_window_layers")
             given = ["sliding_attention" if window is not None and i >= first else "full_attention"
                      for i in range(num_layers)]
+    elif arch in GEMMA_ARCHITECTURES:
+        window = cfg.get("sliding_window")
+        given = given if given is not None else gemma2_layer_types(num_layers)
     elif arch in _MISTRAL_LAYOUT:
         window = cfg.get("sliding_window")
         uniform = "sliding_attention" if window else "full_attention"  # Mistral applies its window to every layer

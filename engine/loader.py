@@ -133,6 +133,10 @@ def load_model(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
             loaded.setdefault(name, set()).update(model.covered(name, piece))
+    if cfg.gemma.norm_plus_one:  # Gemma's RMSNorm scales by 1 + weight: stored so, the norm code is Llama's
+        for name, param in params.items():
+            if name.endswith("norm.weight"):
+                param.data.add_(1.0)
     missing = []
     for name, param in params.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":

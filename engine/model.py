@@ -38,7 +38,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, ops)
         self.qkv_proj.shards = [self.q_size, self.kv_size, self.kv_size]
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (cfg.gemma.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = cfg.gemma.attn_logit_softcapping
         self.sliding_window = sliding_window
         self.ops = ops
         if cfg.qk_norm:  # torch's arithmetic (the fused norm kernels take whole rows of the hidden size)
@@ -61,7 +62,8 @@ class Attention(nn.Module):
             self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
         else:
             q, k = rope(positions, q, k)
-        o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
+                            self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -72,14 +74,16 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, ops)
         self.gate_up_proj.shards = [self.inter, self.inter]
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, ops)
-        self.silu_mul = ops.silu_mul
+        self.gelu_tanh = cfg.gemma.gelu_tanh  # Gemma's GeGLU (no fused kernel: torch's arithmetic)
+        self.silu_mul = None if self.gelu_tanh else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.silu_mul is not None:
             return self.down_proj(self.silu_mul(gate_up))
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        act = nn.functional.gelu(gate, approximate="tanh") if self.gelu_tanh else nn.functional.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -107,6 +111,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2's layer: a norm after attention and around the MLP too; the residual is added after each post-norm.
+    Same protocol as ``DecoderLayer`` (returns the last branch's output and the stream before it; the next
+    layer's input norm adds them)."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int) -> None:
+        super().__init__(cfg, ops, index)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, x, residual, positions, rope, key_cache, value_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, positions, rope, key_cache, value_cache, meta))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
 class CausalLM(nn.Module):
     # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
     stacked_params = {
@@ -120,7 +144,8 @@ class CausalLM(nn.Module):
         self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
+        layer = SandwichDecoderLayer if cfg.gemma.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         if cfg.tie_word_embeddings:
@@ -130,12 +155,18 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
         h, residual = self.embed_tokens(input_ids), None
+        if self.cfg.gemma.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype first (as transformers)
+            h = h * float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype))
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.cfg.gemma.final_logit_softcapping
+        if cap is not None:  # Gemma 2, in the model dtype as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def shard_sizes(self, fused_name: str) -> list[int]:
         """The row blocks of a fused parameter (q/k/v, gate/up, an expert's gate/up)."""

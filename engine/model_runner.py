@@ -103,6 +103,10 @@ class ModelRunner:
             self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
+        if model_cfg.gemma.attn_logit_softcapping and self.backend != "torch":
+            reason = "attention logit soft-capping (Gemma 2): no C or Triton kernel takes a cap yet"
+            log.warning("attention runs the torch references: %s", reason)
+            self.fallbacks.append(f"attention: {reason}")
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts:
             reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/moe.py)"

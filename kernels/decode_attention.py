@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels import _triton_utils as tu
 from kernels._paged_kv import attend_kv_tile
+from kernels.prefill_attention import softcapped_attention
 
 _REF_BUCKET = 8  # sequences per padded gather in the reference (sorted by length: little padding)
 
@@ -39,6 +40,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], dtype of q
     """The engine's CPU path too, so it is built for speed with plain torch ops.
 
@@ -48,17 +50,17 @@ def paged_decode_attention_ref(
     """
     num_seqs, num_q_heads, head_dim = q.shape
     if num_seqs <= _REF_BUCKET:
-        return _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+        return _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap)
     out = torch.empty_like(q)
     order = torch.argsort(seq_lens)
     for i in range(0, num_seqs, _REF_BUCKET):
         idx = order[i: i + _REF_BUCKET]
         out[idx] = _decode_bucket(q[idx], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale,
-                                  sliding_window)
+                                  sliding_window, softcap)
     return out
 
 
-def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
+def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap=None):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -74,7 +76,11 @@ def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     if sliding_window is not None:
         allowed &= pos > lens - 1 - sliding_window
     qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
+    if softcap is not None:
+        out = softcapped_attention(qf, k, v, allowed[:, None, None, :], scale, softcap)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=allowed[:, None, None, :],
+                                                               scale=scale)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 

@@ -36,6 +36,20 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     return rows.reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens]
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping, as transformers computes it: scores = q·k * scale, then
+    tanh(scores / cap) * cap, then the mask, softmax, · v. q [..., Hq, Lq, D]; k, v [..., Hkv, Lk, D] with
+    Hq a multiple of Hkv; ``allowed`` broadcasts to [..., Lq, Lk]."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def prefill_attention_ref(
     q: torch.Tensor,  # [num_q_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -45,6 +59,7 @@ def prefill_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32, K/V length of each sequence incl. the new tokens
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
     num_q_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -64,14 +79,12 @@ def prefill_attention_ref(
         allowed = pos_k <= pos_q
         if sliding_window is not None:
             allowed &= pos_k > pos_q - sliding_window
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[q_start:q_end].float().transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=allowed,
-            scale=scale,
-            enable_gqa=group > 1,
-        )
+        qs = q[q_start:q_end].float().transpose(0, 1)
+        if softcap is not None:
+            o = softcapped_attention(qs, k.transpose(0, 1), v.transpose(0, 1), allowed, scale, softcap)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1),
+                                                                 attn_mask=allowed, scale=scale, enable_gqa=group > 1)
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
 

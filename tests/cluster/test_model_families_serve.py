@@ -30,6 +30,9 @@ FAMILIES = {
     "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**SHAPE, num_experts=6, num_experts_per_tok=2,
                                                      moe_intermediate_size=48, shared_expert_intermediate_size=96),
     "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    "gemma2": lambda: transformers.Gemma2Config(**{**SHAPE, "head_dim": 32}, pad_token_id=0, sliding_window=16,
+                                                query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                                final_logit_softcapping=8.0),
     # LongRoPE, served within its pre-training length (--max-model-len 512 of 2,048): the short factors
     "phi3": lambda: transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 2048}, sliding_window=16,
                                             original_max_position_embeddings=512, pad_token_id=0, rope_parameters={

@@ -85,6 +85,11 @@ SAVED_BY_TRANSFORMERS = {  # config.json written by transformers 5 itself (rope_
         **{**SHAPE, "head_dim": 32}, use_sliding_window=True, sliding_window=24, max_window_layers=1),
     "qwen3-biases-tied": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, attention_bias=True,
                                                           tie_word_embeddings=True),
+    # Gemma 2: soft-capped attention and logits, sandwich norms, (1 + w) norms, GeGLU, scaled embeddings, the
+    # window on every other layer, query_pre_attn_scalar != head_dim
+    "gemma2": lambda: transformers.Gemma2Config(**{**SHAPE, "num_hidden_layers": 4, "head_dim": 32},
+                                                sliding_window=24, query_pre_attn_scalar=20,
+                                                attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
     # mixture of experts: 8 experts, top 2 (Mixtral: always renormalised; sliding window on every layer)
     "mixtral-window": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
                                                          sliding_window=40),
@@ -156,3 +161,19 @@ def test_phi3_longrope_equals_transformers(tiny_model, tmp_path, case):
     ref = hf_greedy(model_dir, prompts)
     for p, a, b in zip(prompts, ours, ref):
         assert a == b, f"prompt of {len(p)} tokens diverges at {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)}"
+
+
+def test_gemma2_logits_equal_transformers(tiny_model, tmp_path):
+    """Greedy cannot see the final soft-cap (tanh keeps the argmax): the logits themselves, against transformers'
+    forward of the same prompt, through the engine's runner and KV cache."""
+    from tests.engine.test_kernel_backends import prompt_logits
+
+    model_dir = save_with_transformers(tmp_path / "gemma2", SAVED_BY_TRANSFORMERS["gemma2"](), tiny_model("llama"))
+    prompt = random_prompts(512, lens=(60,))[0]
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=32))
+    ours = prompt_logits(engine, prompt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert ref.abs().max() < 8.0  # capped at final_logit_softcapping
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
