@@ -25,14 +25,17 @@ Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config_gemma import GELU_TANH, GEMMA_ARCHITECTURES, GemmaFields, gemma2_layer_types, read_gemma2
+from engine.config_gemma import (GELU_TANH, GEMMA_ARCHITECTURES, GemmaFields, gemma3_rope_sources, gemma_layer_types,
+                                 read_gemma)
 from engine.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
+from engine.config_rope import ROPE_TYPES, read_rope
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -40,22 +43,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 # Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
 _QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # the window, if any, on every layer
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-# RoPE: the parameters each supported type reads (required, optional with transformers' default).
-ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "default": ((), ()),
-    "linear": (("factor",), ()),
-    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
-    # Phi-3: per-frequency divisors, short below the pre-training length, long beyond it (engine/layers.py)
-    "longrope": (("short_factor", "long_factor"), ("original_max_position_embeddings", "factor", "attention_factor")),
-}
-# Parameters other RoPE types read: carrying one under a type that ignores it means the file is not what it
-# says (transformers would silently drop it), so it is refused.
-_ROPE_VOCABULARY = {"factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
-                    "short_factor", "long_factor", "mscale", "mscale_all_dim", "truncate", "mrope_section",
-                    "mrope_interleaved", "original_max_position_embeddings"}
 
 # transformers' defaults per architecture, for fields a config.json may leave out.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -72,9 +61,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256,
                           "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
                           "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True},
+    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256,
+                          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                          "tie_word_embeddings": True},
 }
 _GEMMA_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")  # read_gemma2's
-_ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
+_ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
 
 # Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
 # with the neutral value. (transformers' Llama would ignore them: the checkpoint is then not what it claims.)
@@ -129,7 +121,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims on q and k, after the projection, before RoPE
     moe: MoeFields = MoeFields()  # experts (engine/config_moe.py); num_experts 0: a dense model
-    gemma: GemmaFields = GemmaFields()  # Gemma 2's departures (engine/config_gemma.py); all off elsewhere
+    gemma: GemmaFields = GemmaFields()  # Gemma's departures (engine/config_gemma.py); all off elsewhere
+    rope_local: tuple = ()  # Gemma 3: (rope_type, rope_theta, rope_params) of the sliding layers; () = as the others
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
@@ -170,6 +163,11 @@ class ModelConfig:
     def rope_params_dict(self) -> dict[str, Any]:
         return dict(self.rope_params)
 
+    def local_rope_config(self) -> ModelConfig:
+        """This config with the sliding layers' RoPE (Gemma 3's ``rope_local``) as its RoPE."""
+        rope_type, theta, params = self.rope_local
+        return dataclasses.replace(self, rope_type=rope_type, rope_theta=theta, rope_params=params, rope_local=())
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: it attends to the whole sequence)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -189,8 +187,16 @@ class ModelConfig:
         num_layers, max_pos = _int(cfg, "num_hidden_layers"), _int(cfg, "max_position_embeddings")
         vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
         layer_types, window = _attention_layout(cfg, arch, num_layers)
-        rope_type, rope_theta, rope_params = _read_rope(cfg, layer_types, max_pos, _ROPE_THETA_DEFAULT.get(arch, 1e4),
-                                                        legacy_longrope=arch == "Phi3ForCausalLM")
+        rope_local = ()
+        if arch == "Gemma3ForCausalLM":  # the sliding layers have a RoPE of their own
+            glob, local = gemma3_rope_sources(cfg)
+            rope_type, rope_theta, rope_params = read_rope(glob, ("full_attention",), max_pos, 1e6)
+            rope_local = read_rope(local, ("sliding_attention",), max_pos, 1e4)
+            rope_local = () if rope_local == (rope_type, rope_theta, rope_params) else rope_local
+        else:
+            rope_type, rope_theta, rope_params = read_rope(cfg, layer_types, max_pos,
+                                                            _ROPE_THETA_DEFAULT.get(arch, 1e4),
+                                                            legacy_longrope=arch == "Phi3ForCausalLM")
         llama_bias = arch in ("LlamaForCausalLM", *_QK_NORM) and bool(cfg.get("attention_bias", False))
         qwen_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
         return cls(
@@ -213,7 +219,8 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
             qk_norm=arch in _QK_NORM,
             moe=read_moe(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else MoeFields(),
-            gemma=read_gemma2(cfg) if arch in GEMMA_ARCHITECTURES else GemmaFields(),
+            gemma=read_gemma(cfg) if arch in GEMMA_ARCHITECTURES else GemmaFields(),
+            rope_local=rope_local,
             sliding_window=window,
             layer_types=layer_types,
             checkpoint_dtype=_read_dtype(cfg),
@@ -291,7 +298,7 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
                      for i in range(num_layers)]
     elif arch in GEMMA_ARCHITECTURES:
         window = cfg.get("sliding_window")
-        given = given if given is not None else gemma2_layer_types(num_layers)
+        given = given if given is not None else gemma_layer_types(cfg, arch, num_layers)
     elif arch in _MISTRAL_LAYOUT:
         window = cfg.get("sliding_window")
         uniform = "sliding_attention" if window else "full_attention"  # Mistral applies its window to every layer
@@ -315,73 +322,6 @@ def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[
     if window is None:
         given = ["full_attention"] * num_layers
     return tuple(given), window
-
-
-def _read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
-               theta_default: float = 1e4, legacy_longrope: bool = False) -> tuple[str, float, tuple]:
-    """(rope_type, rope_theta, type parameters) from rope_parameters and/or rope_theta + rope_scaling."""
-    sources: list[tuple[str, dict[str, Any]]] = []
-    params = cfg.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ModelLoadError(f"rope_parameters must be an object, got {params!r}")
-        if params and all(isinstance(v, dict) or v is None for v in params.values()):
-            params = _one_rope_for_all_layers(params, layer_types)
-        sources.append(("rope_parameters", params))
-    scaling = cfg.get("rope_scaling")
-    if scaling is not None:
-        if not isinstance(scaling, dict):
-            raise ModelLoadError(f"rope_scaling must be an object, got {scaling!r}")
-        sources.append(("rope_scaling", scaling))
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if cfg.get(key) is not None:
-            sources.append((key, {key: cfg[key]}))
-    merged: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    for source, values in sources:
-        for key, value in values.items():
-            key = "rope_type" if key == "type" else key
-            if key in merged and merged[key] != value:
-                raise ModelLoadError(f"config.json gives RoPE's {key} twice with different values: "
-                                     f"{merged[key]!r} in {origin[key]} and {value!r} in {source}")
-            merged[key], origin[key] = value, source
-    rope_type = merged.pop("rope_type", "default")
-    if legacy_longrope and rope_type in ("su", "yarn"):  # Phi-3's early names for LongRoPE (transformers maps them)
-        rope_type = "longrope"
-    theta = float(merged.pop("rope_theta", theta_default))
-    partial = merged.pop("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ModelLoadError(f"partial_rotary_factor={partial!r} (rotary on part of each head) is not supported")
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"unsupported rope_type {rope_type!r} (in {origin.get('rope_type')}); "
-                             f"supported: {', '.join(ROPE_TYPES)}")
-    required, optional = ROPE_TYPES[rope_type]
-    if "original_max_position_embeddings" in optional:  # Phi-3 keeps it at the top level too
-        top = cfg.get("original_max_position_embeddings")
-        if top is not None and merged.setdefault("original_max_position_embeddings", top) != top:
-            raise ModelLoadError(f"config.json gives original_max_position_embeddings={top!r} and "
-                                 f"{merged['original_max_position_embeddings']!r} in {origin['original_max_position_embeddings']}")
-        merged.setdefault("original_max_position_embeddings", max_pos)  # transformers' fallback
-    stray = sorted(k for k in merged if k in _ROPE_VOCABULARY and k not in required + optional)
-    if stray:
-        raise ModelLoadError(f"RoPE parameter(s) {stray} mean nothing for rope_type {rope_type!r}; "
-                             "the file is inconsistent (which RoPE did its authors train with?)")
-    frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}  # factor lists, hashable
-    return rope_type, theta, tuple(sorted((k, frozen[k]) for k in required + optional if k in frozen))
-
-
-def _one_rope_for_all_layers(nested: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:
-    """rope_parameters nested per layer type: duet runs one RoPE, so every type in use must agree."""
-    used = sorted(set(layer_types))
-    missing = [t for t in used if nested.get(t) is None]
-    if missing:
-        raise ModelLoadError(f"rope_parameters is nested by layer type but has no entry for {missing}")
-    first = nested[used[0]]
-    for t in used[1:]:
-        if nested[t] != first:
-            raise ModelLoadError(f"rope_parameters differ between layer types ({used[0]}: {first}, {t}: "
-                                 f"{nested[t]}); duet applies one RoPE to every layer")
-    return first
 
 
 def _read_dtype(cfg: dict[str, Any]) -> str:

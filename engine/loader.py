@@ -110,6 +110,8 @@ def load_model(
     model.to(dtype)
     model.reset_counters()  # to_empty left the counting buffers uninitialised
     model.rope = model.rope.__class__(cfg, max_positions).to(device)  # buffers are not checkpoint data
+    if model.rope_local is not None:
+        model.rope_local = model.rope.__class__(cfg.local_rope_config(), max_positions).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -151,6 +151,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions)
+        # Gemma 3: the sliding layers' own RoPE (None: every layer uses ``rope``)
+        self.rope_local = RotaryEmbedding(cfg.local_rope_config(), max_positions) if cfg.rope_local else None
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
@@ -158,7 +160,8 @@ class CausalLM(nn.Module):
         if self.cfg.gemma.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype first (as transformers)
             h = h * float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype))
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            rope = self.rope_local if self.rope_local is not None and layer.self_attn.sliding_window else self.rope
+            h, residual = layer(h, residual, positions, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,9 @@ FAMILIES = {
     "gemma2": lambda: transformers.Gemma2Config(**{**SHAPE, "head_dim": 32}, pad_token_id=0, sliding_window=16,
                                                 query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                                 final_logit_softcapping=8.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 4, "head_dim": 32}, pad_token_id=0,
+                                                    sliding_window=16, sliding_window_pattern=2,
+                                                    query_pre_attn_scalar=24),
     # LongRoPE, served within its pre-training length (--max-model-len 512 of 2,048): the short factors
     "phi3": lambda: transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 2048}, sliding_window=16,
                                             original_max_position_embeddings=512, pad_token_id=0, rope_parameters={

@@ -90,6 +90,15 @@ SAVED_BY_TRANSFORMERS = {  # config.json written by transformers 5 itself (rope_
     "gemma2": lambda: transformers.Gemma2Config(**{**SHAPE, "num_hidden_layers": 4, "head_dim": 32},
                                                 sliding_window=24, query_pre_attn_scalar=20,
                                                 attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
+    # Gemma 3 (text): q/k norms (1 + w), 5 sliding : 1 global layers, the global RoPE with its own base and
+    # linear scaling, the local one its own base
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 6, "head_dim": 32},
+                                                    sliding_window=24, query_pre_attn_scalar=20,
+                                                    rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                        "factor": 4.0,
+                                                                                        "rope_theta": 1e6},
+                                                                     "sliding_attention": {"rope_type": "default",
+                                                                                           "rope_theta": 1e4}}),
     # mixture of experts: 8 experts, top 2 (Mixtral: always renormalised; sliding window on every layer)
     "mixtral-window": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
                                                          sliding_window=40),
