@@ -69,10 +69,10 @@ test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
-# the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md) and the
-# full schemathesis fuzz (>= 2,000 generated requests)
+# the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md), the
+# full schemathesis fuzz (>= 2,000 generated requests) and SmolLM2 saved by transformers 5 through `duet serve`
 soak: install system-deps
-	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py
+	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py tests/cluster/test_real_models_serve.py
 
 bench-engine: install
 	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)
