@@ -263,9 +263,7 @@ def _int(cfg: dict[str, Any], key: str) -> int:
 
 def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if arch in GEMMA_ARCHITECTURES and act in GELU_TANH:
-        pass  # read by engine/config_gemma.py
-    elif act not in _SILU:
+    if act not in _SILU and not (arch in GEMMA_ARCHITECTURES and act in GELU_TANH):  # Gemma's: config_gemma.py
         raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
     quant = cfg.get("quantization_config")
     if quant:

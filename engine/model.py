@@ -53,10 +53,8 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # written back into qkv: the fused RoPE below works on it in place
-            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # q and k are views of qkv: written back, the fused RoPE below works in place
             q.copy_(self.q_norm(q))
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
             k.copy_(self.k_norm(k))
         if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row (q, k are views)
             self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
@@ -247,10 +245,10 @@ class CausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.tokens_per_expert.zero_()
 
-    def tokens_per_expert(self) -> dict[int, list[int]]:
-        """Routed tokens per expert since start-up, per sparse layer (empty for a dense model)."""
-        return {i: layer.mlp.tokens_per_expert.tolist() for i, layer in enumerate(self.layers)
-                if isinstance(layer.mlp, SparseMoE)}
+    def tokens_per_expert(self) -> list[int]:
+        """Routed tokens per expert since start-up, summed over the sparse layers ([] for a dense model)."""
+        counts = [layer.mlp.tokens_per_expert for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        return torch.stack(counts).sum(0).tolist() if counts else []
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.state_dict(keep_vars=False).items()

@@ -287,7 +287,7 @@ class WorkerBase(ABC):
                     "prefix_cache_queried_tokens": sched.num_prefix_queried_tokens,
                     "prefix_cache_hit_tokens": sched.num_prefix_hit_tokens, "queue_time_s": sched.queue_time.snapshot(),
                     "prefix_hit_tokens_by_source": hit_sources(engine),
-                    "moe_tokens_per_expert": moe_tokens_per_expert(engine),
+                    "moe_tokens_per_expert": engine.runner.model.tokens_per_expert(),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
                     "events_full_state_due": self._full_state_due, **tier_stats(engine), **self._role_stats()}
 
@@ -393,9 +393,3 @@ def tier_stats(engine: Engine) -> dict[str, Any]:
 
 async def _wrap(future):
     return await asyncio.wrap_future(future)
-
-
-def moe_tokens_per_expert(engine: Engine) -> list[int]:
-    """Tokens routed to each expert since start-up, summed over the sparse layers ([] for a dense model)."""
-    per_layer = list(engine.runner.model.tokens_per_expert().values())
-    return [sum(col) for col in zip(*per_layer)]
