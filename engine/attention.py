@@ -46,26 +46,29 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     ops.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    cap = {}
     if softcap is not None:
-        return _softcapped(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
+        if not ops.attention_softcap:
+            return _softcapped(q, key_cache, value_cache, meta, scale, sliding_window, softcap)
+        cap = {"softcap": softcap}
     n_p = meta.num_prefill_tokens
     if meta.num_decodes == 0:
         return ops.prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
-                                     meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window)
+                                     meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window, **cap)
     if meta.num_prefills == 0:
         return ops.decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
-                                    meta.decode_seq_lens, scale, sliding_window)
+                                    meta.decode_seq_lens, scale, sliding_window, **cap)
     out = torch.empty_like(q)
     out[:n_p] = ops.prefill_attention(q[:n_p], key_cache, value_cache, meta.prefill_block_tables,
-                                      meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window)
+                                      meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale, sliding_window, **cap)
     out[n_p:] = ops.decode_attention(q[n_p:], key_cache, value_cache, meta.decode_block_tables,
-                                     meta.decode_seq_lens, scale, sliding_window)
+                                     meta.decode_seq_lens, scale, sliding_window, **cap)
     return out
 
 
 def _softcapped(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window, softcap) -> torch.Tensor:
-    """Gemma 2's soft-capped attention: the torch references (no C or Triton kernel takes a cap; the runner
-    counts this as a kernel fallback when its backend has faster kernels)."""
+    """Gemma 2's soft-capped attention on a backend whose kernels take no cap (the C kernels): the torch
+    references (the runner counts this as a kernel fallback)."""
     from kernels.decode_attention import paged_decode_attention_ref
     from kernels.prefill_attention import prefill_attention_ref
 

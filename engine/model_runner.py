@@ -103,8 +103,8 @@ class ModelRunner:
             self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
-        if model_cfg.gemma.attn_logit_softcapping and self.backend != "torch":
-            reason = "attention logit soft-capping (Gemma 2): no C or Triton kernel takes a cap yet"
+        if model_cfg.gemma.attn_logit_softcapping and not self.ops.attention_softcap:
+            reason = f"attention logit soft-capping (Gemma 2): the {self.backend} attention kernels take no cap"
             log.warning("attention runs the torch references: %s", reason)
             self.fallbacks.append(f"attention: {reason}")
         self.decode_graphs: DecodeGraphs | None = None

@@ -48,6 +48,9 @@ class KernelOps:
     # GEMMs on weights packed once at load (oneDNN's blocked layout); None: ``linear`` on the dense weight
     pack_linear: Callable | None = None
     linear_packed: Callable | None = None
+    # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/attention.py runs
+    # the torch references for capped models (the runner counts it as a kernel fallback)
+    attention_softcap: bool = False
 
 
 def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
@@ -120,6 +123,7 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
             decode_attention=decode_attention.paged_decode_attention_ref,
             linear=gemm.gemm_ref,
             w8a16_linear=gemm.w8a16_gemm_ref,
+            attention_softcap=True,
         )
     from kernels import fused
 
@@ -133,4 +137,5 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
         rms_norm=fused.rms_norm,
         rotary_=fused.rotary_,
         silu_mul=fused.silu_mul,
+        attention_softcap=True,
     )

@@ -4,11 +4,23 @@ Inlined by Triton into ``_decode_partition_kernel`` and ``_prefill_attention_ker
 several cache blocks: each position's block id is gathered from the block table row ``table``. Scores are
 in the log2 domain (``qk_scale`` includes log2(e)); a row with nothing visible so far keeps m = -inf and
 the update subtracts 0 instead, so exp2 yields 0 rather than NaN (prefill's sliding window needs this).
+
+Soft-capping (Gemma 2: cap * tanh(score / cap), before the mask) commutes with the log2 scaling when the cap
+is scaled too: the launchers pass ``softcap`` already multiplied by log2(e). tanh is built from exp2 of a
+non-positive argument (no overflow; the interpreter has no tanh).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], the sign put back."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -29,8 +41,10 @@ def attend_kv_tile(
     stride_kb, stride_kt,
     stride_vb, stride_vt,
     qk_scale,
+    softcap,  # cap * log2(e), read only when SOFTCAP
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     blocks = tl.load(table + pos // block_size, mask=load_mask, other=0).to(tl.int64)
     offsets = pos % block_size
@@ -39,6 +53,8 @@ def attend_kv_tile(
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [ROWS, TILE_N]
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

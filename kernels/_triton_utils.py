@@ -110,6 +110,7 @@ def check_paged_attention_args(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.device:
     """The checks decode and prefill attention share: dtypes, shapes, strides, devices, scalars."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
@@ -140,6 +141,8 @@ def check_paged_attention_args(
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     check_sliding_window(sliding_window)
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     return device
 
 

@@ -107,6 +107,7 @@ def _decode_partition_kernel(
     head_dim,
     block_size,
     window,  # sliding window in tokens (read only when USE_WINDOW)
+    softcap,  # Gemma 2's attention cap * log2(e) (read only when SOFTCAP)
     num_partitions,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -117,6 +118,7 @@ def _decode_partition_kernel(
     SINGLE_PARTITION: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,7 +156,7 @@ def _decode_partition_kernel(
         valid = (pos < part_end) & (pos >= win_start)  # the same for every query head of the group
         acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, valid, valid[None, :],
                                        offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, UPCAST, DOT_PRECISION)
+                                       qk_scale, softcap, UPCAST, DOT_PRECISION, SOFTCAP)
 
     if SINGLE_PARTITION:
         out = acc / l_i[:, None]
@@ -217,9 +219,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], dtype of q
     """Triton flash-decoding; same semantics as ``paged_decode_attention_ref``."""
-    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                                   softcap=softcap)
 
 
 def _partition_size(capacity_tokens: int, num_programs: int, num_sms: int, tile_n: int) -> int:
@@ -233,10 +237,11 @@ def _partition_size(capacity_tokens: int, num_programs: int, num_sms: int, tile_
 
 
 def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                            partition_size: int | None = None, tile_n: int | None = None) -> torch.Tensor:
+                            partition_size: int | None = None, tile_n: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """The launcher; tests pass ``partition_size`` / ``tile_n`` to force the split path at tiny sizes."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                           sliding_window)
+                                           sliding_window, softcap)
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     tu.check_shape("seq_lens", seq_lens, (num_seqs,))
@@ -274,7 +279,7 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        float(scale) * _LOG2E, head_dim, block_size, window, num_partitions,
+        float(scale) * _LOG2E, head_dim, block_size, window, float(softcap or 1.0) * _LOG2E, num_partitions,
         GROUP=group,
         BLOCK_G=max(16, tu.next_pow2(group)),
         BLOCK_D=block_d,
@@ -284,6 +289,7 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
         SINGLE_PARTITION=single,
         UPCAST=upcast,
         DOT_PRECISION=tu.dot_precision(q.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=4,
         num_stages=2,
     )

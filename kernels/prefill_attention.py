@@ -131,6 +131,7 @@ def _prefill_attention_kernel(
     head_dim,
     block_size,
     window,  # sliding window in tokens (read only when USE_WINDOW)
+    softcap,  # Gemma 2's attention cap * log2(e) (read only when SOFTCAP)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -139,6 +140,7 @@ def _prefill_attention_kernel(
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,7 +187,7 @@ def _prefill_attention_kernel(
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, in_seq, allowed,
                                        offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, UPCAST, DOT_PRECISION)
+                                       qk_scale, softcap, UPCAST, DOT_PRECISION, SOFTCAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -201,10 +203,11 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, K/V length of each sequence incl. the new tokens
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
     """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                           sliding_window)
+                                           sliding_window, softcap)
     tu.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
     tu.check_device(q=q, cu_seqlens_q=cu_seqlens_q)
     num_q_tokens, num_q_heads, head_dim = q.shape
@@ -234,7 +237,7 @@ def prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        float(scale) * _LOG2E, num_seqs, head_dim, block_size, sliding_window or 0,
+        float(scale) * _LOG2E, num_seqs, head_dim, block_size, sliding_window or 0, float(softcap or 1.0) * _LOG2E,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -243,6 +246,7 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         UPCAST=upcast,
         DOT_PRECISION=tu.dot_precision(q.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=8 if block_m >= 128 else 4,
         num_stages=2 if fp32 or head_dim > 128 else 3,
     )

@@ -105,10 +105,11 @@ FAMILY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3-moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "gemma3", "gemma2"])
 def test_new_families_through_the_triton_kernels(tiny_model, tmp_path, family):
     """Issue 26's families on the Triton path (the interpreter here): the experts' GEMMs and Gemma's attention,
-    RoPE per layer kind and norms through the Triton kernels give the torch backend's tokens and logits."""
+    RoPE per layer kind and norms through the Triton kernels give the torch backend's tokens and logits;
+    Gemma 2's soft-capped attention in the Triton kernels themselves (no fallback counted)."""
     import transformers
 
     from tests.engine.hf_saved import save_with_transformers
@@ -116,11 +117,14 @@ def test_new_families_through_the_triton_kernels(tiny_model, tmp_path, family):
     config = (transformers.Qwen3MoeConfig(**FAMILY_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                           norm_topk_prob=True) if family == "qwen3-moe" else
               transformers.Gemma3TextConfig(**FAMILY_SHAPE, sliding_window=8, sliding_window_pattern=2,
-                                            query_pre_attn_scalar=12, pad_token_id=0))
+                                            query_pre_attn_scalar=12, pad_token_id=0) if family == "gemma3" else
+              transformers.Gemma2Config(**FAMILY_SHAPE, sliding_window=8, query_pre_attn_scalar=12, pad_token_id=0,
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=8.0))
     model_dir = save_with_transformers(tmp_path / family, config, tiny_model("llama"))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     ref = engine(model_dir, kernels="torch").generate(PROMPTS[:2], params)
     tri_engine = engine(model_dir, kernels="triton")
+    assert tri_engine.runner.fallbacks == []
     assert [r["token_ids"] for r in tri_engine.generate(PROMPTS[:2], params)] == [r["token_ids"] for r in ref]
     la = prompt_logits(engine(model_dir, kernels="torch"), PROMPTS[1])
     assert (la - prompt_logits(tri_engine, PROMPTS[1])).abs().max() <= 1e-4

@@ -99,6 +99,21 @@ def test_partition_size_heuristic_splits_only_when_the_gpu_would_idle(monkeypatc
     assert _partition_size(32768, 1, 132, 64) == 128
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_soft_capped_scores_match_the_reference(dtype, window, split):
+    """Gemma 2's cap * tanh(s / cap): large scores (q x 4) under a cap of 2, on the single and split paths."""
+    q, kc, vc, tables, lens = _case(64, 4, 2, 8, dtype)
+    q, scale = q * 4, 64 ** -0.5
+    want = paged_decode_attention_ref(q, kc, vc, tables, lens, scale, window, softcap=2.0)
+    out = (_paged_decode_attention(q, kc, vc, tables, lens, scale, window, partition_size=32, tile_n=32,
+                                   softcap=2.0) if split
+           else paged_decode_attention(q, kc, vc, tables, lens, scale, window, softcap=2.0))
+    assert_close(out, want)
+    assert (paged_decode_attention_ref(q, kc, vc, tables, lens, scale, window).float() - want.float()).abs().max() > 0.1
+
+
 def _valid_args():
     q, kc, vc, tables, lens = _case(64, 4, 2, 8, torch.float16, seq_lens=[3, 12])
     return dict(q=q, key_cache=kc, value_cache=vc, block_tables=tables, seq_lens=lens, scale=0.125)
@@ -120,6 +135,7 @@ def _valid_args():
     (lambda a: a.update(q=a["q"][0]), ValueError, "q must have 3 dims"),
     (lambda a: a.update(scale=float("nan")), ValueError, "scale must be a positive finite float"),
     (lambda a: a.update(sliding_window=0), ValueError, "sliding_window must be None or a positive int"),
+    (lambda a: a.update(softcap=0.0), ValueError, "softcap must be a positive finite float or None"),
     (lambda a: a.update(block_tables=torch.empty(2, 3, dtype=torch.int32, device="meta")), ValueError,
      "block_tables is on meta"),
 ])

@@ -54,6 +54,18 @@ def test_bf16_and_odd_group(window):
     assert_close(prefill_attention(*args, 0.125, window), prefill_attention_ref(*args, 0.125, window))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 12], ids=["causal", "window12"])
+def test_soft_capped_scores_match_the_reference(window, dtype):
+    """Gemma 2's cap * tanh(s / cap) before the mask: a cap of 2 on scores of magnitude ~10 changes every row
+    (the uncapped kernel is far from the capped reference, so the test can see the cap missing)."""
+    q, kc, vc, tables, cu, lens = _case(64, 4, 2, 8, dtype, batch=[(17, 0), (9, 13), (1, 30)])
+    args, scale = (q * 4, kc, vc, tables, cu, lens), 64 ** -0.5
+    want = prefill_attention_ref(*args, scale, window, softcap=2.0)
+    assert_close(prefill_attention(*args, scale, window, softcap=2.0), want)
+    assert (prefill_attention_ref(*args, scale, window).float() - want.float()).abs().max() > 0.1
+
+
 def test_strided_query():
     q, kc, vc, tables, cu, lens = _case(64, 4, 2, 8, torch.float32, batch=[(12, 3), (20, 0)])
     gen = torch.Generator().manual_seed(5)
