@@ -8,7 +8,8 @@ Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is t
 
 1. A field that changes the model's arithmetic is either implemented or refused with a ``ModelLoadError``
    that names the field and its value. Refused today: an activation other than SiLU, partial rotary
-   embeddings, RoPE types other than default / linear / llama3 / longrope, per-layer-type RoPE that differs
+   embeddings outside Phi-3 (engine/config_rope.py), RoPE types other than default / linear / llama3 / longrope,
+   per-layer-type RoPE that differs
    between layers, layer types other than full and sliding attention, ``quantization_config`` (packed
    weights), and the fields of other families that a config must not carry with a non-neutral value (logit
    soft-capping, QK norm outside Qwen3, µP multipliers, experts outside the MoE architectures of
@@ -115,6 +116,7 @@ class ModelConfig:
     rope_type: str = "default"
     rope_params: tuple[tuple[str, Any], ...] = ()  # the type's parameters (factor, ...), frozen as sorted items
     rope_freq_factors: tuple[float, ...] = ()  # GGUF ``rope_freqs``: per-frequency divisors (Llama 3.1 scaling)
+    partial_rotary_factor: float = 1.0  # RoPE on the first ``rotary_dim`` dims of each head (Phi-4-mini: 0.75)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
@@ -144,11 +146,17 @@ class ModelConfig:
         missing = [k for k in ROPE_TYPES[self.rope_type][0] if k not in self.rope_params_dict]
         if missing:
             raise ModelLoadError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelLoadError(f"partial_rotary_factor={self.partial_rotary_factor!r} gives rotary_dim "
+                                 f"{self.rotary_dim} of head_dim {self.head_dim}: it must be in (0, 1] and give an "
+                                 "even rotary_dim >= 2")
         for key in ("short_factor", "long_factor"):
             given = self.rope_params_dict.get(key)
-            if given is not None and (not isinstance(given, tuple) or len(given) != self.head_dim // 2):
-                raise ModelLoadError(f"rope {key} must list head_dim / 2 = {self.head_dim // 2} factors, got {given!r}")
-        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            if given is not None and (not isinstance(given, tuple) or len(given) != self.rotary_dim // 2):
+                got = f"{len(given)}" if isinstance(given, tuple) else repr(given)
+                raise ModelLoadError(f"rope {key} must list {self._rotary_dim_origin()} / 2 = {self.rotary_dim // 2} "
+                                     f"factors, got {got}")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:  # GGUF: whole-head RoPE
             raise ModelLoadError(f"rope_freqs has {len(self.rope_freq_factors)} factors, head_dim {self.head_dim} needs "
                                  f"{self.head_dim // 2}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -162,6 +170,16 @@ class ModelConfig:
     @property
     def rope_params_dict(self) -> dict[str, Any]:
         return dict(self.rope_params)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each q/k head RoPE rotates (the first ones; the rest pass through): transformers' rule."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def _rotary_dim_origin(self) -> str:
+        if self.partial_rotary_factor == 1.0:
+            return "head_dim"
+        return f"rotary_dim (int(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor}))"
 
     def local_rope_config(self) -> ModelConfig:
         """This config with the sliding layers' RoPE (Gemma 3's ``rope_local``) as its RoPE."""
@@ -190,13 +208,14 @@ class ModelConfig:
         rope_local = ()
         if arch == "Gemma3ForCausalLM":  # the sliding layers have a RoPE of their own
             glob, local = gemma3_rope_sources(cfg)
-            rope_type, rope_theta, rope_params = read_rope(glob, ("full_attention",), max_pos, 1e6)
-            rope_local = read_rope(local, ("sliding_attention",), max_pos, 1e4)
+            rope_type, rope_theta, rope_params, partial = read_rope(glob, ("full_attention",), max_pos, 1e6)
+            rope_local = read_rope(local, ("sliding_attention",), max_pos, 1e4)[:3]
             rope_local = () if rope_local == (rope_type, rope_theta, rope_params) else rope_local
         else:
-            rope_type, rope_theta, rope_params = read_rope(cfg, layer_types, max_pos,
-                                                            _ROPE_THETA_DEFAULT.get(arch, 1e4),
-                                                            legacy_longrope=arch == "Phi3ForCausalLM")
+            phi3 = arch == "Phi3ForCausalLM"
+            rope_type, rope_theta, rope_params, partial = read_rope(cfg, layer_types, max_pos,
+                                                                     _ROPE_THETA_DEFAULT.get(arch, 1e4),
+                                                                     legacy_longrope=phi3, partial_rotary=phi3)
         llama_bias = arch in ("LlamaForCausalLM", *_QK_NORM) and bool(cfg.get("attention_bias", False))
         qwen_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
         return cls(
@@ -213,6 +232,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_type=rope_type,
             rope_params=rope_params,
+            partial_rotary_factor=partial,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qwen_bias or llama_bias,
             o_proj_bias=llama_bias,

@@ -1,7 +1,12 @@
 """RoPE fields of a config.json: ``rope_parameters`` (transformers >= 5; flat, or nested per layer type) and
 ``rope_theta`` + ``rope_scaling`` (< 5) read into one (type, theta, parameters), a conflict between spellings
 refused (engine/config.py's rule 2). Which RoPE types run is here (:data:`ROPE_TYPES`); their arithmetic is
-engine/layers.py's."""
+engine/layers.py's.
+
+``partial_rotary_factor`` (RoPE on the first ``int(head_dim * factor)`` dims of each head, the rest passed
+through) is read in both spellings too: top level (transformers < 5, and 5 writes it there as well) and inside
+``rope_parameters`` (5). Of the architectures duet runs only transformers' Phi-3 applies it (Phi-4-mini:
+0.75); the others' modeling code ignores it or fails on it, so a factor other than 1 is refused for them."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,9 +28,10 @@ _ROPE_VOCABULARY = {"factor", "low_freq_factor", "high_freq_factor", "attention_
                     "mrope_interleaved", "original_max_position_embeddings"}
 
 
-def read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
-               theta_default: float = 1e4, legacy_longrope: bool = False) -> tuple[str, float, tuple]:
-    """(rope_type, rope_theta, type parameters) from rope_parameters and/or rope_theta + rope_scaling."""
+def read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int, theta_default: float = 1e4,
+              legacy_longrope: bool = False, partial_rotary: bool = False) -> tuple[str, float, tuple, float]:
+    """(rope_type, rope_theta, type parameters, partial_rotary_factor) from rope_parameters and/or rope_theta +
+    rope_scaling (+ partial_rotary_factor); a factor other than 1 only where ``partial_rotary`` (Phi-3)."""
     sources: list[tuple[str, dict[str, Any]]] = []
     params = cfg.get("rope_parameters")
     if params is not None:
@@ -56,8 +62,11 @@ def read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
         rope_type = "longrope"
     theta = float(merged.pop("rope_theta", theta_default))
     partial = merged.pop("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ModelLoadError(f"partial_rotary_factor={partial!r} (rotary on part of each head) is not supported")
+    if partial != 1.0 and not partial_rotary:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r} (rotary on part of each head) is not supported "
+                             "for this architecture (Phi3ForCausalLM only)")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+        raise ModelLoadError(f"partial_rotary_factor must be a number, got {partial!r}")
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope_type {rope_type!r} (in {origin.get('rope_type')}); "
                              f"supported: {', '.join(ROPE_TYPES)}")
@@ -73,7 +82,7 @@ def read_rope(cfg: dict[str, Any], layer_types: tuple[str, ...], max_pos: int,
         raise ModelLoadError(f"RoPE parameter(s) {stray} mean nothing for rope_type {rope_type!r}; "
                              "the file is inconsistent (which RoPE did its authors train with?)")
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}  # factor lists, hashable
-    return rope_type, theta, tuple(sorted((k, frozen[k]) for k in required + optional if k in frozen))
+    return rope_type, theta, tuple(sorted((k, frozen[k]) for k in required + optional if k in frozen)), float(partial)
 
 
 def _one_rope_for_all_layers(nested: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:

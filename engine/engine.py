@@ -19,13 +19,14 @@ from dataclasses import dataclass, replace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.disagg import PeerBlocks
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.remote_kv import RemoteKVMixin
 from engine.hashing import BlockHasher
 from engine.kv_events import KVEvent, WorkerLoad
 from engine.kv_mover import build_tiers
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.parallel import TensorParallel
 from engine.request import Request, RequestStatus, SamplingParams, check_prompt
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -59,13 +60,19 @@ class EngineStats:
 
 
 class Engine(RemoteKVMixin):
-    def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        """``tp``: rank 0 of a tensor-parallel engine (engine/parallel.py); the other ranks run
+        ``engine.tp_rank.serve_rank`` and follow this engine's steps until ``close``."""
         self.config = config
         self.model_config = ModelConfig.from_checkpoint(config.model)
         mpe = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or mpe, mpe)
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len)
+        if tp is not None and tp.enabled and (config.kv_host_bytes or config.kv_disk_bytes):
+            raise ConfigError("the host and disk KV tiers do not run with tensor parallelism yet (kv_host_bytes and "
+                              "kv_disk_bytes must be 0 for a tensor-parallel engine)")
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len, tp)
         self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv_sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
@@ -380,9 +387,11 @@ class Engine(RemoteKVMixin):
         return graphs.capture_all() if graphs is not None else 0
 
     def close(self) -> None:
-        """Stop the mover thread and remove the disk tier's files."""
+        """Stop the mover thread and remove the disk tier's files; release the other tensor-parallel ranks."""
         if self.tiers is not None:
             self.tiers.mover.close()
+        if self.runner.tp.enabled:
+            self.runner.stop_followers()
 
 
 def _ttft_parts(request: Request) -> dict[str, float] | None:

@@ -6,26 +6,30 @@ Supported:
   before BPE the way llama.cpp splits it for the file's ``tokenizer.ggml.pre`` (the regex the vocabulary's
   merges were learned with; :data:`_PRE_TOKENIZERS`). A pre-tokenizer we do not know or a missing one is a
   ``ModelLoadError``: guessing the split gives other token ids than the model was trained on, without an error.
-- ``tokenizer.ggml.model == "llama"`` — SentencePiece BPE (Llama 2, Mistral, TinyLlama) in an ``llama``
-  architecture file, built as transformers builds it (its ``LlamaTokenizer``): "▁" for spaces with one
-  prepended to the text (Metaspace), byte fallback to the ``<0xNN>`` tokens, unknown pieces fused; the merges
-  the file lists, or — llama.cpp's converter writes none — the ones its vocabulary implies, ordered by the
-  merged piece's score (:func:`spm_merges`). BOS is added unless the file says ``add_bos_token = false``.
-  Other architectures' SentencePiece files (Phi-3 and Gemma spell spaces differently) and other models
-  ("t5", "bert", ...) are refused.
+- ``tokenizer.ggml.model == "llama"`` — SentencePiece BPE, byte fallback to the ``<0xNN>`` tokens, unknown pieces
+  fused; the merges the file lists, or — llama.cpp's converter writes none — the ones its vocabulary implies,
+  best merged piece first (:func:`spm_merges`). BOS is added unless the file says ``add_bos_token = false``.
+  How spaces are spelled depends on the family and a file does not say it, so it goes by architecture, as
+  transformers' GGUF tokenizers do: ``llama`` (Llama 2, Mistral, TinyLlama) as its ``LlamaTokenizer`` — "▁" for
+  spaces, one prepended to the text (Metaspace); ``phi3`` the same but prepended by a normalizer ("  hi" →
+  "▁▁▁hi", where Metaspace gives "▁▁hi"); ``gemma2`` / ``gemma3`` as its ``GemmaTokenizer`` — no prefix,
+  tokens that are runs of spaces looked up as runs of "▁", the merges ranked by the pieces' order in the file
+  (Gemma's scores do not follow its merge order). Other architectures' SentencePiece files and other models ("t5",
+  "bert", ...) are refused.
 
 Token types follow llama.cpp: CONTROL tokens (``<|im_start|>``, ...) are special added tokens (matched whole,
 dropped by ``skip_special_tokens``), USER_DEFINED ones are plain added tokens (matched whole, kept). EOS for
-generation is the EOS id plus the end-of-turn / end-of-message ids when the file names them. BOS/EOS are
-added to encoded text only when ``add_bos_token`` / ``add_eos_token`` say so. Chat templates:
-``tokenizer.chat_template`` (default) and ``tokenizer.chat_template.<name>`` (e.g. tool_use).
+generation is the EOS id plus the end-of-turn / end-of-message ids when the file names them (Phi-3 and Gemma
+files do not: their turn's end, ``<|end|>`` / ``<end_of_turn>``, is found by its text, as llama.cpp finds it —
+:data:`_END_OF_TURN`). BOS/EOS are added to encoded text only when ``add_bos_token`` / ``add_eos_token`` say
+so. Chat templates: ``tokenizer.chat_template`` (default) and ``tokenizer.chat_template.<name>`` (e.g. tool_use).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
@@ -33,6 +37,11 @@ from engine.errors import ModelLoadError
 from engine.tokenizer import Tokenizer, byte_alphabet
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_SPM_ARCHITECTURES = ("llama", "phi3", "gemma2", "gemma3")
+# The chat turn's end in families whose converted files carry no eot_token_id (llama.cpp's converter writes only
+# the EOS): llama.cpp ends generation on these tokens, found by their text, as the checkpoints' own
+# generation_config.json does (Phi-3: <|end|>, Gemma: <end_of_turn>).
+_END_OF_TURN = {"phi3": "<|end|>", "gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -69,19 +78,35 @@ def spm_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tu
 
 def _spm_backend(meta: Mapping[str, Any], tokens: list[str], source: str) -> _Backend:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{source}: a SentencePiece tokenizer in a {arch!r} file is not supported (only "
-                             "'llama' files: other families spell their spaces differently)")
+    if arch not in _SPM_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: a SentencePiece tokenizer in a {arch!r} file is not supported (only in "
+                             f"{', '.join(repr(a) for a in _SPM_ARCHITECTURES)} files: families spell their spaces "
+                             "differently, and a file does not say how)")
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ModelLoadError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:  # runs of spaces stored as spaces, looked up as "▁"s; merges ranked by position, not score
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {t: -float(i) for i, t in enumerate(tokens)}
+    else:
+        ranks = dict(zip(tokens, scores))
     vocab = {t: i for i, t in enumerate(tokens)}
     listed = meta.get("tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in listed] if listed else spm_merges(vocab, dict(zip(tokens, scores)))
-    backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1)])
+    merges = [tuple(m.split(" ", 1)) for m in listed] if listed else spm_merges(vocab, ranks)
+    backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                           **({"unk_token": "<unk>"} if gemma else {})))
+    pieces = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # no prefix space
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(pieces)
+        return backend
+    if arch == "phi3":  # the prefix space from a normalizer: "  hi" -> "▁▁▁hi" (Metaspace: "▁▁hi")
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([*pieces, decoders.Strip(content=" ", left=1)])
     return backend
 
 
@@ -140,6 +165,9 @@ def _finish(backend: _Backend, meta: Mapping[str, Any], tokens: list[str], token
 
     special = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    # the named ones are special whatever their type (an UNKNOWN-typed <unk>: matched whole, skipped in decode)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()
+                                if t is not None and t in vocab])
     template = [special["bos_token"]] * bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) + ["$A"]
     template += [special["eos_token"]] * bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if None in template:
@@ -148,6 +176,8 @@ def _finish(backend: _Backend, meta: Mapping[str, Any], tokens: list[str], token
         single=" ".join(template), special_tokens=[(t, backend.token_to_id(t)) for t in template if t != "$A"])
     eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                       "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    if meta.get("general.architecture") in _END_OF_TURN:  # its files name no end-of-turn id: llama.cpp's rule
+        eos_ids += [i for i, t in enumerate(tokens) if t == _END_OF_TURN[meta["general.architecture"]]]
     templates = {"default": meta["tokenizer.chat_template"]} if "tokenizer.chat_template" in meta else {}
     for key, value in meta.items():
         if key.startswith("tokenizer.chat_template."):

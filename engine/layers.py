@@ -56,13 +56,24 @@ class Linear(nn.Module):
         self.scales: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.shards: list[int] | None = None  # row blocks of a fused projection (q/k/v, gate/up), for the loader
+        # tensor parallelism (engine/parallel.py): (dim, this rank's Split of each shard) of the checkpoint's
+        # weight — dim 0 column-parallel (bias split alike), 1 row-parallel (bias whole); and, row-parallel,
+        # the group whose all-reduce sums the partial outputs before the bias is added
+        self.tp_split: tuple[int, list] | None = None
+        self.reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.reduce is None else None
         if self.packed is not None:
-            return self.ops.linear_packed(x, self.packed, self.bias)
-        if self.qweight is not None:
-            return self.ops.w8a16_linear(x, self.qweight, self.scales, self.bias)
-        return self.ops.linear(x, self.weight, self.bias)
+            out = self.ops.linear_packed(x, self.packed, bias)
+        elif self.qweight is not None:
+            out = self.ops.w8a16_linear(x, self.qweight, self.scales, bias)
+        else:
+            out = self.ops.linear(x, self.weight, bias)
+        if self.reduce is None:
+            return out
+        out = self.reduce.all_reduce_(out)
+        return out if self.bias is None else out + self.bias
 
     def quantize_int8(self, group_size: int | None = None) -> None:
         from kernels.gemm import quantize_weight_int8
@@ -100,9 +111,10 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], incl. ``linear``, ``llama3`` and ``longrope`` scaling as HF computes
-    them, and GGUF's per-frequency ``rope_freqs`` divisors."""
-    dim = cfg.head_dim
+    """Inverse frequencies [rotary_dim // 2] (rotary_dim: head_dim, or its part under ``partial_rotary_factor``),
+    incl. ``linear``, ``llama3`` and ``longrope`` scaling as HF computes them, and GGUF's per-frequency
+    ``rope_freqs`` divisors."""
+    dim = cfg.rotary_dim
     rs = cfg.rope_params_dict
     if cfg.rope_type == "longrope":
         long = longrope_long(cfg, max_positions or cfg.max_position_embeddings)
@@ -127,8 +139,13 @@ def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_positions, rotary_dim] and rotate-half RoPE on the first ``rotary_dim`` dims of each
+    head; with ``partial_rotary_factor`` < 1 (Phi-4-mini) the other dims pass through unchanged, as transformers'
+    Phi-3 ``apply_rotary_pos_emb`` does. The fused kernels (``KernelOps.rotary_``) take the same tables."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        self.rotary_dim = cfg.rotary_dim
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, max_positions)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = rope_attention_factor(cfg)
@@ -136,14 +153,25 @@ class RotaryEmbedding(nn.Module):
             log.info("LongRoPE: the %s factors for a context of %d positions (pre-training length %d), cos/sin x %.4f",
                      "long" if longrope_long(cfg, max_positions) else "short", max_positions,
                      cfg.rope_params_dict["original_max_position_embeddings"], scale)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
+        if self.rotary_dim != cfg.head_dim:
+            log.info("partial rotary: RoPE on the first %d of each head's %d dims (partial_rotary_factor %s)",
+                     self.rotary_dim, cfg.head_dim, cfg.partial_rotary_factor)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, rotary_dim]
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.rotary_dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head of ``x``, the rest passed through."""
+    rot, rest = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.gguf import open_gguf
 from engine.model import CausalLM
 from engine.ops import KernelOps
+from engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints from 64 MiB up
@@ -103,9 +104,12 @@ def load_model(
     dtype: torch.dtype,
     device: str,
     max_positions: int,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
+    """``tp``: load this rank's part of every split parameter (engine/parallel.py); each rank reads the checkpoint
+    itself (memory-mapped: only its parts are copied)."""
     with torch.device("meta"):
-        model = CausalLM(cfg, ops, max_positions)
+        model = CausalLM(cfg, ops, max_positions, tp)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_counters()  # to_empty left the counting buffers uninitialised
@@ -130,6 +134,11 @@ def load_model(
             except IndexError:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r}: expert {piece[0]} is beyond the config's "
                                      f"{cfg.moe.num_experts} experts") from None
+            try:
+                tensor = model.tp_narrow(name, piece, tensor)
+            except RuntimeError as e:  # a split past the tensor's end: its shape does not match the config
+                raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, which the model config's "
+                                     f"tensor-parallel split cannot take: {e}") from None
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {tuple(dest.shape)}")

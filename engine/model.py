@@ -2,7 +2,8 @@
 
 Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
 tied embeddings, Qwen3 normalises each head of q and k (RMSNorm over the head's dims) before RoPE, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
-Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 scales RoPE. Mixtral, Qwen2-MoE and Qwen3-MoE
+Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 and Phi-3 scale RoPE, Phi-4-mini rotates
+only the front of each head (``partial_rotary_factor``, engine/layers.py). Mixtral, Qwen2-MoE and Qwen3-MoE
 replace the MLP of their sparse layers with experts (engine/moe.py). q/k/v and gate/up projections are fused into one
 GEMM each at load time (``stacked_params``), each expert's gate/up into its block of one [E, 2I, H] tensor.
 """
@@ -20,6 +21,7 @@ from engine.config import ModelConfig
 from engine.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.moe import Experts, SparseMoE
 from engine.ops import KernelOps
+from engine.parallel import TensorParallel, narrow_parts
 
 log = logging.getLogger(__name__)
 # one expert's projection in a checkpoint (Qwen: gate/up/down_proj; Mixtral: w1/w3/w2, under block_sparse_moe)
@@ -30,14 +32,18 @@ _EXPERT_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, sliding_window: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, sliding_window: int | None, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_dim = cfg.head_dim
+        q_rows, kv_rows = tp.heads(cfg.num_heads, cfg.num_kv_heads, self.head_dim)  # this rank's heads
+        self.q_size, self.kv_size = q_rows.length, kv_rows.length
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, ops)
         self.qkv_proj.shards = [self.q_size, self.kv_size, self.kv_size]
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
+        if tp.enabled:
+            self.qkv_proj.tp_split = (0, [q_rows, kv_rows, kv_rows])
+            self.o_proj.tp_split, self.o_proj.reduce = (1, [q_rows]), tp
         self.scale = (cfg.gemma.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = cfg.gemma.attn_logit_softcapping
         self.sliding_window = sliding_window
@@ -57,7 +63,8 @@ class Attention(nn.Module):
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         if self.ops.rotary_ is not None:  # in place on the q and k heads at the front of each row (q, k are views)
-            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin)
+            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rope.cos, rope.sin,
+                             rotary_dim=rope.rotary_dim)
         else:
             q, k = rope(positions, q, k)
         o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
@@ -66,12 +73,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, intermediate_size: int | None = None) -> None:
+    """``reduce=False``: a tensor-parallel block's output stays a partial sum (Qwen2-MoE's shared expert: the MoE
+    layer reduces once for it and the experts)."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, intermediate_size: int | None = None,
+                 tp: TensorParallel | None = None, reduce: bool = True) -> None:
         super().__init__()
-        self.inter = intermediate_size or cfg.intermediate_size
+        tp = tp or TensorParallel()
+        inter = tp.even(intermediate_size or cfg.intermediate_size, "the MLP's intermediate size")
+        self.inter = inter.length
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, ops)
         self.gate_up_proj.shards = [self.inter, self.inter]
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, ops)
+        if tp.enabled:
+            self.gate_up_proj.tp_split = (0, [inter, inter])
+            self.down_proj.tp_split, self.down_proj.reduce = (1, [inter]), (tp if reduce else None)
         self.gelu_tanh = cfg.gemma.gelu_tanh  # Gemma's GeGLU (no fused kernel: torch's arithmetic)
         self.silu_mul = None if self.gelu_tanh else ops.silu_mul
 
@@ -85,12 +101,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, ops, cfg.layer_sliding_window(index))
+        self.self_attn = Attention(cfg, ops, cfg.layer_sliding_window(index), tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = SparseMoE(cfg, ops, MLP) if index in cfg.moe.sparse_layers else MLP(cfg, ops)
+        self.mlp = SparseMoE(cfg, ops, MLP, tp) if index in cfg.moe.sparse_layers else MLP(cfg, ops, tp=tp)
 
     def linears(self) -> list[Linear]:
         mlp = self.mlp.linears() if isinstance(self.mlp, SparseMoE) else [self.mlp.gate_up_proj, self.mlp.down_proj]
@@ -114,8 +130,8 @@ class SandwichDecoderLayer(DecoderLayer):
     Same protocol as ``DecoderLayer`` (returns the last branch's output and the stream before it; the next
     layer's input norm adds them)."""
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int) -> None:
-        super().__init__(cfg, ops, index)
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, index: int, tp: TensorParallel) -> None:
+        super().__init__(cfg, ops, index, tp)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -136,16 +152,20 @@ class CausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp = tp or TensorParallel()
+        vocab = tp.vocab(cfg.vocab_size)  # this rank's rows of the embedding and the LM head
+        self.embed_tokens = nn.Embedding(vocab.length, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         layer = SandwichDecoderLayer if cfg.gemma.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer(cfg, ops, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, ops, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
+        self.lm_head = Linear(cfg.hidden_size, vocab.length, False, ops)
+        if tp.enabled:
+            self.embed_tokens.tp_split = self.lm_head.tp_split = (0, [vocab])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions)
@@ -154,7 +174,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.tp.embed(self.embed_tokens.weight, input_ids, self.cfg.vocab_size), None
         if self.cfg.gemma.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype first (as transformers)
             h = h * float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype))
         for i, layer in enumerate(self.layers):
@@ -163,7 +183,7 @@ class CausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.tp.gather_vocab(self.lm_head(hidden), self.cfg.vocab_size)
         cap = self.cfg.gemma.final_logit_softcapping
         if cap is not None:  # Gemma 2, in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap
@@ -207,6 +227,27 @@ class CausalLM(nn.Module):
             return t
         sizes = self.shard_sizes(name)
         return t.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def tp_narrow(self, name: str, piece, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor that fills ``piece`` of parameter ``name`` (itself, without
+        tensor parallelism or for a replicated parameter)."""
+        if not self.tp.enabled:
+            return tensor
+        owner, attr = name.rsplit(".", 1)
+        module = self.get_submodule(owner)
+        if isinstance(module, Experts):  # [E, 2I, H] / [E, H, I], or one expert's [2I, H] / [I, H] / [H, I]
+            split = module.tp_gate_up if attr == "gate_up_proj" else module.tp_down
+            whole = piece is None or (isinstance(piece, tuple) and piece[0] is None)
+            dim = (1 if attr == "gate_up_proj" else 2) - (0 if whole else 1)
+            shard = piece[1] if isinstance(piece, tuple) else None
+            return narrow_parts(tensor, dim, split if shard is None else [split[shard]])
+        spec = getattr(module, "tp_split", None)
+        if spec is None:
+            return tensor
+        dim, splits = spec
+        if attr == "bias" and dim == 1:
+            return tensor  # a row-parallel bias is added whole, after the all-reduce
+        return narrow_parts(tensor, dim if attr != "bias" else 0, splits if piece is None else [splits[piece]])
 
     def covered(self, name: str, piece) -> set:
         """The pieces (``pieces``) that loading ``piece`` fills."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_sizing import cap_max_model_len, size_kv_cache
 from engine.loader import load_model, resolve_dtype
 from engine.ops import get_ops, resolve_backend
+from engine.parallel import TensorParallel
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -74,8 +76,13 @@ def with_huge_page_malloc(environ: dict[str, str]) -> dict[str, str]:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
+                 tp: TensorParallel | None = None) -> None:
+        """``tp``: this rank's place in a tensor-parallel engine (engine/parallel.py); rank 0's runner sends each
+        step to the others (``execute``, ``logits``), which run it through ``follow``."""
         self.model_cfg = model_cfg
+        self.tp = tp or TensorParallel()
+        self.hidden: torch.Tensor | None = None  # the last forward's hidden states (``logits`` reads them)
         self.block_size = cfg.block_size
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
@@ -86,7 +93,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
         self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
         self.ops = get_ops(self.backend, cfg.device)
-        self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len)
+        self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp)
         if cfg.quantization == "w8a16":
             self.model.quantize_int8()
             if self.device.type == "cuda":  # measured, not assumed: say what it buys
@@ -94,13 +101,16 @@ class ModelRunner:
                             "0.86-0.87x of cuBLAS bf16 at decode shapes on an H200 (docs/benchmarks.md, GPU)")
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
-        self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
+        self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
+        self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * self.num_kv_heads
                                 * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
         self.kv_size = size_kv_cache(cfg, self.bytes_per_block, self.device.type, max_model_len, self.device.index)
+        if self.tp.enabled:  # one block table for all ranks: each holds as many blocks as the smallest can
+            self.kv_size = dataclasses.replace(self.kv_size, num_blocks=self.tp.min_int(self.kv_size.num_blocks))
         self.num_blocks = self.kv_size.num_blocks
         self.max_model_len = cap_max_model_len(max_model_len, self.kv_size, cfg.block_size)  # what the cache holds
         self.kv_cache = torch.zeros(
-            self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, model_cfg.num_kv_heads,
+            self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, self.num_kv_heads,
             model_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
         if model_cfg.gemma.attn_logit_softcapping and not self.ops.attention_softcap:
@@ -110,6 +120,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts:
             reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/moe.py)"
+            log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
+            self.fallbacks.append(f"cuda graphs: {reason}")
+        elif self.device.type == "cuda" and cfg.cuda_graph_max_batch and self.tp.enabled:
+            reason = "tensor parallelism: the ranks' steps run eagerly (graphs across ranks are not built yet)"
             log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
             self.fallbacks.append(f"cuda graphs: {reason}")
         elif self.device.type == "cuda" and cfg.cuda_graph_max_batch:
@@ -144,10 +158,25 @@ class ModelRunner:
             if s.completes_sequence:
                 sample_rows.append(cu_q[-1] - 1)
                 sampled.append(s)
+        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
+        self.tp.send(("step", step))
+        self.forward(*step)
+        row = 0
+        for s in ordered:
+            if s.request.needs_prompt_logprobs:
+                self._prompt_logprobs(s.request, row, s.num_new_tokens)
+            row += s.num_new_tokens
+        if not sample_rows:
+            return torch.empty(0, self.model_cfg.vocab_size), []
+        return self.logits(sample_rows).cpu(), sampled
+
+    def forward(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
+                tables: list[list[int]], seq_lens: list[int], n_p: int) -> torch.Tensor:
+        """One forward over a step's tokens (the first ``n_p`` sequences prefill chunks, the rest decodes):
+        hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``."""
         dev = self.device
-        n_p = len(prefills)
         graphs = self.decode_graphs
-        if not prefills and graphs is not None and len(decodes) <= graphs.max_batch:
+        if not n_p and graphs is not None and len(seq_lens) <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
         else:
             width = max(len(t) for t in tables)
@@ -166,30 +195,46 @@ class ModelRunner:
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 self.kv_cache, meta)
-        row = 0
-        for s in ordered:
-            if s.request.needs_prompt_logprobs:
-                self._prompt_logprobs(s.request, hidden[row: row + s.num_new_tokens])
-            row += s.num_new_tokens
-        if not sample_rows:
-            return torch.empty(0, self.model_cfg.vocab_size), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return logits.cpu(), sampled
+        self.hidden = hidden
+        return hidden
 
-    def _prompt_logprobs(self, request, hidden: torch.Tensor) -> None:
-        """Append the logprobs of the prompt tokens this chunk predicts (``hidden`` holds the chunk's rows,
-        positions num_computed_tokens ...): row j predicts token j + 1. Vocabulary-sized logits are made a
+    def logits(self, rows: list[int] | slice) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of rows of the last forward's hidden states (every rank computes its part)."""
+        self.tp.send(("logits", rows))
+        index = rows if isinstance(rows, slice) else torch.tensor(rows, device=self.device)
+        return self.model.compute_logits(self.hidden[index])
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks > 0: run the steps rank 0 sends until it says stop."""
+        while True:
+            kind, arg = self.tp.recv()
+            if kind == "step":
+                self.forward(*arg)
+            elif kind == "logits":
+                self.logits(arg)
+            elif kind == "stop":
+                return
+            else:
+                raise RuntimeError(f"tensor parallel rank {self.tp.rank}: unknown message {kind!r}")
+
+    def stop_followers(self) -> None:
+        self.tp.send(("stop", None))
+
+    def _prompt_logprobs(self, request, row0: int, rows: int) -> None:
+        """Append the logprobs of the prompt tokens this chunk predicts (the chunk's hidden states are ``rows``
+        rows of the step's from ``row0``, positions num_computed_tokens ...): row j predicts token j + 1. Vocabulary-sized logits are made a
         slice of rows at a time, so a long prompt does not hold [prompt, vocab] at once."""
         start = request.num_computed_tokens
         if not request.prompt_logprobs:
             request.prompt_logprobs.append(None)
             request.prompt_top_logprobs.append(None)
         first = len(request.prompt_logprobs) - 1 - start  # the first row whose target is still missing
-        last = min(hidden.shape[0], request.num_prompt_tokens - 1 - start)  # rows with a prompt target
+        last = min(rows, request.num_prompt_tokens - 1 - start)  # rows with a prompt target
         k = request.params.prompt_logprobs
         for lo in range(max(first, 0), last, _PROMPT_LOGPROB_ROWS):
             hi = min(lo + _PROMPT_LOGPROB_ROWS, last)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[lo:hi]), dim=-1).cpu()
+            lp = torch.log_softmax(self.logits(slice(row0 + lo, row0 + hi)), dim=-1).cpu()
             targets = torch.tensor(request.all_token_ids[start + lo + 1: start + hi + 1])
             request.prompt_logprobs += lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             if k:

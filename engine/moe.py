@@ -9,8 +9,16 @@ Grouped, not a loop over tokens: the (token, expert) pairs are sorted by expert,
 over all of its tokens at once (through the kernel backend's ``linear``), and the results are scattered back.
 ``tokens_per_expert`` counts the routed tokens per expert since start-up (a worker's stats report them).
 
-The per-expert loop reads the group sizes on the host (one sync per layer): these layers are not captured in
-CUDA graphs (the runner runs MoE models' decode eagerly, said at start-up).
+With a backend that has ``fused_moe`` (triton: kernels/fused_moe.py) the experts run there instead: the pairs
+are sorted into padded per-expert row blocks on the device and two grouped GEMM kernels do the rest, summing
+each token's k expert rows in fp32 (torch's sum over the top-k slots, not ascending expert order: equal within
+fp32 rounding, the kernel module gives its tolerances). That path, the routing and the counts (``scatter_add_``:
+``bincount`` reads the ids' min and max on the host on CUDA) read nothing on the host (by construction; a GPU test
+in tests/kernels/test_fused_moe.py checks the kernel's part).
+
+The per-expert loop of ``grouped_experts`` reads the group sizes on the host (one sync per layer): these layers
+are not captured in CUDA graphs (the runner runs MoE models' decode eagerly, said at start-up, whatever the
+backend).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers import Linear
 from engine.ops import KernelOps
+from engine.parallel import TensorParallel
 
 
 class Experts(nn.Module):
@@ -71,24 +80,35 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, dense_mlp: type) -> None:
+    """Tensor parallel (engine/parallel.py): every expert's intermediate size split over the ranks (and the shared
+    expert's), the router and the shared expert's gate replicated, one all-reduce of the summed partial outputs."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, dense_mlp: type, tp: TensorParallel | None = None) -> None:
         super().__init__()
         m = cfg.moe
+        self.tp = tp = tp or TensorParallel()
         self.top_k, self.renormalize, self.weights_fp32 = m.num_experts_per_tok, m.norm_topk_prob, m.router_weights_fp32
         self.gate = Linear(cfg.hidden_size, m.num_experts, False, ops)
-        self.experts = Experts(m.num_experts, cfg.hidden_size, m.moe_intermediate_size)
+        inter = tp.even(m.moe_intermediate_size, "the experts' intermediate size")
+        self.experts = Experts(m.num_experts, cfg.hidden_size, inter.length)
+        self.experts.tp_gate_up, self.experts.tp_down = [inter, inter], [inter]
         if m.shared_expert_intermediate_size:
-            self.shared_expert = dense_mlp(cfg, ops, m.shared_expert_intermediate_size)
+            self.shared_expert = dense_mlp(cfg, ops, m.shared_expert_intermediate_size, tp, reduce=False)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops)
         self.register_buffer("tokens_per_expert", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
-        out = grouped_experts(x, weights, ids, self.experts, self.ops, self.tokens_per_expert)
+        if self.ops.fused_moe is not None:
+            flat = ids.reshape(-1)
+            self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+            out = self.ops.fused_moe(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out = grouped_experts(x, weights, ids, self.experts, self.ops, self.tokens_per_expert)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce_(out)
 
     def linears(self) -> list[Linear]:
         """The projections outside the expert tensors (quantized / packed like any other)."""

@@ -9,7 +9,8 @@ interpreter on CPU when forced, as the tests do). One exception, by measurement:
 Triton tile config at decode shapes replayed from CUDA graphs (M = 1, 16 of 4096x4096; 3x when launched from
 Python) and 1.3x at prefill (M = 4096) (bench/gemm_sweep.py, `make bench-kernels`, 2026-11-25,
 docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
-the Triton GEMM runs, so the tests keep it exercised through the engine.
+the Triton GEMM runs, so the tests keep it exercised through the engine. A MoE layer's experts run as one
+fused-MoE kernel pair (kernels/fused_moe.py), on a GPU and in the interpreter alike.
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
 
@@ -48,6 +49,9 @@ class KernelOps:
     # GEMMs on weights packed once at load (oneDNN's blocked layout); None: ``linear`` on the dense weight
     pack_linear: Callable | None = None
     linear_packed: Callable | None = None
+    # the whole MoE expert block in one call (kernels/fused_moe.py, triton only); None: engine/moe.py's grouped
+    # GEMMs through ``linear``
+    fused_moe: Callable | None = None
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
@@ -125,7 +129,7 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
             w8a16_linear=gemm.w8a16_gemm_ref,
             attention_softcap=True,
         )
-    from kernels import fused
+    from kernels import fused, fused_moe
 
     return KernelOps(
         name="triton",
@@ -137,5 +141,6 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
         rms_norm=fused.rms_norm,
         rotary_=fused.rotary_,
         silu_mul=fused.silu_mul,
+        fused_moe=fused_moe.fused_moe,
         attention_softcap=True,
     )

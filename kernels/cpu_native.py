@@ -141,7 +141,7 @@ def load() -> ctypes.CDLL:
             lib.duet_rms_norm_f32.restype = None
             lib.duet_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT]
             lib.duet_rotary_f32.restype = None
-            lib.duet_rotary_f32.argtypes = [_PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _INT]
+            lib.duet_rotary_f32.argtypes = [_PTR, _I64, _I64, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT]
             lib.duet_silu_mul_f32.restype = None
             lib.duet_silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT, _INT]
             _lib = lib
@@ -400,24 +400,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> None:
-    """Rotate-half RoPE, in place, on the first ``num_heads`` heads of every row of ``x [T, >= num_heads *
-    head_dim]`` (the q and k heads at the front of the fused qkv output), row t at ``positions[t]``;
-    ``cos``/``sin``: [max_positions, head_dim] tables."""
+            sin: torch.Tensor, rotary_dim: int | None = None) -> None:
+    """Rotate-half RoPE, in place, on the first ``rotary_dim`` (default: all ``head_dim``) dims of each of the
+    first ``num_heads`` heads of every row of ``x [T, >= num_heads * head_dim]`` (the q and k heads at the front
+    of the fused qkv output), row t at ``positions[t]``; the other dims of a head pass through (partial rotary);
+    ``cos``/``sin``: [max_positions, rotary_dim] tables."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     _check("x", x, 2, torch.float32)
     if x.shape[1] < num_heads * head_dim or head_dim % 2:
         raise ValueError(f"x {tuple(x.shape)} has no room for {num_heads} heads of an even head_dim {head_dim}")
+    if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in [2, head_dim {head_dim}]")
     _check("positions", positions, 1, torch.int64)
     if positions.shape[0] != x.shape[0] or not positions.is_contiguous():
         raise ValueError(f"positions must be contiguous with {x.shape[0]} entries, got {tuple(positions.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
         _check(name, table, 2, torch.float32)
-        if table.shape[1] != head_dim or not table.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [max_positions, {head_dim}] table")
+        if table.shape[1] != rotary_dim or not table.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [max_positions, {rotary_dim}] table")
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise ValueError(f"positions must be in [0, {cos.shape[0]})")
-    load().duet_rotary_f32(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, positions.data_ptr(),
-                           cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    load().duet_rotary_f32(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, rotary_dim,
+                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ math in fp32 between those points; the same results as the eager ops, see tests/
 - ``rms_norm``: ``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``; with ``residual``: ``residual += x`` (in
   place, rounded to the dtype as torch's add) and the sum normalized. One program per row.
 - ``rotary_``: rotate-half RoPE in place on the first ``num_heads`` heads of each row of the fused qkv output
-  (the q and k heads): ``x * cos + rotate_half(x) * sin`` with the tables cast to the dtype first.
-  One program per row, all its heads as one [heads, head_dim / 2] tile.
+  (the q and k heads): ``x * cos + rotate_half(x) * sin`` with the tables cast to the dtype first, over the
+  first ``rotary_dim`` dims of each head (all of them but under partial rotary; the rest are not touched).
+  One program per row, all its heads as one [heads, rotary_dim / 2] tile.
 - ``silu_mul``: ``silu(gate) * up`` on rows holding gate then up. Programs over (row, column tile).
 The signatures are those of the CPU path's C kernels (kernels/cpu_native.py) on the ``KernelOps`` seam.
 Data checks (positions inside the tables) read values on the host, so they run on CPU tensors only (or with
@@ -63,13 +64,13 @@ def _rms_norm_kernel(
 def _rotary_kernel(
     x_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_x, stride_table,
-    num_heads, head_dim,
+    num_heads, head_dim, rotary_dim,  # rotary_dim <= head_dim: the dims rotated, at the front of each head
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    half = head_dim // 2
+    half = rotary_dim // 2
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < half
@@ -152,20 +153,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> None:
-    """Rotate-half RoPE, in place, on the first ``num_heads`` heads of every row of ``x [T, >= num_heads *
-    head_dim]``, row t at ``positions[t]``; ``cos``/``sin``: [max_positions, head_dim] tables (float32)."""
+            sin: torch.Tensor, rotary_dim: int | None = None) -> None:
+    """Rotate-half RoPE, in place, on the first ``rotary_dim`` (default: all ``head_dim``) dims of each of the
+    first ``num_heads`` heads of every row of ``x [T, >= num_heads * head_dim]``, row t at ``positions[t]``; the
+    other dims of a head pass through (partial rotary); ``cos``/``sin``: [max_positions, rotary_dim] tables
+    (float32)."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     _check_rows("x", x)
     if num_heads < 1 or head_dim < 2 or head_dim % 2 or x.shape[1] < num_heads * head_dim:
         raise ValueError(f"x {tuple(x.shape)} has no room for {num_heads} heads of an even head_dim {head_dim}")
+    if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in [2, head_dim {head_dim}]")
     tu.check_tensor("positions", positions, 1, (torch.int64,))
     tu.check_shape("positions", positions, (x.shape[0],))
     if x.shape[0] > 1 and positions.stride(0) != 1:
         raise ValueError("positions must be contiguous")
     for name, table in (("cos", cos), ("sin", sin)):
         tu.check_tensor(name, table, 2, (torch.float32,))
-        if table.shape[1] != head_dim or not table.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [max_positions, {head_dim}] table, got {tuple(table.shape)}")
+        if table.shape[1] != rotary_dim or not table.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [max_positions, {rotary_dim}] table, "
+                             f"got {tuple(table.shape)}")
     tu.check_shape("sin", sin, tuple(cos.shape))
     device = tu.check_device(x=x, positions=positions, cos=cos, sin=sin)
     if tu.value_checks_enabled(device) and positions.numel():
@@ -175,9 +182,9 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Ten
     if x.shape[0]:
         block_h = tu.next_pow2(num_heads)
         _rotary_kernel[(x.shape[0],)](
-            x, positions, cos, sin, x.stride(0), cos.stride(0), num_heads, head_dim,
-            BLOCK_H=block_h, BLOCK_HALF=tu.next_pow2(head_dim // 2), RNE_BF16=_rne(x),
-            num_warps=4 if block_h * head_dim >= 2048 else 1)
+            x, positions, cos, sin, x.stride(0), cos.stride(0), num_heads, head_dim, rotary_dim,
+            BLOCK_H=block_h, BLOCK_HALF=tu.next_pow2(rotary_dim // 2), RNE_BF16=_rne(x),
+            num_warps=4 if block_h * rotary_dim >= 2048 else 1)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -41,15 +41,16 @@ void duet_rms_norm_f32(const float *x, int64_t x_s, float *residual, int64_t r_s
     }
 }
 
-// In place, for every token t: the first num_heads head_dim-wide heads of row t of x (row stride x_s) are
-// rotated by position positions[t]: x[i] = x[i] cos[i] - x[i + half] sin[i], x[i + half] = x[i + half]
-// cos[i + half] + x[i] sin[i + half] (rotate-half RoPE; cos/sin tables [max_positions, head_dim]).
-void duet_rotary_f32(float *x, int64_t x_s, int64_t rows, int num_heads, int head_dim, const int64_t *positions,
-                     const float *cos_table, const float *sin_table, int num_threads) {
-    int half = head_dim / 2;
+// In place, for every token t: the first rotary_dim dims of each of the first num_heads head_dim-wide heads of
+// row t of x (row stride x_s) are rotated by position positions[t], half = rotary_dim / 2: x[i] = x[i] cos[i] -
+// x[i + half] sin[i], x[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half] (rotate-half RoPE; cos/sin
+// tables [max_positions, rotary_dim]); dims rotary_dim.. head_dim - 1 are not touched (partial rotary, Phi-4-mini).
+void duet_rotary_f32(float *x, int64_t x_s, int64_t rows, int num_heads, int head_dim, int rotary_dim,
+                     const int64_t *positions, const float *cos_table, const float *sin_table, int num_threads) {
+    int half = rotary_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (int64_t t = 0; t < rows; t++) {
-        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        const float *c = cos_table + positions[t] * rotary_dim, *s = sin_table + positions[t] * rotary_dim;
         for (int h = 0; h < num_heads; h++) {
             float *a = x + t * x_s + (int64_t)h * head_dim, *b = a + half;
 #pragma omp simd

@@ -36,12 +36,16 @@ FAMILIES = {
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 4, "head_dim": 32}, pad_token_id=0,
                                                     sliding_window=16, sliding_window_pattern=2,
                                                     query_pre_attn_scalar=24),
-    # LongRoPE, served within its pre-training length (--max-model-len 512 of 2,048): the short factors
+    # Phi-4-mini's shape of Phi-3: LongRoPE on 3/4 of each head (partial_rotary_factor 0.75: 6 factors for
+    # head_dim 16), tied embeddings; served within its pre-training length (--max-model-len 512 of 2,048): the
+    # short factors. (Whole-head Phi-3 is checked against transformers in tests/engine/test_parity.py.)
     "phi3": lambda: transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 2048}, sliding_window=16,
-                                            original_max_position_embeddings=512, pad_token_id=0, rope_parameters={
+                                            original_max_position_embeddings=512, pad_token_id=0,
+                                            tie_word_embeddings=True, partial_rotary_factor=0.75, rope_parameters={
                                                 "rope_type": "longrope", "rope_theta": 10000.0,
-                                                "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                                                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                                "partial_rotary_factor": 0.75,
+                                                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                                "long_factor": [2.0 + 0.5 * i for i in range(6)],
                                                 "original_max_position_embeddings": 512}),
 }
 

@@ -1,7 +1,8 @@
 """SentencePiece GGUF files (tokenizer.ggml.model = "llama", as llama.cpp writes Llama 2 / Mistral / TinyLlama:
 pieces with scores, <0xNN> byte tokens, no merges) against transformers' own GGUF tokenizer for the same file:
-encode and decode, specials and byte fallback included; then a tiny llama GGUF with that vocabulary generates
-what transformers generates from the same file and text (issue 26, must-show 2)."""
+encode and decode, specials and byte fallback included — in llama files and in phi3 / gemma2 / gemma3 files,
+which spell their spaces otherwise; then a tiny llama GGUF with that vocabulary generates what transformers
+generates from the same file and text (issue 26, must-show 2; served: tests/cluster/test_gguf_spm_serve.py)."""
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,14 @@ from engine.gguf import GGUFCheckpoint
 from engine.request import SamplingParams
 from engine.tiny import make_tiny_model, tiny_corpus
 from tests.engine.gguf_files import write_gguf
+from tests.engine.hf_saved import save_with_transformers
 
 CONTROL, USER = ["<|user|>", "<|assistant|>"], ["<tool>"]
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 TEXTS = ["Hello world", " leading space", "two  spaces and   three", "new\nline\n\n", "café ünïcode 日本語 🙂 ñ",
          "<|user|>\nhi</s>", "a <tool> b<tool>", "", "   ", "The river and the mountain garden.", "x" * 40,
-         "<s>not special in text?</s>", "def f_3(x): return x * 7  # ok"]
+         "<s>not special in text?</s>", "an <unk> named special", "def f_3(x): return x * 7  # ok"]
 
 
 def spm_vocab() -> dict:
@@ -48,11 +50,13 @@ def spm_gguf(tmp_path_factory):
     return write_gguf(hf_dir, out / "tiny-spm.gguf", "Q8_0", spm=vocab)
 
 
-def test_sentencepiece_gguf_tokenizer_equals_transformers(spm_gguf):
-    ours = GGUFCheckpoint(spm_gguf).tokenizer()
-    ref = transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
+def assert_same_tokenizer(path, texts=TEXTS) -> None:
+    """Our tokenizer of a GGUF file against transformers' for it: encode (with and without specials), decode
+    (with and without skipping them), the chat template; byte fallback must really have run."""
+    ours = GGUFCheckpoint(path).tokenizer()
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     fallback = 0
-    for text in TEXTS:
+    for text in texts:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
             assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)
@@ -64,6 +68,37 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(spm_gguf):
     messages = [{"role": "user", "content": "Tell me about the river."}]
     text = ours.apply_chat_template(messages, add_generation_prompt=True)
     assert text == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(spm_gguf):
+    assert_same_tokenizer(spm_gguf)
+
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+FAMILY = {  # tiny configs of the families whose SentencePiece files spell spaces their own way
+    "phi3": lambda n: transformers.Phi3Config(vocab_size=n, **TINY, pad_token_id=0),
+    "gemma2": lambda n: transformers.Gemma2Config(vocab_size=n, **TINY, head_dim=16),
+    "gemma3": lambda n: transformers.Gemma3TextConfig(vocab_size=n, **TINY, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY))
+def test_phi3_and_gemma_sentencepiece_gguf_tokenizers_equal_transformers(tmp_path, tiny_model, family):
+    """Phi-3 prepends its "▁" with a normalizer (it shows on text that starts with spaces); Gemma prepends none, and
+    its files store the tokens that are runs of spaces as spaces (llama.cpp's converter sets add_space_prefix
+    false for it). Neither family's files name their end-of-turn token."""
+    vocab = spm_vocab()
+    gemma = family.startswith("gemma")
+    end_of_turn = "<end_of_turn>" if gemma else "<|end|>"  # a control token; the file names no eot id
+    extra = {end_of_turn: 3} | ({"  ": 4, "   ": 4} if gemma else {})  # Gemma's runs of spaces: user-defined
+    vocab = {**vocab, "tokens": vocab["tokens"] + list(extra), "scores": vocab["scores"] + [0.0] * len(extra),
+             "token_type": vocab["token_type"] + list(extra.values())}
+    hf_dir = save_with_transformers(tmp_path / "hf", FAMILY[family](len(vocab["tokens"])), tiny_model("llama"))
+    path = write_gguf(hf_dir, tmp_path / f"{family}-spm.gguf", spm=vocab,
+                      metadata={"tokenizer.ggml.add_space_prefix": False} if gemma else {})
+    assert_same_tokenizer(path, TEXTS + ["  hi", "a  b   c", "\n\nx  ", f"ok{end_of_turn}\n"])
+    # generation ends on the turn's end too (llama.cpp's rule; the checkpoints' generation_config.json says so)
+    assert GGUFCheckpoint(path).tokenizer().eos_token_ids == {2, vocab["tokens"].index(end_of_turn)}
 
 
 @pytest.mark.slow
@@ -93,8 +128,8 @@ def test_sentencepiece_in_another_architecture_or_without_scores_is_refused(spm_
     from engine.gguf_tokenizer import tokenizer_from_gguf_metadata
 
     meta = dict(GGUFCheckpoint(spm_gguf).metadata)
-    with pytest.raises(ModelLoadError, match="SentencePiece tokenizer in a 'phi3' file"):
-        tokenizer_from_gguf_metadata({**meta, "general.architecture": "phi3"})
+    with pytest.raises(ModelLoadError, match="SentencePiece tokenizer in a 'qwen2' file"):
+        tokenizer_from_gguf_metadata({**meta, "general.architecture": "qwen2"})
     with pytest.raises(ModelLoadError, match="needs tokenizer.ggml.scores"):
         tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k != "tokenizer.ggml.scores"})
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.model='t5'"):

@@ -107,8 +107,8 @@ FAMILY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hi
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3-moe", "gemma3", "gemma2"])
 def test_new_families_through_the_triton_kernels(tiny_model, tmp_path, family):
-    """Issue 26's families on the Triton path (the interpreter here): the experts' GEMMs and Gemma's attention,
-    RoPE per layer kind and norms through the Triton kernels give the torch backend's tokens and logits;
+    """Issue 26's families on the Triton path (the interpreter here): the experts (the fused-MoE kernel) and Gemma's
+    attention, RoPE per layer kind and norms through the Triton kernels give the torch backend's tokens and logits;
     Gemma 2's soft-capped attention in the Triton kernels themselves (no fallback counted)."""
     import transformers
 
@@ -125,6 +125,8 @@ def test_new_families_through_the_triton_kernels(tiny_model, tmp_path, family):
     ref = engine(model_dir, kernels="torch").generate(PROMPTS[:2], params)
     tri_engine = engine(model_dir, kernels="triton")
     assert tri_engine.runner.fallbacks == []
+    if family == "qwen3-moe":  # SparseMoE runs the experts through it when set (tests/engine/test_moe.py)
+        assert tri_engine.runner.ops.fused_moe is not None
     assert [r["token_ids"] for r in tri_engine.generate(PROMPTS[:2], params)] == [r["token_ids"] for r in ref]
     la = prompt_logits(engine(model_dir, kernels="torch"), PROMPTS[1])
     assert (la - prompt_logits(tri_engine, PROMPTS[1])).abs().max() <= 1e-4

@@ -1,13 +1,17 @@
 """engine/moe.py on its own: the grouped expert GEMMs against the per-token definition (every backend: torch, the
-C kernels, Triton in the interpreter), the routing counts, and the router's rounding (Qwen vs Mixtral)."""
+C kernels, Triton in the interpreter), the routing counts, the router's rounding (Qwen vs Mixtral), and which path
+the layer takes (a backend's fused_moe when it has one: triton, kernels/fused_moe.py; tested in tests/kernels)."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine.moe import Experts, grouped_experts, route
+from engine.config_moe import MoeFields
+from engine.moe import Experts, SparseMoE, grouped_experts, route
 from engine.ops import get_ops
 
 
@@ -63,3 +67,32 @@ def test_router_weights_qwen_rounds_to_the_model_dtype_mixtral_keeps_fp32():
     assert torch.equal(ids, want_ids) and torch.equal(ids2, want_ids)
     assert w_qwen.dtype == torch.bfloat16 and torch.equal(w_qwen, top.to(torch.bfloat16))
     assert w_mix.dtype == torch.float32 and torch.allclose(w_mix.sum(-1), torch.ones(6))
+
+
+def test_only_the_triton_backend_has_a_fused_moe():
+    from kernels import fused_moe
+
+    assert get_ops("triton").fused_moe is fused_moe.fused_moe and get_ops("triton", "cuda").fused_moe is not None
+    assert get_ops("torch").fused_moe is None and get_ops("cpu").fused_moe is None
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_moe", "grouped"])
+def test_sparse_moe_hands_the_experts_to_the_backends_fused_moe_when_it_has_one(fused):
+    from kernels.fused_moe import fused_moe_ref
+
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return fused_moe_ref(*args)
+
+    ops = dataclasses.replace(get_ops("torch"), fused_moe=spy if fused else None)
+    cfg = SimpleNamespace(hidden_size=32, moe=MoeFields(5, 2, 24, norm_topk_prob=True))
+    layer = SparseMoE(cfg, ops, dense_mlp=None)
+    layer.experts = experts()
+    layer.gate.weight.data = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(2))
+    weights, ids = route(layer.gate(x), 2, renormalize=True, weights_fp32=False)
+    torch.testing.assert_close(layer(x), by_definition(x, weights, ids, layer.experts), rtol=1e-4, atol=1e-5)
+    assert len(calls) == int(fused)
+    assert layer.tokens_per_expert.tolist() == torch.bincount(ids.reshape(-1), minlength=5).tolist()

@@ -152,6 +152,35 @@ def test_fused_token_ops_match_the_torch_layers():
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), ref, atol=1e-6, rtol=2e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("head_dim,factor", [(128, 0.75), (16, 0.75), (64, 0.25)])  # Phi-4-mini: 96 of 128
+def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
+    """The C rotary with rotary_dim < head_dim: the first rotary_dim dims of each q/k head as the torch layer
+    rotates them (transformers' Phi-3 arithmetic), the rest of each head and the v heads untouched."""
+    from engine.config import ModelConfig
+    from engine.layers import RotaryEmbedding
+
+    cfg = ModelConfig(architecture="Phi3ForCausalLM", vocab_size=64, hidden_size=8 * head_dim, num_layers=1,
+                      num_heads=8, num_kv_heads=2, head_dim=head_dim, intermediate_size=8,
+                      max_position_embeddings=4096, partial_rotary_factor=factor)
+    rope, rot, t = RotaryEmbedding(cfg, 4096), cfg.rotary_dim, 19
+    assert rot == int(head_dim * factor) < head_dim and rope.cos.shape == (4096, rot)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 4096, (t,), generator=gen)
+    qkv = torch.randn(t, 12 * head_dim, generator=gen)
+    before = qkv.clone()
+    heads = before[:, : 10 * head_dim].reshape(t, 10, head_dim)
+    want = torch.cat(rope(positions, heads[:, :8], heads[:, 8:]), dim=1)
+    cpu_native.rotary_(qkv, 10, head_dim, positions, rope.cos, rope.sin, rotary_dim=rot)
+    got = qkv[:, : 10 * head_dim].reshape(t, 10, head_dim)
+    torch.testing.assert_close(got[..., :rot], want[..., :rot], atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[..., rot:], heads[..., rot:]) and torch.equal(want[..., rot:], heads[..., rot:])
+    assert torch.equal(qkv[:, 10 * head_dim:], before[:, 10 * head_dim:])  # v is not a rotated head
+    with pytest.raises(ValueError, match=rf"\[max_positions, {head_dim}\] table"):  # a partial table, no rotary_dim
+        cpu_native.rotary_(qkv, 10, head_dim, positions, rope.cos, rope.sin)
+    with pytest.raises(ValueError, match=f"rotary_dim {head_dim + 2} must be even and in"):
+        cpu_native.rotary_(qkv, 10, head_dim, positions, rope.cos, rope.sin, rotary_dim=head_dim + 2)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases and a tied LM head
 def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
     from engine.config import EngineConfig

@@ -70,10 +70,11 @@ def test_rms_norm_with_and_without_residual(dtype, t, n, width):
     assert torch.equal(got_res, want_res)  # one rounded add: exact
 
 
-def _rope(head_dim: int) -> RotaryEmbedding:
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=head_dim * 4, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=head_dim, intermediate_size=8,
-                      max_position_embeddings=256, rms_norm_eps=1e-5)
+def _rope(head_dim: int, partial_rotary_factor: float = 1.0) -> RotaryEmbedding:
+    cfg = ModelConfig(architecture="Phi3ForCausalLM" if partial_rotary_factor != 1.0 else "LlamaForCausalLM",
+                      vocab_size=64, hidden_size=head_dim * 4, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=head_dim, intermediate_size=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+                      partial_rotary_factor=partial_rotary_factor)
     return RotaryEmbedding(cfg, 256).to(DEVICE)
 
 
@@ -105,6 +106,33 @@ def test_rotary_in_place_on_the_fused_qkv_rows(dtype, head_dim, q_heads, kv_head
     assert_matches(qkv[:, q_heads * head_dim: (q_heads + kv_heads) * head_dim], want_k.reshape(t, -1),
                    *(e.reshape(t, -1) for e in exact_k))
     assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim:], v_before)  # the v heads are not touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,factor", [(16, 0.75), (64, 0.75), (32, 0.25)])  # half 6: a masked tile
+def test_partial_rotary_turns_the_front_of_each_head_only(dtype, head_dim, factor):
+    """Phi-4-mini's partial rotary: the first rotary_dim dims of each q/k head as the torch layer rotates them
+    (transformers' Phi-3 arithmetic), the rest of each head and the v heads bit for bit as they were."""
+    rope, t, q_heads, kv_heads = _rope(head_dim, factor), 5, 4, 2
+    rot = rope.rotary_dim
+    assert rot == int(head_dim * factor) < head_dim and rope.cos.shape == (256, rot)
+    qkv = rows(t, (q_heads + 2 * kv_heads) * head_dim, dtype, 7, scale=2.0).contiguous()
+    positions = torch.tensor([0, 5, 77, 255, 31], device=DEVICE)
+    heads = qkv[:, : (q_heads + kv_heads) * head_dim].reshape(t, q_heads + kv_heads, head_dim)
+    want = torch.cat(rope(positions, heads[:, :q_heads], heads[:, q_heads:]), dim=1)
+    exact, terms = rope_exact(rope, positions, heads[..., :rot])
+    before = qkv.clone()
+    fused.rotary_(qkv, q_heads + kv_heads, head_dim, positions, rope.cos, rope.sin, rotary_dim=rot)
+    got = qkv[:, : (q_heads + kv_heads) * head_dim].reshape(t, q_heads + kv_heads, head_dim)
+    assert_matches(got[..., :rot].reshape(t, -1), want[..., :rot].reshape(t, -1), exact.reshape(t, -1),
+                   terms.reshape(t, -1))
+    passed = before[:, : (q_heads + kv_heads) * head_dim].reshape(t, q_heads + kv_heads, head_dim)[..., rot:]
+    assert torch.equal(got[..., rot:], passed) and torch.equal(want[..., rot:], passed)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim:], before[:, (q_heads + kv_heads) * head_dim:])
+    with pytest.raises(ValueError, match=rf"\[max_positions, {head_dim}\] table"):  # a partial table, no rotary_dim
+        fused.rotary_(qkv, q_heads + kv_heads, head_dim, positions, rope.cos, rope.sin)
+    with pytest.raises(ValueError, match="rotary_dim 7 must be even"):
+        fused.rotary_(qkv, q_heads + kv_heads, head_dim, positions, rope.cos, rope.sin, rotary_dim=7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
