@@ -45,6 +45,9 @@ class PoolConfig:
     num_cpus: float = 1.0
     torch_threads: int | None = None  # None: num_cpus rounded up
     num_blocks: int | None = None  # KV blocks per worker of this pool (None: the engine section's sizing)
+    # ranks each worker of this pool splits the model over (tensor parallelism: one Ray actor per rank in a
+    # placement group, num_cpus / num_gpus per rank)
+    tensor_parallel_size: int = 1
     # extra Ray custom resources each worker of this pool asks for: pins a pool to a KubeRay worker group
     # that declares them (e.g. {"duet_prefill": 1} on the compute-heavy GPU group)
     resources: dict[str, float] = field(default_factory=dict)
@@ -52,6 +55,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ConfigError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if not isinstance(self.resources, dict) or not all(
                 isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.resources.items()):
             raise ConfigError(f"resources must map resource names to positive amounts, got {self.resources!r}")
@@ -196,6 +201,13 @@ class ClusterConfig:
             raise ConfigError(f"unknown config keys: {sorted(raw)}")
         if kwargs["decode"].num_workers < 1:
             raise ConfigError("decode.num_workers must be >= 1")
+        if engine.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size is set per pool (prefill.tensor_parallel_size, "
+                              "decode.tensor_parallel_size; --prefill-tp / --decode-tp), not in the engine section")
+        p_tp, d_tp = kwargs["prefill"].tensor_parallel_size, kwargs["decode"].tensor_parallel_size
+        if p_tp != d_tp:
+            raise ConfigError(f"prefill workers of {p_tp} tensor-parallel ranks cannot hand KV to decode workers of "
+                              f"{d_tp}: a KV handoff between different splits is not built yet (use one size)")
         return cls(engine=engine, **kwargs)
 
     @classmethod

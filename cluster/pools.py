@@ -245,6 +245,15 @@ class PoolManager(RoleFlips, Operator):
         except Exception as e:
             log.debug("worker %s did not shut down cleanly: %r", worker_id, e)
         ray.kill(handle)
+        self._release(worker_id)
+
+    def _release(self, worker_id: str) -> None:
+        release = getattr(self._spawn, "release", None)  # a tensor-parallel worker's other ranks and its group
+        if release is not None:
+            try:
+                release(worker_id)
+            except Exception as e:
+                log.warning("releasing %s's ranks: %r", worker_id, e)
 
     def _cancel_feed(self, worker_id: str) -> None:
         feed = self.feeds.pop(worker_id, None)
@@ -267,6 +276,7 @@ class PoolManager(RoleFlips, Operator):
                 ray.kill(handle)
             except Exception as e:
                 log.debug("kill %s: %r", worker_id, e)
+            self._release(worker_id)
 
     async def _forget(self, worker_id: str, agent_name: str) -> None:
         self.counters["peers_forgotten"] += await forget_peer(self.registry, worker_id, agent_name)

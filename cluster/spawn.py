@@ -17,6 +17,7 @@ from cluster.config import ClusterConfig, PoolConfig
 from decode_worker.role_worker import Worker
 from engine.config import EngineConfig
 from prefill_worker.base import WorkerOptions
+from prefill_worker.tp_ranks import TPRank
 from router.policy import Role
 
 WORKER_RESOURCE = "duet_worker"
@@ -26,7 +27,8 @@ FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole c
 def max_pool_workers(config: ClusterConfig) -> int:
     """The most workers the pools are sized for: each pool's size or its autoscaler bound, the larger."""
     auto = config.autoscaler
-    return max(config.prefill.num_workers, auto.max_prefill) + max(config.decode.num_workers, auto.max_decode)
+    return (max(config.prefill.num_workers, auto.max_prefill) * config.prefill.tensor_parallel_size
+            + max(config.decode.num_workers, auto.max_decode) * config.decode.tensor_parallel_size)
 
 
 def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfig:
@@ -34,6 +36,8 @@ def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfi
     engines that size their KV cache from the same RAM (engine/kv_sizing.py), unless the engine section says:
     every worker the pools may hold, as if they shared one machine (the launcher cannot know the placement)."""
     engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
+    if pool.tensor_parallel_size != 1:
+        engine = engine.replace(tensor_parallel_size=pool.tensor_parallel_size)
     if engine.colocated_engines is None and not engine.device.startswith("cuda"):
         engine = engine.replace(colocated_engines=max_pool_workers(config))
     return engine
@@ -49,6 +53,8 @@ class Spawner:
     def __init__(self, config: ClusterConfig, use_resource: bool) -> None:
         self.config = config
         self.use_resource = use_resource
+        self.groups: dict[str, object] = {}  # worker id -> its placement group (tensor-parallel workers)
+        self.ranks: dict[str, list] = {}  # worker id -> its ranks 1 .. N-1 (Ray actor handles)
 
     def worker_args(self, role: Role, worker_id: str) -> tuple[WorkerOptions, EngineConfig]:
         """The options and engine config a worker of ``role`` named ``worker_id`` is built (or flipped) with."""
@@ -68,10 +74,50 @@ class Spawner:
         num_gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
         options, engine_config = self.worker_args(role, worker_id)
         resources = {**({WORKER_RESOURCE: 1} if self.use_resource and not on_gpu else {}), **pool.resources}
-        actor = ray.remote(Worker).options(
-            name=f"duet-{worker_id}-{uuid.uuid4().hex[:8]}", num_cpus=0 if on_gpu else pool.num_cpus,
-            num_gpus=num_gpus, resources=resources, max_restarts=0)
-        return actor.remote(engine_config, options, self._sinks())
+        place = dict(num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus, resources=resources)
+        tag = uuid.uuid4().hex[:8]
+        ranks = []
+        if pool.tensor_parallel_size > 1:
+            ranks, place = self._ranks(pool, worker_id, role, engine_config, options, place, tag)
+        actor = ray.remote(Worker).options(name=f"duet-{worker_id}-{tag}", max_restarts=0, **place)
+        return actor.remote(engine_config, options, self._sinks(), ranks)
+
+    def _ranks(self, pool: PoolConfig, worker_id: str, role: Role, engine_config: EngineConfig,
+               options: WorkerOptions, place: dict, tag: str) -> tuple[list, dict]:
+        """A tensor-parallel worker's ranks 1 .. N-1 (prefill_worker/tp_ranks.py), each in its own bundle of one
+        placement group on one node (STRICT_PACK: the ranks' collectives and rank 0's store stay on 127.0.0.1),
+        and the placement of rank 0 (the worker) in bundle 0. The group is removed with the worker (``release``)."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": place["num_cpus"], **({"GPU": place["num_gpus"]} if place["num_gpus"] else {}),
+                  **place["resources"]}
+        bundle = {k: v for k, v in bundle.items() if v}
+        group = placement_group([bundle] * pool.tensor_parallel_size, strategy="STRICT_PACK",
+                                name=f"duet-{worker_id}-{tag}")
+        self.groups[worker_id] = group
+        at = lambda i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)  # noqa: E731
+        rank_actor = ray.remote(TPRank)
+        ranks = [rank_actor.options(name=f"duet-rank{r}-of-{worker_id}-{tag}", max_restarts=0, max_concurrency=4,
+                                    scheduling_strategy=at(r), **place).remote(
+                     engine_config, r, pool.tensor_parallel_size, worker_id, role.value, options.transfer_timeout_s,
+                     options.torch_threads)
+                 for r in range(1, pool.tensor_parallel_size)]
+        self.ranks[worker_id] = ranks
+        return ranks, {**place, "scheduling_strategy": at(0)}
+
+    def release(self, worker_id: str) -> None:
+        """Stop a tensor-parallel worker's other ranks and free its placement group (nothing for one rank)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for handle in self.ranks.pop(worker_id, []):
+            try:
+                ray.kill(handle)
+            except Exception:  # already gone
+                pass
+        group = self.groups.pop(worker_id, None)
+        if group is not None:
+            remove_placement_group(group)
 
     def _sinks(self) -> list:
         from router.events import MemoryEventLog, RedisEventSink

@@ -50,8 +50,12 @@ class DecodeRole(WorkerRole):
         return self.worker.puller.peer_info
 
     async def add_peers(self, peers) -> list[str]:
-        """Handshake with prefill workers (KVCompatError if a peer's layout/model/dtype differs)."""
-        return await self.worker.puller.add_peers(peers)
+        """Handshake with prefill workers (KVCompatError if a peer's layout/model/dtype or tensor-parallel split
+        differs); a tensor-parallel worker's ranks then shake hands with the peer's same-numbered ranks."""
+        names = await self.worker.puller.add_peers(peers)
+        if len(self.worker.ranks):
+            await self.worker.ranks.add_peers(peers)
+        return names
 
     async def decode(self, handoff: KVHandoff):
         """Stream the request's outputs after its first token. InvalidRequestError if it can never fit."""
@@ -77,7 +81,7 @@ class DecodeRole(WorkerRole):
         # fault injection (transfer.fault_pull_delay_s): the blocks are reserved, the pull starts later
         w = self.worker
         w.puller.pull(request, lambda error, _: w.aengine.call(lambda e: self._settle(request_id, error)),
-                      delay_s=w.options.fault_pull_delay_s)
+                      delay_s=w.options.fault_pull_delay_s, before=w.ranks.reads(request))
 
     def on_tick(self) -> None:
         if not self._waiting:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RankLostError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 
@@ -136,6 +136,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RankLostError as e:  # a tensor-parallel rank is gone: this engine cannot step again
+                log.error("engine stops: %s", e)
+                for out in self.engine.fail_all(f"engine lost a tensor-parallel rank: {e}"):
+                    self.deliver(out.request_id, out)
+                return  # the thread ends: the worker's health says so and the pool replaces it
             except Exception as e:  # a bug or device fault: fail what was running, keep serving
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(f"engine step failed: {e}")

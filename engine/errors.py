@@ -16,3 +16,8 @@ class InvalidRequestError(DuetError, ValueError):
 
 class ConfigError(DuetError, ValueError):
     """A configuration value is out of range or inconsistent."""
+
+
+class RankLostError(DuetError, RuntimeError):
+    """A tensor-parallel rank's collective failed (a rank died or left): the engine cannot step again; its
+    worker is replaced (engine/parallel.py)."""

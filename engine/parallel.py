@@ -30,7 +30,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, RankLostError
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ class TensorParallel:
         if not self.enabled:
             return t
         if t.dtype == torch.float32:
-            self.group.allreduce([t]).wait()
+            _wait(self, self.group.allreduce([t]))
             return t
         acc = t.float()
-        self.group.allreduce([acc]).wait()
+        _wait(self, self.group.allreduce([acc]))
         return t.copy_(acc)
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class TensorParallel:
         per = -(-vocab_size // self.size)
         padded = local if local.shape[-1] == per else torch.nn.functional.pad(local, (0, per - local.shape[-1]))
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.group.allgather([parts], [padded.contiguous()]).wait()
+        _wait(self, self.group.allgather([parts], [padded.contiguous()]))
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -136,7 +136,7 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([t], opts).wait()
+        _wait(self, self.group.allreduce([t], opts))
         return int(t.item())
 
     # ---- rank 0 drives the others ----
@@ -158,7 +158,14 @@ class TensorParallel:
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([t], opts).wait()
+        _wait(self, self.group.broadcast([t], opts))
+
+
+def _wait(tp: TensorParallel, work) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo: a peer closed its connection, or the group was aborted
+        raise RankLostError(f"tensor parallel rank {tp.rank} of {tp.size}: a collective failed ({e})") from e
 
 
 def check_split(cfg, size: int) -> None:

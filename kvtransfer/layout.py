@@ -32,8 +32,9 @@ from typing import Any
 
 from kvtransfer.errors import KVBlockIdError, KVConfigError
 
-VERSION = 1
-"""Wire protocol version; peers with a different VERSION are refused at handshake."""
+VERSION = 2
+"""Wire protocol version; peers with a different VERSION are refused at handshake (2: tensor-parallel workers'
+ranks in PeerInfo and KVCompat)."""
 
 BLOCK_MAJOR = "block_major"
 """Layout name of `kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
@@ -48,11 +49,18 @@ class KVCompat:
     layout_name: str
     block_size: int  # tokens per block
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # in this cache: the rank's own share under tensor parallelism
     head_dim: int
+    # tensor parallelism: the worker's ranks, and the model's KV heads their caches split (1 / the same heads:
+    # one rank); rank r's cache holds heads [r * num_kv_heads, ...) of total_kv_heads, each on as many ranks as
+    # tp_size * num_kv_heads / total_kv_heads (replicated when the ranks outnumber the heads)
+    tp_size: int = 1
+    total_kv_heads: int = 0  # 0: num_kv_heads
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCompat.{name} must be positive, got {getattr(self, name)}")
 

@@ -38,6 +38,9 @@ class PeerInfo:
     # the owner's host KV tier, readable too: block ids layout.num_blocks + i name its slot i (host memory)
     host_base_addr: int = 0
     host_num_blocks: int = 0
+    # a tensor-parallel worker (layout.compat.tp_size > 1): ranks 1 .. tp_size - 1's own endpoints (this one is
+    # rank 0's); a puller of the same split reads rank r's blocks through its own rank r
+    tp_ranks: tuple[PeerInfo, ...] = ()
 
     @property
     def num_readable_blocks(self) -> int:

@@ -42,8 +42,10 @@ from engine.engine import Engine
 from engine.errors import DuetError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from kvtransfer import BLOCK_MAJOR, KVCompat, PeerInfo
+from kvtransfer import PeerInfo
+from prefill_worker.engine_facts import hit_sources, kv_compat, tier_stats
 from prefill_worker.puller import Puller
+from prefill_worker.tp_ranks import RankGroup
 from proto.kv_codec import encode_batch
 
 log = logging.getLogger(__name__)
@@ -96,13 +98,6 @@ class WorkerInfo:
     node: str = ""  # host name (the pod's name on Kubernetes)
 
 
-def kv_compat(engine: Engine) -> KVCompat:
-    mc = engine.model_config
-    return KVCompat(model_id=mc.model_id or str(engine.config.model), dtype=str(engine.runner.dtype).removeprefix("torch."),
-                    layout_name=BLOCK_MAJOR, block_size=engine.config.block_size, num_layers=mc.num_layers,
-                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-
-
 class WorkerRole(ABC):
     """What one role adds to a worker. Built and closed on the engine thread (or before it runs), so the
     hooks below — called on the engine thread — never see it half set up."""
@@ -146,14 +141,18 @@ class WorkerBusyError(FlipRefusedError):
 
 
 class WorkerBase(ABC):
-    def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = ()) -> None:
+    def __init__(self, engine_config: EngineConfig, options: WorkerOptions, sinks: Sequence[EventSink] = (),
+                 ranks: Sequence = ()) -> None:
+        """``ranks``: a tensor-parallel worker's ranks 1 .. N-1 (prefill_worker/tp_ranks.py ``TPRank`` actors, in
+        this worker's placement group); this worker is rank 0."""
         if options.torch_threads:
             import torch
 
             torch.set_num_threads(options.torch_threads)
         self.options = options
-        self.engine = Engine(replace(engine_config, worker_id=options.worker_id))
-        self.compat = kv_compat(self.engine)
+        self.ranks = RankGroup(ranks)
+        self.engine = Engine(replace(engine_config, worker_id=options.worker_id), tp=self.ranks.form_group(engine_config))
+        self.compat = kv_compat(self.engine.config, self.engine.runner)
         self._sinks = list(sinks)
         self._seq = 0
         self._last_publish_s = 0.0
@@ -229,7 +228,10 @@ class WorkerBase(ABC):
         Runs on the puller thread after the jobs already queued, so a pull in flight finishes (or fails)
         first; a handoff or a lent block naming a forgotten peer later fails with "no handshake" (recomputed).
         """
-        return await self.puller.remove_peers(peer_names)
+        known = await self.puller.remove_peers(peer_names)
+        if len(self.ranks):
+            await self.ranks.remove_peers(known)
+        return known
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -309,6 +311,9 @@ class WorkerBase(ABC):
         old = self.options
         if options.role == old.role:
             raise FlipRefusedError(f"worker {old.worker_id} already is a {old.role} worker")
+        if len(self.ranks):
+            raise FlipRefusedError(f"worker {old.worker_id} is tensor parallel ({len(self.ranks) + 1} ranks): its "
+                                   "ranks' NIXL agents do not change roles yet")
         reason = reload_reason(self.engine.config, engine_config)
         if reason is not None:
             raise FlipRefusedError(f"worker {old.worker_id} cannot become a {options.role} worker without reloading "
@@ -367,28 +372,6 @@ def reload_reason(current: EngineConfig, wanted: EngineConfig) -> str | None:
     diff = [f"{f.name} {getattr(current, f.name)!r} != {getattr(wanted, f.name)!r}" for f in fields(current)
             if f.name != "worker_id" and getattr(current, f.name) != getattr(wanted, f.name)]
     return "; ".join(diff) or None
-
-
-def hit_sources(engine: Engine) -> dict[str, int]:
-    """Prompt tokens not computed, by where their KV came from (duet_prefix_hit_tokens_total{source})."""
-    sched, B = engine.scheduler, engine.config.block_size
-    loaded = engine.tiers.stats.loaded_blocks if engine.tiers is not None else {"host": 0, "disk": 0}
-    return {"device": sched.num_prefix_hit_tokens, "host": loaded["host"] * B, "disk": loaded["disk"] * B,
-            "peer": sched.num_peer_hit_tokens}
-
-
-def tier_stats(engine: Engine) -> dict[str, Any]:
-    """The lower KV tiers' figures for stats() (router/metrics.py renders them); empty without tiers."""
-    tiers = engine.tiers
-    if tiers is None:
-        return {}
-    tiers.check()
-    mover = tiers.mover
-    return {"kv_tiers": {
-        "usage": {u.tier.value: {"blocks_total": u.blocks_total, "blocks_used": u.blocks_used} for u in tiers.usage()},
-        **asdict(tiers.stats), "jobs_in_flight": tiers.num_jobs_in_flight, "loading": len(engine.scheduler.loading),
-        "tier_hit_tokens": engine.scheduler.num_tier_hit_tokens, "bytes": dict(mover.bytes_moved),
-        "seconds": dict(mover.seconds), "op_failures": mover.op_failures}}
 
 
 async def _wrap(future):

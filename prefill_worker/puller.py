@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
-from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, TransferRequest
+from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +74,18 @@ class Puller:
     def notify(self, peer_name: str, payload: bytes) -> None:
         self._jobs.put(("notify", peer_name, payload))
 
-    def pull(self, request: TransferRequest, done: PullDone, delay_s: float = 0.0) -> None:
+    def pull(self, request: TransferRequest, done: PullDone, delay_s: float = 0.0,
+             before: Callable[[], str | None] | None = None) -> None:
         """Queue a pull; ``done(error, num_bytes)`` runs on this thread when it ends. ``delay_s`` (fault
-        injection) queues it that much later."""
+        injection) queues it that much later. ``before`` (a tensor-parallel worker's other ranks reading their
+        parts) runs first on this thread: its error fails the pull (the owner's lease is released as failed)."""
+        job = ("pull", request, done, before)
         if delay_s > 0:
-            timer = threading.Timer(delay_s, self._jobs.put, args=(("pull", request, done),))
+            timer = threading.Timer(delay_s, self._jobs.put, args=(job,))
             timer.daemon = True
             timer.start()
         else:
-            self._jobs.put(("pull", request, done))
+            self._jobs.put(job)
 
     def stop(self) -> None:
         self._jobs.put(("stop",))
@@ -133,15 +136,23 @@ class Puller:
             except Exception:
                 log.warning("could not notify %s", peer_name, exc_info=True)
         elif kind == "pull":
-            _, request, done = job
-            self._pull(transport, request, done)
+            _, request, done, before = job
+            self._pull(transport, request, done, before)
 
-    def _pull(self, transport: NixlTransport, request: TransferRequest, done: PullDone) -> None:
+    def _pull(self, transport: NixlTransport, request: TransferRequest, done: PullDone,
+              before: Callable[[], str | None] | None = None) -> None:
         t0 = time.perf_counter()
         error, num_bytes = None, 0
         try:
             if not transport.has_peer(request.peer_name):
                 raise KVTransferError(f"unknown peer {request.peer_name!r} (no handshake)")
+            failed = before() if before is not None else None
+            if failed is not None:
+                try:
+                    transport.send_notif(request.peer_name, ReleaseNotice(request.lease_id, ok=False).encode())
+                except Exception:  # the owner may be gone; its lease then expires
+                    log.warning("could not notify %s", request.peer_name, exc_info=True)
+                raise KVTransferError(f"a tensor-parallel rank's read failed: {failed}")
             num_bytes = transport.pull(request, timeout_s=self.transfer_timeout_s).num_bytes
         except KVTransferError as e:
             error = str(e)

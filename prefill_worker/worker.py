@@ -28,6 +28,8 @@ on the reader's notice or its deadline, as a handoff's does.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import uuid
 from dataclasses import asdict, replace
@@ -62,9 +64,10 @@ class PrefillRole(WorkerRole):
         self.transport = NixlTransport(engine.runner.kv_cache, worker.compat, host=host,
                                        agent_name=f"duet-{options.worker_id}-{uuid.uuid4().hex[:8]}")
         engine.scheduler.importer = _Importer(worker)
+        self._rank_peers = worker.ranks.peer_infos() if len(worker.ranks) else ()  # tensor parallel: ranks 1 ..
 
     def peer_info(self) -> PeerInfo:
-        return self.transport.peer_info()
+        return dataclasses.replace(self.transport.peer_info(), tp_ranks=self._rank_peers)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       peer: PeerBlocks | None = None) -> RequestOutput:
@@ -84,7 +87,10 @@ class PrefillRole(WorkerRole):
 
     async def add_import_peers(self, peers: list[PeerInfo]) -> list[str]:
         """Handshake our reading agent with other prefill workers, so we can read blocks they lend."""
-        return await self.worker.puller.add_peers(peers)
+        names = await self.worker.puller.add_peers(peers)
+        if len(self.worker.ranks):
+            await self.worker.ranks.add_peers(peers)
+        return names
 
     async def export_blocks(self, block_hashes: list[int], token_ids: list[int],
                             first_block: int) -> PeerBlocks | None:
@@ -196,8 +202,9 @@ class _Importer:
                             len(local_block_ids), request_id, peer.source, error)
             w.aengine.call(lambda engine: engine.finish_import(request_id, error is None))
 
-        w.puller.pull(TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids), done,
-                        delay_s=w.options.fault_pull_delay_s)  # fault injection, as the decode worker's pulls
+        request = TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids)
+        w.puller.pull(request, done, delay_s=w.options.fault_pull_delay_s,  # fault injection, as decode's pulls
+                      before=w.ranks.reads(request))
 
     def release(self, peer: PeerBlocks) -> None:
         self.worker.puller.notify(peer.source, ReleaseNotice(peer.lease_id, ok=True).encode())

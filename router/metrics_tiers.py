@@ -1,5 +1,5 @@
 """/metrics families of the KV tiers and the cluster pool, rendered from the workers' ``stats()`` snapshots
-(prefill_worker/base.py ``tier_stats``) and the router's peer-borrowing counters. vLLM's offload names where
+(prefill_worker/engine_facts.py ``tier_stats``) and the router's peer-borrowing counters. vLLM's offload names where
 vLLM has the series (``vllm:kv_offload_*``, its ``transfer_type`` label), ``duet_`` for the rest; docs/operating.md
 "KV tiers and the cluster pool" lists them."""
 from __future__ import annotations

@@ -1,0 +1,42 @@
+"""What a worker states about its engine: the KV compatibility its peers must share, and the figures of its
+stats() that come from the engine's prefix cache and tiers."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_runner import ModelRunner
+from kvtransfer import BLOCK_MAJOR, KVCompat
+
+
+def kv_compat(engine_config: EngineConfig, runner: ModelRunner) -> KVCompat:
+    """What a peer's cache must share with this one (per rank: its own KV heads of the model's)."""
+    mc = runner.model_cfg
+    return KVCompat(model_id=mc.model_id or str(engine_config.model), dtype=str(runner.dtype).removeprefix("torch."),
+                    layout_name=BLOCK_MAJOR, block_size=engine_config.block_size, num_layers=mc.num_layers,
+                    num_kv_heads=runner.num_kv_heads, head_dim=mc.head_dim, tp_size=runner.tp.size,
+                    total_kv_heads=mc.num_kv_heads)
+
+
+def hit_sources(engine: Engine) -> dict[str, int]:
+    """Prompt tokens not computed, by where their KV came from (duet_prefix_hit_tokens_total{source})."""
+    sched, B = engine.scheduler, engine.config.block_size
+    loaded = engine.tiers.stats.loaded_blocks if engine.tiers is not None else {"host": 0, "disk": 0}
+    return {"device": sched.num_prefix_hit_tokens, "host": loaded["host"] * B, "disk": loaded["disk"] * B,
+            "peer": sched.num_peer_hit_tokens}
+
+
+def tier_stats(engine: Engine) -> dict[str, Any]:
+    """The lower KV tiers' figures for stats() (router/metrics.py renders them); empty without tiers."""
+    tiers = engine.tiers
+    if tiers is None:
+        return {}
+    tiers.check()
+    mover = tiers.mover
+    return {"kv_tiers": {
+        "usage": {u.tier.value: {"blocks_total": u.blocks_total, "blocks_used": u.blocks_used} for u in tiers.usage()},
+        **asdict(tiers.stats), "jobs_in_flight": tiers.num_jobs_in_flight, "loading": len(engine.scheduler.loading),
+        "tier_hit_tokens": engine.scheduler.num_tier_hit_tokens, "bytes": dict(mover.bytes_moved),
+        "seconds": dict(mover.seconds), "op_failures": mover.op_failures}}

@@ -1,0 +1,177 @@
+"""The ranks of a tensor-parallel worker other than rank 0 (DESIGN.md "Workers wider than one device").
+
+A worker of ``tensor_parallel_size`` N is N processes: rank 0 is the worker (prefill_worker/base.py: scheduler,
+block table, events, API, rank 0's shard), ranks 1 .. N-1 are ``TPRank`` objects, each a Ray actor of its own in
+the worker's placement group (cluster/spawn.py), holding its shard of the weights and its KV heads.
+
+Start-up: rank 0 picks a port and calls every rank's ``join(host, port)``; each rank then joins rank 0's gloo
+group (engine/parallel.py), loads its shard, sizes its cache with the others, and follows rank 0's steps on a
+thread of its own (``ModelRunner.follow``) until rank 0 closes the engine — or its connection to rank 0 breaks,
+when the process exits (a rank without its worker has nothing to do; Ray sees the actor die).
+
+KV handoff: every rank has its own NIXL agents on its own cache — the one peers read from (a prefill worker) and
+the one it reads with (every worker) — so a block's KV moves rank to rank, each rank's heads on its own
+connection. Rank 0 drives both: a prefill worker's peer info lists its ranks' endpoints (``PeerInfo.tp_ranks``);
+a decode worker hands its ranks their peers at the handshake (``add_peers``) and, for each handoff, has every
+rank read its part (``read``, no notice) before rank 0 reads its own with the lease's notice, so the prefill
+worker releases the blocks only after every rank's read landed.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+
+from collections.abc import Callable
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ConfigError
+from engine.model_runner import ModelRunner
+from engine.parallel import check_split, init_group
+from engine.parallel import TensorParallel
+from engine.tp_rank import free_port
+from kvtransfer import NixlTransport, PeerInfo, TransferRequest
+from prefill_worker.engine_facts import kv_compat
+
+log = logging.getLogger(__name__)
+
+
+class TPRank:
+    def __init__(self, engine_config: EngineConfig, rank: int, size: int, worker_id: str, role: str,
+                 transfer_timeout_s: float, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        check_split(ModelConfig.from_checkpoint(engine_config.model), size)
+        self.config, self.rank, self.size = engine_config, rank, size
+        self.name = f"{worker_id}/rank{rank}"
+        self.role = role
+        self.transfer_timeout_s = transfer_timeout_s
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the reading agent: one transfer at a time
+
+    def join(self, host: str, port: int) -> None:
+        """Join rank 0's group at ``host:port`` and start following (returns at once)."""
+        self._thread = threading.Thread(target=self._serve, args=(host, port), name=f"tp-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self, host: str, port: int) -> None:
+        try:
+            tp = init_group(self.rank, self.size, host, port)
+            mc = ModelConfig.from_checkpoint(self.config.model)
+            mpe = mc.max_position_embeddings
+            runner = ModelRunner(mc, self.config, min(self.config.max_model_len or mpe, mpe), tp)
+            compat = kv_compat(self.config, runner)
+            tag = f"duet-{self.name.replace('/', '-')}-{uuid.uuid4().hex[:8]}"
+            self.reader = NixlTransport(runner.kv_cache, compat, agent_name=f"{tag}-read")
+            self.owner = NixlTransport(runner.kv_cache, compat, agent_name=tag) if self.role == "prefill" else None
+            self._ready.set_result(None)
+        except BaseException as e:
+            self._ready.set_exception(e)
+            log.exception("tensor parallel %s failed to start", self.name)
+            os._exit(1)
+        try:
+            runner.follow()
+            log.info("tensor parallel %s: rank 0 closed the engine", self.name)
+        except BaseException:
+            log.exception("tensor parallel %s lost rank 0: exiting", self.name)
+            os._exit(1)
+
+    # ---- what rank 0 calls (Ray actor methods) ---------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        """The endpoint peers read this rank's cache from (a prefill worker's rank)."""
+        self._ready.result(timeout=600)
+        if self.owner is None:
+            raise RuntimeError(f"{self.name} is a {self.role} worker's rank: nothing reads from it")
+        return self.owner.peer_info()
+
+    def add_peers(self, peers: Sequence[PeerInfo]) -> list[str]:
+        """Handshake with the same-numbered ranks of prefill workers."""
+        self._ready.result(timeout=600)
+        with self._lock:
+            return [self.reader.add_peer(p) for p in peers]
+
+    def remove_peers(self, names: Sequence[str]) -> list[str]:
+        self._ready.result(timeout=600)
+        with self._lock:
+            known = [n for n in names if self.reader.has_peer(n)]
+            for n in known:
+                self.reader.remove_peer(n)
+            return known
+
+    def read(self, peer_name: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
+        """Read blocks of a peer rank into this rank's cache; the error, or None."""
+        self._ready.result(timeout=600)
+        try:
+            with self._lock:
+                self.reader.read_blocks(peer_name, remote_block_ids, local_block_ids, timeout_s=self.transfer_timeout_s)
+            return None
+        except Exception as e:  # noqa: BLE001 - the caller fails (or recomputes) the request with this text
+            return f"rank {self.rank}: {type(e).__name__}: {e}"
+
+    def health(self) -> dict:
+        return {"ok": self._thread is not None and self._thread.is_alive(), "rank": self.rank}
+
+
+class RankGroup:
+    """Rank 0's view of its other ranks (Ray actor handles; duck-typed: ``handle.method.remote(...)``)."""
+
+    def __init__(self, handles: Sequence) -> None:
+        self.handles = list(handles)
+        self.peer_ranks: dict[str, tuple[str, ...]] = {}  # a peer's rank-0 agent name -> its ranks' agent names
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def form_group(self, engine_config: EngineConfig) -> TensorParallel | None:
+        """Form the tensor-parallel group with the other ranks (rank 0 listens on a free local port: the ranks
+        share its node, cluster/spawn.py); None for a worker of one rank."""
+        size = engine_config.tensor_parallel_size
+        if size == 1 and not self.handles:
+            return None
+        if len(self.handles) != size - 1:
+            raise ConfigError(f"tensor_parallel_size {size} needs {size - 1} other ranks, got {len(self.handles)}")
+        check_split(ModelConfig.from_checkpoint(engine_config.model), size)
+        port = free_port()
+        for h in self.handles:
+            h.join.remote("127.0.0.1", port)
+        return init_group(0, size, "127.0.0.1", port)
+
+    def reads(self, request: TransferRequest) -> Callable[[], str | None] | None:
+        """What runs before rank 0's own read of ``request`` (which carries the lease's notice): every other rank
+        reads its part; None for a worker of one rank."""
+        if not self.handles:
+            return None
+        return lambda: self.read(request.peer_name, request.remote_block_ids, request.local_block_ids)
+
+    def peer_infos(self) -> tuple[PeerInfo, ...]:
+        return tuple(r.future().result(timeout=600) for r in [h.peer_info.remote() for h in self.handles])
+
+    async def add_peers(self, peers: Sequence[PeerInfo]) -> None:
+        """Hand each rank its counterparts of every peer (their splits were checked by rank 0's handshake)."""
+        refs = [h.add_peers.remote([p.tp_ranks[i] for p in peers]) for i, h in enumerate(self.handles)]
+        await asyncio.gather(*refs)
+        for p in peers:
+            self.peer_ranks[p.agent_name] = tuple(r.agent_name for r in p.tp_ranks)
+
+    async def remove_peers(self, names: Sequence[str]) -> None:
+        per_rank = [[self.peer_ranks[n][i] for n in names if n in self.peer_ranks] for i in range(len(self.handles))]
+        await asyncio.gather(*(h.remove_peers.remote(ns) for h, ns in zip(self.handles, per_rank)))
+        for n in names:
+            self.peer_ranks.pop(n, None)
+
+    def read(self, source: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
+        """Every rank reads its part of the blocks from ``source``'s same-numbered rank (blocking); the first
+        error, or None."""
+        names = self.peer_ranks.get(source)
+        if names is None:
+            return f"no handshake with the ranks of {source!r}"
+        refs = [h.read.remote(n, list(remote_block_ids), list(local_block_ids)) for h, n in zip(self.handles, names)]
+        errors = [r.future().result() for r in refs]
+        return next((e for e in errors if e), None)
