@@ -204,10 +204,6 @@ class ClusterConfig:
         if engine.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size is set per pool (prefill.tensor_parallel_size, "
                               "decode.tensor_parallel_size; --prefill-tp / --decode-tp), not in the engine section")
-        p_tp, d_tp = kwargs["prefill"].tensor_parallel_size, kwargs["decode"].tensor_parallel_size
-        if p_tp != d_tp:
-            raise ConfigError(f"prefill workers of {p_tp} tensor-parallel ranks cannot hand KV to decode workers of "
-                              f"{d_tp}: a KV handoff between different splits is not built yet (use one size)")
         return cls(engine=engine, **kwargs)
 
     @classmethod

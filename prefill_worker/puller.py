@@ -22,6 +22,7 @@ import torch
 
 from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
 from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
+from prefill_worker.sources import Sources
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Puller:
         except Exception as e:
             self._ready.set_exception(e)
             return
+        self._sources = Sources(self._kv, self._compat, 0, transport.agent_name, reader=transport)
         self._ready.set_result(transport.peer_info())
         with transport:
             while True:
@@ -109,51 +111,64 @@ class Puller:
                     self._run(transport, job)
                 except Exception:  # keep the thread alive whatever one job does
                     log.exception("transfer job %s failed", job[0])
+            self._sources.close()
 
     def _run(self, transport: NixlTransport, job: tuple) -> None:
         kind = job[0]
         if kind == "add_peer":
             _, peer, future = job
             try:
-                future.set_result(transport.add_peer(peer))
+                future.set_result(self._sources.add(peer))
             except Exception as e:
                 future.set_exception(e)
-            self.num_peers = transport.num_peers
+            self.num_peers = len(self._sources.names)
         elif kind == "remove_peers":
             _, names, future = job
-            known = list(transport.peer_names()) if names is None else [n for n in names if transport.has_peer(n)]
+            known = [n for n in (self._sources.names if names is None else names) if self._sources.knows(n)]
             for name in known:
                 try:
-                    transport.remove_peer(name)
+                    self._sources.remove([name])
                 except Exception:  # the binding may complain about a peer whose process is gone; it is forgotten
                     log.warning("removing peer %s", name, exc_info=True)
-            self.num_peers = transport.num_peers
+            self.num_peers = len(self._sources.names)
             future.set_result(known)
         elif kind == "notify":
             _, peer_name, payload = job
             try:
-                transport.send_notif(peer_name, payload)
+                self._sources.notify(peer_name, payload)
             except Exception:
                 log.warning("could not notify %s", peer_name, exc_info=True)
         elif kind == "pull":
             _, request, done, before = job
             self._pull(transport, request, done, before)
 
+    def _notify_failed(self, request: TransferRequest) -> None:
+        try:
+            self._sources.notify(request.peer_name, ReleaseNotice(request.lease_id, ok=False).encode())
+        except Exception:  # the owner may be gone; its lease then expires
+            log.warning("could not notify %s", request.peer_name, exc_info=True)
+
     def _pull(self, transport: NixlTransport, request: TransferRequest, done: PullDone,
               before: Callable[[], str | None] | None = None) -> None:
         t0 = time.perf_counter()
         error, num_bytes = None, 0
         try:
-            if not transport.has_peer(request.peer_name):
+            if not self._sources.knows(request.peer_name):
                 raise KVTransferError(f"unknown peer {request.peer_name!r} (no handshake)")
             failed = before() if before is not None else None
             if failed is not None:
-                try:
-                    transport.send_notif(request.peer_name, ReleaseNotice(request.lease_id, ok=False).encode())
-                except Exception:  # the owner may be gone; its lease then expires
-                    log.warning("could not notify %s", request.peer_name, exc_info=True)
+                self._notify_failed(request)
                 raise KVTransferError(f"a tensor-parallel rank's read failed: {failed}")
-            num_bytes = transport.pull(request, timeout_s=self.transfer_timeout_s).num_bytes
+            if self._sources.is_split(request.peer_name):  # another split: staged reads, the notice after them
+                try:
+                    num_bytes = self._sources.read(request.peer_name, request.remote_block_ids,
+                                                   request.local_block_ids, self.transfer_timeout_s,
+                                                   notif=ReleaseNotice(request.lease_id, ok=True).encode())
+                except Exception:
+                    self._notify_failed(request)
+                    raise
+            else:
+                num_bytes = transport.pull(request, timeout_s=self.transfer_timeout_s).num_bytes
         except KVTransferError as e:
             error = str(e)
         except Exception as e:  # nixl binding errors

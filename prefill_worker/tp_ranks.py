@@ -36,6 +36,7 @@ from engine.parallel import TensorParallel
 from engine.tp_rank import free_port
 from kvtransfer import NixlTransport, PeerInfo, TransferRequest
 from prefill_worker.engine_facts import kv_compat
+from prefill_worker.sources import Sources
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class TPRank:
             runner = ModelRunner(mc, self.config, min(self.config.max_model_len or mpe, mpe), tp)
             compat = kv_compat(self.config, runner)
             tag = f"duet-{self.name.replace('/', '-')}-{uuid.uuid4().hex[:8]}"
-            self.reader = NixlTransport(runner.kv_cache, compat, agent_name=f"{tag}-read")
+            self._sources = Sources(runner.kv_cache, compat, self.rank, f"{tag}-read")
             self.owner = NixlTransport(runner.kv_cache, compat, agent_name=tag) if self.role == "prefill" else None
             self._ready.set_result(None)
         except BaseException as e:
@@ -92,25 +93,24 @@ class TPRank:
         return self.owner.peer_info()
 
     def add_peers(self, peers: Sequence[PeerInfo]) -> list[str]:
-        """Handshake with the same-numbered ranks of prefill workers."""
+        """Handshake with prefill workers' ranks (each ``peer`` is a worker's rank 0, listing its other ranks): the
+        same-numbered rank of a worker of the same split, every rank of another split (a split reader)."""
         self._ready.result(timeout=600)
         with self._lock:
-            return [self.reader.add_peer(p) for p in peers]
+            return [self._sources.add(p) for p in peers]
 
     def remove_peers(self, names: Sequence[str]) -> list[str]:
         self._ready.result(timeout=600)
         with self._lock:
-            known = [n for n in names if self.reader.has_peer(n)]
-            for n in known:
-                self.reader.remove_peer(n)
-            return known
+            return self._sources.remove(names)
 
-    def read(self, peer_name: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
-        """Read blocks of a peer rank into this rank's cache; the error, or None."""
+    def read(self, source: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
+        """Read this rank's heads of ``source``'s blocks (``source``: the worker's rank-0 agent name) into this
+        rank's cache; the error, or None."""
         self._ready.result(timeout=600)
         try:
             with self._lock:
-                self.reader.read_blocks(peer_name, remote_block_ids, local_block_ids, timeout_s=self.transfer_timeout_s)
+                self._sources.read(source, remote_block_ids, local_block_ids, self.transfer_timeout_s)
             return None
         except Exception as e:  # noqa: BLE001 - the caller fails (or recomputes) the request with this text
             return f"rank {self.rank}: {type(e).__name__}: {e}"
@@ -124,7 +124,6 @@ class RankGroup:
 
     def __init__(self, handles: Sequence) -> None:
         self.handles = list(handles)
-        self.peer_ranks: dict[str, tuple[str, ...]] = {}  # a peer's rank-0 agent name -> its ranks' agent names
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -154,24 +153,14 @@ class RankGroup:
         return tuple(r.future().result(timeout=600) for r in [h.peer_info.remote() for h in self.handles])
 
     async def add_peers(self, peers: Sequence[PeerInfo]) -> None:
-        """Hand each rank its counterparts of every peer (their splits were checked by rank 0's handshake)."""
-        refs = [h.add_peers.remote([p.tp_ranks[i] for p in peers]) for i, h in enumerate(self.handles)]
-        await asyncio.gather(*refs)
-        for p in peers:
-            self.peer_ranks[p.agent_name] = tuple(r.agent_name for r in p.tp_ranks)
+        """Every rank shakes hands with the peers' ranks it will read from (rank 0's handshake checked them)."""
+        await asyncio.gather(*(h.add_peers.remote(list(peers)) for h in self.handles))
 
     async def remove_peers(self, names: Sequence[str]) -> None:
-        per_rank = [[self.peer_ranks[n][i] for n in names if n in self.peer_ranks] for i in range(len(self.handles))]
-        await asyncio.gather(*(h.remove_peers.remote(ns) for h, ns in zip(self.handles, per_rank)))
-        for n in names:
-            self.peer_ranks.pop(n, None)
+        await asyncio.gather(*(h.remove_peers.remote(list(names)) for h in self.handles))
 
     def read(self, source: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
-        """Every rank reads its part of the blocks from ``source``'s same-numbered rank (blocking); the first
-        error, or None."""
-        names = self.peer_ranks.get(source)
-        if names is None:
-            return f"no handshake with the ranks of {source!r}"
-        refs = [h.read.remote(n, list(remote_block_ids), list(local_block_ids)) for h, n in zip(self.handles, names)]
+        """Every rank reads its heads of the blocks from ``source``'s ranks (blocking); the first error, or None."""
+        refs = [h.read.remote(source, list(remote_block_ids), list(local_block_ids)) for h in self.handles]
         errors = [r.future().result() for r in refs]
         return next((e for e in errors if e), None)

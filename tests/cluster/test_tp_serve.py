@@ -1,7 +1,8 @@
 """Tensor-parallel workers through `duet serve` (issue 27): a prefill worker and a decode worker of 2 ranks each
 (4 Ray actors in two placement groups, gloo within each worker), every prompt prefilled on the prefill worker and
 each rank's KV heads pulled over NIXL by the decode worker's same-numbered rank — greedy, token for token with
-transformers. And the pairings not built yet refused by name before anything starts."""
+transformers; and the same between workers of different splits (a split reader: whole blocks staged, heads copied
+into place). Layouts that cannot exchange blocks at all are refused naming both."""
 from __future__ import annotations
 
 import signal
@@ -13,6 +14,8 @@ import pytest
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
 from kvtransfer import KVCompat
+from kvtransfer.errors import KVCompatError
+from kvtransfer.tp_split import check_split_compatible, rank_heads, read_plan
 from tests.cluster.serve_process import free_port, serve_worker_stats, serving
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
@@ -20,12 +23,15 @@ MAX_TOKENS = 16
 
 
 @pytest.mark.slow
-def test_two_rank_workers_serve_greedy_equal_to_transformers(ray_session, tmp_path, tiny_model):
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 2), (1, 2), (2, 1)], ids=["P2-D2", "P1-D2", "P2-D1"])
+def test_tensor_parallel_workers_serve_greedy_equal_to_transformers(ray_session, tmp_path, tiny_model, p_tp, d_tp):
+    """Same split: rank to rank. P1 -> D2: each decode rank reads the whole prefill block and keeps its head.
+    P2 -> D1: the decode worker reads both prefill ranks and puts their heads side by side."""
     model = tiny_model("llama", num_heads=4, num_kv_heads=2, vocab_size=512)
     reference = Reference.load(model)
     port = free_port()
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
-            "--prefill-tp", "2", "--decode-tp", "2", "--local-prefill-max-tokens", "0", "--num-blocks", "96",
+            "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), "--local-prefill-max-tokens", "0", "--num-blocks", "96",
             "--address", ray_session.get_runtime_context().gcs_address, "--port", str(port),
             "--grpc-port", str(free_port())]
     with serving(argv, tmp_path / "serve.log", port, signal.SIGINT):
@@ -45,18 +51,40 @@ def test_two_rank_workers_serve_greedy_equal_to_transformers(ray_session, tmp_pa
     assert stats["decode-0"]["num_remote_recomputes"] == 0 and stats["decode-0"]["transfers_ok"] >= n_requests
 
 
-def test_unequal_splits_are_refused_by_name_before_anything_starts(tiny_model):
+def test_tensor_parallelism_is_set_per_pool(tiny_model):
     model = str(tiny_model("llama", num_heads=4, num_kv_heads=2))
-    with pytest.raises(ConfigError, match="prefill workers of 2 tensor-parallel ranks cannot hand KV to decode "
-                                          "workers of 1"):
-        ClusterConfig.load(None, {"model": model, "prefill.tensor_parallel_size": 2})
+    config = ClusterConfig.load(None, {"model": model, "prefill.tensor_parallel_size": 2})
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (2, 1)
     with pytest.raises(ConfigError, match="set per pool"):
         ClusterConfig.load(None, {"model": model, "engine.tensor_parallel_size": 2})
 
 
-def test_the_handshake_names_both_splits():
-    """Two caches of different splits never match: the refusal lists each differing field, ours and theirs."""
+def test_splits_exchange_blocks_other_layouts_are_refused_naming_both():
+    """Two splits of one model are compatible (a split reader); another block size is not, and the refusal
+    names both layouts."""
     one = KVCompat("m", "float32", "block_major", 16, 2, num_kv_heads=2, head_dim=16)
     two = KVCompat("m", "float32", "block_major", 16, 2, num_kv_heads=1, head_dim=16, tp_size=2, total_kv_heads=2)
-    assert one.compat_hash() != two.compat_hash()
-    assert one.diff(two) == ["num_kv_heads: 2 != 1", "tp_size: 1 != 2"]
+    assert one.compat_hash() != two.compat_hash() and one.diff(two) == ["num_kv_heads: 2 != 1", "tp_size: 1 != 2"]
+    check_split_compatible(one, two, "peer")
+    other = KVCompat("m", "float32", "block_major", 32, 2, num_kv_heads=1, head_dim=16, tp_size=2, total_kv_heads=2)
+    with pytest.raises(KVCompatError, match=r"ours \[m float32 block_major block 16 x 2 layers x 2/2 KV heads x 16, "
+                                            r"tp 1\], theirs \[m float32 block_major block 32 .* tp 2\] "
+                                            r"\(block_size: 16 != 32\)"):
+        check_split_compatible(one, other, "peer")
+
+
+@pytest.mark.parametrize("tp,src_tp,total,want", [
+    (2, 1, 4, [[(0, 0, 0, 2)], [(0, 2, 0, 2)]]),  # finer: a slice of the one source rank
+    (1, 2, 4, [[(0, 0, 0, 2), (1, 0, 2, 2)]]),  # coarser: both source ranks side by side
+    (4, 2, 2, [[(0, 0, 0, 1)], [(0, 0, 0, 1)], [(1, 0, 0, 1)], [(1, 0, 0, 1)]]),  # replicated heads here
+    (2, 4, 2, [[(0, 0, 0, 1)], [(2, 0, 0, 1)]]),  # replicated there: the first rank holding the head
+    (3, 3, 3, [[(0, 0, 0, 1)], [(1, 0, 0, 1)], [(2, 0, 0, 1)]]),
+])
+def test_read_plans(tp, src_tp, total, want):
+    got = [[(c.src_rank, c.src_start, c.dst_start, c.count) for c in read_plan(r, tp, src_tp, total)] for r in range(tp)]
+    assert got == want
+    for r in range(tp):  # every head a rank holds comes from a source rank that holds it
+        for c in read_plan(r, tp, src_tp, total):
+            src = rank_heads(c.src_rank, src_tp, total)
+            dst = rank_heads(r, tp, total)
+            assert [src[c.src_start + i] for i in range(c.count)] == [dst[c.dst_start + i] for i in range(c.count)]
