@@ -40,8 +40,12 @@ class AsyncEngine:
         on_tick: Callable[[], None] | None = None,
         tick_s: float = 0.5,
         name: str = "duet-engine",
+        on_fatal: Callable[[Exception], None] | None = None,
     ) -> None:
+        """``on_fatal(error)``: the engine cannot step again (a tensor-parallel rank is gone), called on the engine
+        thread before its requests are failed and the thread ends (a worker exits its process there)."""
         self.engine = engine
+        self._on_fatal = on_fatal
         self._on_output = on_output
         self._on_tick = on_tick
         self._tick_s = tick_s
@@ -138,6 +142,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except RankLostError as e:  # a tensor-parallel rank is gone: this engine cannot step again
                 log.error("engine stops: %s", e)
+                if self._on_fatal is not None:
+                    self._on_fatal(e)
                 for out in self.engine.fail_all(f"engine lost a tensor-parallel rank: {e}"):
                     self.deliver(out.request_id, out)
                 return  # the thread ends: the worker's health says so and the pool replaces it

@@ -169,7 +169,7 @@ class WorkerBase(ABC):
                         options.worker_id, options.fault_pull_delay_s)
         self.role = self._make_role(options.role)
         self.aengine = AsyncEngine(self.engine, on_output=self._on_output, on_tick=self._on_tick, tick_s=0.02,
-                                   name=f"engine-{options.worker_id}")
+                                   name=f"engine-{options.worker_id}", on_fatal=_exit_process)
 
     @abstractmethod
     def _make_role(self, name: str) -> WorkerRole:
@@ -372,6 +372,15 @@ def reload_reason(current: EngineConfig, wanted: EngineConfig) -> str | None:
     diff = [f"{f.name} {getattr(current, f.name)!r} != {getattr(wanted, f.name)!r}" for f in fields(current)
             if f.name != "worker_id" and getattr(current, f.name) != getattr(wanted, f.name)]
     return "; ".join(diff) or None
+
+
+def _exit_process(error: Exception) -> None:
+    """A tensor-parallel rank is gone: the worker ends as a whole, as a one-rank worker that died does — its actor
+    dies, the router places its requests again or migrates them, the pool replaces it, its other ranks lose their
+    connection to it and exit too."""
+    log.critical("worker exits: %s", error)
+    logging.shutdown()
+    os._exit(1)
 
 
 async def _wrap(future):

@@ -1,0 +1,50 @@
+"""Issue 27 must-show 3: killing one rank of a tensor-parallel decode worker under streaming load. The worker's
+rank 0 fails its next collective and ends its process (prefill_worker/base.py ``_exit_process``), so the worker
+dies as a one-rank worker would: its requests migrate (state rebuilt from tokens) and the pool replaces it with
+a new worker of 2 ranks. The checks are the fault suite's (tests/cluster/test_faults.py): no hang, every request
+exact or cleanly failed, pools back at target with every block free, a fresh batch exact."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from router.policy import Role
+from tests.cluster.test_faults import Outcome, finish, judge, pick, reference, run_with_fault, workload  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+TP_CLUSTER = {"prefill.num_workers": 1, "decode.num_workers": 2, "decode.tensor_parallel_size": 2,
+              "router.local_prefill_max_tokens": 0, "transfer.lease_timeout_s": 4.0,
+              "transfer.transfer_timeout_s": 3.0}
+
+
+def rank_actor(worker_id: str, rank: int):
+    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+             if e["name"].startswith(f"duet-rank{rank}-of-{worker_id}-")]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0])
+
+
+def test_kill_one_rank_of_a_decode_worker_mid_stream(cluster_factory, loop_thread, reference):  # noqa: F811
+    cluster = cluster_factory(**TP_CLUSTER)
+    before = dict(cluster.backend.counters)
+    prompts, params = workload(7, 12)
+
+    async def inject(fault):
+        while sum(cluster.backend.inflight[r.worker_id] for r in cluster.registry.ready(Role.DECODE)) < 6:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # tokens are flowing
+        victim = pick(cluster, Role.DECODE)
+        fault.update(at=time.monotonic(), worker=victim.worker_id)
+        ray.kill(rank_actor(victim.worker_id, 1))
+
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-rank")
+    outcome = judge(results, reference(prompts, params), Outcome())
+    figures = finish("kill-decode-rank", cluster, loop_thread, reference, outcome, at, len(prompts), before)
+    assert figures["exact"] + figures["errors"] == len(prompts) and figures["migrations"] >= 1, figures
+    assert cluster.pools.counters["replaced"] >= 1
+    new = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
+    assert len(new) == 2 and all(rank_actor(w, 1) is not None for w in new)  # the replacement has its ranks
