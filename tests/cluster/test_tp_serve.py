@@ -88,3 +88,32 @@ def test_read_plans(tp, src_tp, total, want):
             src = rank_heads(c.src_rank, src_tp, total)
             dst = rank_heads(r, tp, total)
             assert [src[c.src_start + i] for i in range(c.count)] == [dst[c.dst_start + i] for i in range(c.count)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p_tp,d_tp", [(3, 1), (1, 3)], ids=["P3-D1", "P1-D3"])
+def test_smollm2_split_over_three_ranks_serves_the_one_rank_engine_s_text(ray_session, tmp_path, smollm2_gguf,
+                                                                          p_tp, d_tp):
+    """The real model (9 query heads, 3 KV heads: 3 ranks, one KV head each; 2 would be refused) between a split
+    worker and a one-rank worker, both directions: the text of a one-rank in-process engine, greedy."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a time, in a small village,"]
+    engine = Engine(EngineConfig(model=str(smollm2_gguf), num_blocks=64, dtype="float32"))
+    want = [r["text"] for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
+    port = free_port()
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(smollm2_gguf), "--prefill", "1",
+            "--decode", "1", "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), "--local-prefill-max-tokens", "0",
+            "--num-blocks", "64", "--dtype", "float32", "--address", ray_session.get_runtime_context().gcs_address,
+            "--port", str(port), "--grpc-port", str(free_port())]
+    with serving(argv, tmp_path / "serve.log", port, signal.SIGINT):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        got = [client.completions.create(model=name, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+               for p in prompts]
+        stats = serve_worker_stats(ray_session)
+    assert got == want
+    assert stats["decode-0"]["num_remote_kv_received"] == len(prompts)
+    assert stats["decode-0"]["num_remote_recomputes"] == 0
