@@ -15,10 +15,11 @@ Megatron's split, as vLLM does it:
 Each rank's cache holds its KV heads only. A split that does not divide evenly is a ``ConfigError`` naming the
 sizes, never a silent approximation.
 
-Collectives go through a torch.distributed process group of the engine's own (gloo; NCCL on CUDA to come). Reductions of a half-precision tensor
-are done in fp32 (gloo has no bf16 sum everywhere, and the sum of the partial products is then rounded once).
-Rank 0 drives: it sends each step's inputs (``send``) and every rank runs the same forward (``recv`` on the
-others, ``engine/tp_follower.py``).
+Collectives go through a torch.distributed process group of the engine's own (gloo; an NCCL group for CUDA
+tensors is not built yet: TP has run on CPUs only). Half-precision sums are done in fp32 (gloo has no bf16 sum
+everywhere, and the partial products are then rounded once). Rank 0 drives: it sends each step's inputs
+(``send``) and every other rank runs the same forward (``recv`` in ``ModelRunner.follow``; engine/tp_rank.py,
+prefill_worker/tp_ranks.py start them).
 """
 from __future__ import annotations
 

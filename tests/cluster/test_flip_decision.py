@@ -64,6 +64,8 @@ def test_pools_that_would_build_workers_differently_cannot_flip():
     blockers = flip_blockers(config(**{"prefill.resources": {"duet_prefill": 1}, "decode.num_cpus": 2}))
     assert [b.split(" ")[0] for b in blockers] == ["num_cpus", "resources"]
     assert "keeps the placement" in blockers[1]
+    blockers = flip_blockers(config(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2}))
+    assert blockers == ["tensor-parallel workers: their ranks' NIXL agents do not change roles yet"]
 
 
 def test_the_config_switch():
