@@ -61,22 +61,22 @@ class EngineStats:
 
 class Engine(RemoteKVMixin):
     def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
-                 tp: TensorParallel | None = None) -> None:
-        """``tp``: rank 0 of a tensor-parallel engine (engine/parallel.py); the other ranks run
-        ``engine.tp_rank.serve_rank`` and follow this engine's steps until ``close``."""
+                 tp: TensorParallel | None = None, tier_mirror=None) -> None:
+        """``tp``: rank 0 of a tensor-parallel engine (engine/parallel.py); the other ranks follow this engine's
+        steps until ``close``. ``tier_mirror(job) -> Completion``: they run each KV-tier job on their own tiers
+        (engine/kv_mover.py; without it a tensor-parallel engine has no tiers)."""
         self.config = config
         self.model_config = ModelConfig.from_checkpoint(config.model)
         mpe = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or mpe, mpe)
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
-        if tp is not None and tp.enabled and (config.kv_host_bytes or config.kv_disk_bytes):
-            raise ConfigError("the host and disk KV tiers do not run with tensor parallelism yet (kv_host_bytes and "
-                              "kv_disk_bytes must be 0 for a tensor-parallel engine)")
         self.runner = ModelRunner(self.model_config, config, self.max_model_len, tp)
         self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv_sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
-        self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool)
+        if tp is not None and tp.enabled and config.kv_host_bytes and tier_mirror is None:
+            raise ConfigError("a tensor-parallel engine's KV tiers need its other ranks' (a worker's tier_mirror)")
+        self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool, tier_mirror)
         self.scheduler = Scheduler(self.pool, self.hasher, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.tiers)
         self.requests: dict[str, Request] = {}

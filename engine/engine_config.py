@@ -44,7 +44,7 @@ class EngineConfig:
     kernels: str = "auto"  # auto | torch | cpu | triton (engine/ops.py)
     quantization: str | None = None  # None | "w8a16"
     # ranks the model is split over (engine/parallel.py); a worker of N ranks is N processes
-    # (prefill_worker/tp_ranks.py). The host and disk tiers do not run with it yet.
+    # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads
     tensor_parallel_size: int = 1
     # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
     # 0 runs every step eagerly. Ignored on a CPU.
@@ -83,9 +83,6 @@ class EngineConfig:
             raise ConfigError("kv_disk_bytes needs kv_disk_dir (the directory the disk tier writes its files to)")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and (self.kv_host_bytes or self.kv_disk_bytes):
-            raise ConfigError("the host and disk KV tiers do not run with tensor parallelism yet: "
-                              "kv_host_bytes and kv_disk_bytes must be 0 when tensor_parallel_size > 1")
         if self.kv_disk_bytes and not self.kv_host_bytes:
             raise ConfigError("the disk tier is filled from the host tier: kv_disk_bytes needs kv_host_bytes")
         if self.kv_disk_bytes and self.kv_disk_bytes < self.kv_host_bytes:

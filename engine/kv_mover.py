@@ -27,6 +27,7 @@ import shutil
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,12 @@ class DiskFiles:
 class TierMover:
     """Copies blocks between the device cache, the host tensor and the disk files on its own thread."""
 
-    def __init__(self, kv: torch.Tensor, host_slots: int, disk_dir: str | None, worker_id: str) -> None:
+    def __init__(self, kv: torch.Tensor, host_slots: int, disk_dir: str | None, worker_id: str,
+                 mirror: Callable[[Job], Completion] | None = None) -> None:
+        """``mirror(job)``: a tensor-parallel engine's other ranks run the same job on their tiers (their KV heads
+        of the same blocks and slots); an op that failed on any rank failed."""
         self.kv = kv
+        self.mirror = mirror
         cuda = kv.device.type == "cuda"
         self.host = torch.zeros((host_slots, *kv.shape[1:]), dtype=kv.dtype, pin_memory=cuda)
         self._host_bytes = self.host.view(torch.uint8).view(host_slots, -1)
@@ -179,7 +184,15 @@ class TierMover:
                     bad_slots.add(op.host_slot)
         if self._stream is not None:
             self._stream.synchronize()  # a load is complete before the engine may schedule its request
+        if self.mirror is not None:
+            other = self.mirror(job)
+            failed |= other.failed
+            first_error = first_error or other.error
         return Completion(job.job_id, frozenset(failed), first_error)
+
+    def run_here(self, job: Job) -> Completion:
+        """Run ``job`` on the calling thread (a tensor-parallel rank > 0: rank 0's mover drives, this one copies)."""
+        return self._execute(job, None)
 
     def _op(self, op: Op) -> None:
         t0 = time.perf_counter()
@@ -218,18 +231,25 @@ class TierMover:
         ctypes.memmove(dst.data_ptr() + dst_block * n, src.data_ptr() + src_block * n, n)
 
 
-def build_tiers(config, kv: torch.Tensor, bytes_per_block: int, pool) -> TierManager | None:
-    """The engine's lower tiers from its config (None without a host tier); logs their sizes."""
-    if not config.kv_host_bytes:
-        return None
+def tier_slots(config, bytes_per_block: int) -> tuple[int, int]:
+    """(host slots, disk slots) the config's byte budgets hold (every rank of a split holds as many)."""
     host_slots = config.kv_host_bytes // bytes_per_block
     disk_slots = config.kv_disk_bytes // (bytes_per_block + _HEADER.size + 4 * config.block_size)
     if host_slots < 1:
         raise ConfigError(f"kv_host_bytes {config.kv_host_bytes} holds no block of {bytes_per_block} bytes")
     if config.kv_disk_bytes and disk_slots < 1:
         raise ConfigError(f"kv_disk_bytes {config.kv_disk_bytes} holds no block of {bytes_per_block} bytes")
+    return host_slots, disk_slots
+
+
+def build_tiers(config, kv: torch.Tensor, bytes_per_block: int, pool,
+                mirror: Callable[[Job], Completion] | None = None) -> TierManager | None:
+    """The engine's lower tiers from its config (None without a host tier); logs their sizes."""
+    if not config.kv_host_bytes:
+        return None
+    host_slots, disk_slots = tier_slots(config, bytes_per_block)
     try:
-        mover = TierMover(kv, host_slots, config.kv_disk_dir if disk_slots else None, config.worker_id)
+        mover = TierMover(kv, host_slots, config.kv_disk_dir if disk_slots else None, config.worker_id, mirror)
     except OSError as e:
         raise ConfigError(f"kv_disk_dir {config.kv_disk_dir!r} is not usable: {e}") from e
     log.info("KV tiers of %s: host %d blocks (%.1f MiB), disk %d blocks (%.1f MiB)%s", config.worker_id, host_slots,

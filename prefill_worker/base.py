@@ -151,7 +151,8 @@ class WorkerBase(ABC):
             torch.set_num_threads(options.torch_threads)
         self.options = options
         self.ranks = RankGroup(ranks)
-        self.engine = Engine(replace(engine_config, worker_id=options.worker_id), tp=self.ranks.form_group(engine_config))
+        self.engine = Engine(replace(engine_config, worker_id=options.worker_id), tp=self.ranks.form_group(engine_config),
+                             tier_mirror=self.ranks.tier_job if len(self.ranks) else None)
         self.compat = kv_compat(self.engine.config, self.engine.runner)
         self._sinks = list(sinks)
         self._seq = 0

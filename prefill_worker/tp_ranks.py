@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
+from engine.kv_mover import TierMover, tier_slots
+from engine.kv_tiers import Completion, Job
 from engine.model_runner import ModelRunner
 from engine.parallel import check_split, init_group
 from engine.parallel import TensorParallel
@@ -56,6 +58,7 @@ class TPRank:
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the reading agent: one transfer at a time
+        self._tier_lock = threading.Lock()
 
     def join(self, host: str, port: int) -> None:
         """Join rank 0's group at ``host:port`` and start following (returns at once)."""
@@ -70,8 +73,15 @@ class TPRank:
             runner = ModelRunner(mc, self.config, min(self.config.max_model_len or mpe, mpe), tp)
             compat = kv_compat(self.config, runner)
             tag = f"duet-{self.name.replace('/', '-')}-{uuid.uuid4().hex[:8]}"
+            self.mover = None
+            if self.config.kv_host_bytes:  # this rank's tiers: its heads of rank 0's blocks, slot for slot
+                host_slots, disk_slots = tier_slots(self.config, runner.bytes_per_block)
+                self.mover = TierMover(runner.kv_cache, host_slots, self.config.kv_disk_dir if disk_slots else None,
+                                       tag)
             self._sources = Sources(runner.kv_cache, compat, self.rank, f"{tag}-read")
-            self.owner = NixlTransport(runner.kv_cache, compat, agent_name=tag) if self.role == "prefill" else None
+            self.owner = (NixlTransport(runner.kv_cache, compat, agent_name=tag,
+                                        host=self.mover.host if self.mover is not None else None)
+                          if self.role == "prefill" else None)
             self._ready.set_result(None)
         except BaseException as e:
             self._ready.set_exception(e)
@@ -114,6 +124,12 @@ class TPRank:
             return None
         except Exception as e:  # noqa: BLE001 - the caller fails (or recomputes) the request with this text
             return f"rank {self.rank}: {type(e).__name__}: {e}"
+
+    def tier_job(self, job: Job) -> Completion:
+        """Run rank 0's KV-tier job on this rank's tiers (engine/kv_mover.py ``TierMover.run_here``)."""
+        self._ready.result(timeout=600)
+        with self._tier_lock:
+            return self.mover.run_here(job)
 
     def health(self) -> dict:
         return {"ok": self._thread is not None and self._thread.is_alive(), "rank": self.rank}
@@ -158,6 +174,12 @@ class RankGroup:
 
     async def remove_peers(self, names: Sequence[str]) -> None:
         await asyncio.gather(*(h.remove_peers.remote(list(names)) for h in self.handles))
+
+    def tier_job(self, job: Job) -> Completion:
+        """Every rank runs rank 0's KV-tier job on its own tiers (blocking): an op failed if it failed anywhere."""
+        done = [r.future().result() for r in [h.tier_job.remote(job) for h in self.handles]]
+        failed = frozenset().union(*(c.failed for c in done))
+        return Completion(job.job_id, failed, next((c.error for c in done if c.error), None))
 
     def read(self, source: str, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> str | None:
         """Every rank reads its heads of the blocks from ``source``'s ranks (blocking); the first error, or None."""

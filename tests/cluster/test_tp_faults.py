@@ -48,3 +48,37 @@ def test_kill_one_rank_of_a_decode_worker_mid_stream(cluster_factory, loop_threa
     assert cluster.pools.counters["replaced"] >= 1
     new = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
     assert len(new) == 2 and all(rank_actor(w, 1) is not None for w in new)  # the replacement has its ranks
+
+
+def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(cluster_factory, loop_thread, tiny_model):
+    """KV tiers with TP: rank 0's mover runs every job on every rank's own host tier (its heads of the same
+    blocks and slots). A device cache of 24 blocks and 9 prompts of 7 blocks: the first prompts leave the device
+    and come back from the host tier on both ranks (rank 1's heads too: else its attention reads stale blocks) —
+    outputs equal a one-rank engine without tiers."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from tests.cluster.test_disagg_cluster import stats
+    from tests.cluster.test_faults import stream
+
+    cluster = cluster_factory(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
+                                 "router.local_prefill_max_tokens": 0, "engine.num_blocks": 24,
+                                 "engine.kv_host_bytes": 96 * 2 * 2 * 16 * 1 * 16 * 4})  # 96 blocks of one rank
+    prompts = [[3 + (7 * i + j) % 490 for j in range(112)] for i in range(9)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = Engine(EngineConfig(model=str(tiny_model()), num_blocks=256)).generate(prompts, params)
+
+    async def run(tag, batch):
+        out = []
+        for i, p in enumerate(batch):  # one at a time: each prompt's blocks are cached before the next
+            out.append(await stream(cluster.backend, f"{tag}-{i}", p, params))
+        return out
+
+    first = loop_thread.run(run("first", prompts))
+    again = loop_thread.run(run("again", prompts[:3]))
+    assert [t for t, _, _ in first] == [w["token_ids"] for w in want]
+    assert [t for t, _, _ in again] == [w["token_ids"] for w in want[:3]]
+    # the prompts came back from a host tier (the decode worker holds every handed-off prompt: the router sends
+    # a prompt it holds whole to it alone), loaded on both of its ranks
+    host = sum(s["prefix_hit_tokens_by_source"]["host"] for s in stats(loop_thread, cluster).values())
+    assert host >= 3 * 96
