@@ -370,4 +370,7 @@ async def probe(client, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure to answer is a dead worker; what it was is the reason
         first_line = (str(e).splitlines() or [""])[0][:200]
         return f"health probe failed: {type(e).__name__}: {first_line}"
-    return None if ok else "health probe: its engine thread has stopped"
+    if ok:
+        return None
+    why = getattr(client, "why_not", None)
+    return f"health probe: {why}" if why else "health probe: its engine thread has stopped"

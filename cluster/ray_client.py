@@ -31,6 +31,7 @@ class RayWorkerClient(WorkerClient):
     def __init__(self, handle: ray.actor.ActorHandle, info: WorkerInfo) -> None:
         self.handle = handle
         self.info = info
+        self.why_not: str | None = None  # what its last health answer said was wrong
         self.descriptor = WorkerDescriptor(info.worker_id, Role(info.role), tuple(info.hash_fingerprint),
                                            info.max_model_len)
 
@@ -78,8 +79,11 @@ class RayWorkerClient(WorkerClient):
             await self.handle.release.remote(request_id)
 
     async def alive(self) -> bool:
-        """Whether its engine runs; a worker Ray cannot reach raises Ray's error (the caller's reason)."""
-        return bool((await self.handle.health.remote())["ok"])
+        """Whether its engine runs (and a tensor-parallel worker's other ranks answer); a worker Ray cannot reach
+        raises Ray's error (the caller's reason). ``why_not`` keeps what the worker said when it is not."""
+        health = await self.handle.health.remote()
+        self.why_not = health.get("why")
+        return bool(health["ok"])
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()

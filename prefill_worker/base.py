@@ -356,8 +356,14 @@ class WorkerBase(ABC):
             why.append(role_why)
         return ", ".join(why) or None
 
-    def health(self) -> dict[str, Any]:
-        return {"ok": self.aengine.is_alive, "worker_id": self.options.worker_id, "role": self.options.role}
+    async def health(self) -> dict[str, Any]:
+        """Liveness: the engine thread runs — and, tensor parallel, every other rank answers and follows."""
+        out = {"ok": self.aengine.is_alive, "worker_id": self.options.worker_id, "role": self.options.role}
+        if out["ok"] and len(self.ranks):
+            problem = await self.ranks.check()
+            if problem is not None:
+                out.update(ok=False, why=problem)
+        return out
 
     def shutdown(self) -> None:
         self.puller.stop()

@@ -175,6 +175,17 @@ class RankGroup:
     async def remove_peers(self, names: Sequence[str]) -> None:
         await asyncio.gather(*(h.remove_peers.remote(list(names)) for h in self.handles))
 
+    async def check(self, timeout_s: float = 3.0) -> str | None:
+        """None if every other rank answers its health call in time and still follows; else what is wrong."""
+        for rank, handle in enumerate(self.handles, start=1):
+            try:
+                health = await asyncio.wait_for(handle.health.remote(), timeout_s)
+            except Exception as e:  # noqa: BLE001 - gone, or not answering: either way the worker cannot step
+                return f"rank {rank} does not answer ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+            if not health["ok"]:
+                return f"rank {rank} stopped following"
+        return None
+
     def tier_job(self, job: Job) -> Completion:
         """Every rank runs rank 0's KV-tier job on its own tiers (blocking): an op failed if it failed anywhere."""
         done = [r.future().result() for r in [h.tier_job.remote(job) for h in self.handles]]

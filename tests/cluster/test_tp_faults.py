@@ -82,3 +82,19 @@ def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(cluster_facto
     # a prompt it holds whole to it alone), loaded on both of its ranks
     host = sum(s["prefix_hit_tokens_by_source"]["host"] for s in stats(loop_thread, cluster).values())
     assert host >= 3 * 96
+
+
+def test_a_rank_lost_while_idle_is_found_by_the_health_probe(cluster_factory, loop_thread):
+    """No step runs, so no collective fails: the worker's health asks its ranks, and the pool replaces it."""
+    from tests.cluster.test_disagg_cluster import wait_for
+
+    cluster = cluster_factory(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
+                                 "lifecycle.health_interval_s": 0.5})
+    victim = cluster.registry.ready(Role.PREFILL)[0].worker_id
+    replaced = cluster.pools.counters["replaced"]
+    ray.kill(rank_actor(victim, 1))
+    assert wait_for(lambda: cluster.pools.counters["replaced"] > replaced, timeout_s=30)
+    record = cluster.registry.get(victim)
+    assert "rank 1 does not answer" in record.reason, record.reason
+    assert wait_for(lambda: len(cluster.registry.ready(Role.PREFILL)) == 1
+                    and cluster.registry.ready(Role.PREFILL)[0].worker_id != victim, timeout_s=90)
