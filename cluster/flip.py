@@ -104,8 +104,6 @@ def flip_blockers(config: ClusterConfig) -> list[str]:
     reason = reload_reason(worker_engine_config(config, config.prefill), worker_engine_config(config, config.decode))
     if reason is not None:
         out.append(f"the pools' engine configs differ ({reason}): a reload")
-    if max(config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) > 1:
-        out.append("tensor-parallel workers: their ranks' NIXL agents do not change roles yet")
     for key in ("num_gpus", "num_cpus", "resources"):
         a, b = getattr(config.prefill, key), getattr(config.decode, key)
         if a != b:

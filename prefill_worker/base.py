@@ -312,9 +312,6 @@ class WorkerBase(ABC):
         old = self.options
         if options.role == old.role:
             raise FlipRefusedError(f"worker {old.worker_id} already is a {old.role} worker")
-        if len(self.ranks):
-            raise FlipRefusedError(f"worker {old.worker_id} is tensor parallel ({len(self.ranks) + 1} ranks): its "
-                                   "ranks' NIXL agents do not change roles yet")
         reason = reload_reason(self.engine.config, engine_config)
         if reason is not None:
             raise FlipRefusedError(f"worker {old.worker_id} cannot become a {options.role} worker without reloading "
@@ -332,6 +329,7 @@ class WorkerBase(ABC):
                 import torch
 
                 torch.set_num_threads(options.torch_threads)  # the engine thread's own OpenMP setting
+            self.ranks.set_role(options.role)  # tensor parallel: the other ranks' agents follow (before the role)
             self.role = self._make_role(options.role)
             self._seq = 0
             for sink in self._sinks:

@@ -79,6 +79,7 @@ class TPRank:
                 self.mover = TierMover(runner.kv_cache, host_slots, self.config.kv_disk_dir if disk_slots else None,
                                        tag)
             self._sources = Sources(runner.kv_cache, compat, self.rank, f"{tag}-read")
+            self._kv, self._compat, self._tag = runner.kv_cache, compat, tag
             self.owner = (NixlTransport(runner.kv_cache, compat, agent_name=tag,
                                         host=self.mover.host if self.mover is not None else None)
                           if self.role == "prefill" else None)
@@ -124,6 +125,20 @@ class TPRank:
             return None
         except Exception as e:  # noqa: BLE001 - the caller fails (or recomputes) the request with this text
             return f"rank {self.rank}: {type(e).__name__}: {e}"
+
+    def set_role(self, role: str) -> None:
+        """Follow rank 0's role flip: forget every peer; a prefill rank opens the agent peers read its cache (and host
+        tier) from, a decode rank closes it."""
+        self._ready.result(timeout=600)
+        with self._lock:
+            self._sources.remove(None)
+            if role == "prefill" and self.owner is None:
+                self.owner = NixlTransport(self._kv, self._compat, agent_name=f"{self._tag}-{uuid.uuid4().hex[:4]}",
+                                           host=self.mover.host if self.mover is not None else None)
+            elif role == "decode" and self.owner is not None:
+                self.owner.close()
+                self.owner = None
+            self.role = role
 
     def tier_job(self, job: Job) -> Completion:
         """Run rank 0's KV-tier job on this rank's tiers (engine/kv_mover.py ``TierMover.run_here``)."""
@@ -185,6 +200,11 @@ class RankGroup:
             if not health["ok"]:
                 return f"rank {rank} stopped following"
         return None
+
+    def set_role(self, role: str) -> None:
+        """Every other rank follows a role flip (blocking; rank 0's engine thread, between steps)."""
+        for ref in [h.set_role.remote(role) for h in self.handles]:
+            ref.future().result(timeout=60)
 
     def tier_job(self, job: Job) -> Completion:
         """Every rank runs rank 0's KV-tier job on its own tiers (blocking): an op failed if it failed anywhere."""

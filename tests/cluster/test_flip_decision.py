@@ -64,8 +64,9 @@ def test_pools_that_would_build_workers_differently_cannot_flip():
     blockers = flip_blockers(config(**{"prefill.resources": {"duet_prefill": 1}, "decode.num_cpus": 2}))
     assert [b.split(" ")[0] for b in blockers] == ["num_cpus", "resources"]
     assert "keeps the placement" in blockers[1]
-    blockers = flip_blockers(config(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2}))
-    assert blockers == ["tensor-parallel workers: their ranks' NIXL agents do not change roles yet"]
+    assert flip_blockers(config(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2})) == []
+    blockers = flip_blockers(config(**{"prefill.tensor_parallel_size": 2}))
+    assert len(blockers) == 1 and "tensor_parallel_size 2 != 1" in blockers[0]
 
 
 def test_the_config_switch():

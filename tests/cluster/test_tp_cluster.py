@@ -1,4 +1,7 @@
-"""Issue 27 must-show 3: killing one rank of a tensor-parallel decode worker under streaming load. The worker's
+"""Tensor-parallel workers in a live cluster (issue 27): losing a rank (under load, and while idle), the KV tiers,
+role flips.
+
+Must-show 3: killing one rank of a tensor-parallel decode worker under streaming load. The worker's
 rank 0 fails its next collective and ends its process (prefill_worker/base.py ``_exit_process``), so the worker
 dies as a one-rank worker would: its requests migrate (state rebuilt from tokens) and the pool replaces it with
 a new worker of 2 ranks. The checks are the fault suite's (tests/cluster/test_faults.py): no hang, every request
@@ -98,3 +101,29 @@ def test_a_rank_lost_while_idle_is_found_by_the_health_probe(cluster_factory, lo
     assert "rank 1 does not answer" in record.reason, record.reason
     assert wait_for(lambda: len(cluster.registry.ready(Role.PREFILL)) == 1
                     and cluster.registry.ready(Role.PREFILL)[0].worker_id != victim, timeout_s=90)
+
+
+def test_tensor_parallel_workers_flip_roles_with_their_ranks(cluster_factory, loop_thread):
+    """prefill 2 -> 1 with decode 1 -> 2 is a flip, and back: each rank's agents follow rank 0's role (a prefill
+    rank opens the agent peers read from, a decode rank closes it); the flipped workers serve the same tokens."""
+    from tests.cluster.test_role_flip import client, flipped_to, serve_through, settled
+    from tests.cluster.test_disagg_cluster import wait_for
+    from tests.cluster.test_operating import on_loop
+
+    cluster = cluster_factory(**{"prefill.num_workers": 2, "prefill.tensor_parallel_size": 2,
+                                 "decode.tensor_parallel_size": 2, "router.local_prefill_max_tokens": 0})
+    pools = cluster.pools
+    reference = serve_through(loop_thread, client(cluster, "prefill-0"), client(cluster, "decode-0"), "before")
+    on_loop(loop_thread, pools.set_target, Role.PREFILL, 1)
+    on_loop(loop_thread, pools.set_target, Role.DECODE, 2)
+    assert wait_for(lambda: settled(cluster, 1, 2), timeout_s=90), pools.autoscaler_view()
+    old, new = flipped_to(cluster, Role.DECODE)
+    (prefiller,) = [r.worker_id for r in cluster.registry.ready(Role.PREFILL)]
+    assert serve_through(loop_thread, client(cluster, prefiller), client(cluster, new), "as-decode") == reference
+    on_loop(loop_thread, pools.set_target, Role.DECODE, 1)
+    on_loop(loop_thread, pools.set_target, Role.PREFILL, 2)
+    assert wait_for(lambda: settled(cluster, 2, 1), timeout_s=90), pools.autoscaler_view()
+    _, back = flipped_to(cluster, Role.PREFILL)
+    (decoder,) = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
+    assert serve_through(loop_thread, client(cluster, back), client(cluster, decoder), "as-prefill") == reference
+    assert (pools.counters["flipped"], pools.counters["flip_failures"], pools.counters["started"]) == (2, 0, 0)
