@@ -73,7 +73,7 @@ def _resource_usage(cubin: bytes) -> dict:
 
 def _cases(full: bool):
     """(label, thunk) for the configs each launcher picks at serving shapes; ``full`` = every combination."""
-    from kernels import decode_attention as da, fused as fu, gemm, prefill_attention as pa, store_kv as sk
+    from kernels import decode_attention as da, fused as fu, fused_moe as fm, gemm, prefill_attention as pa, store_kv as sk
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     if full:
@@ -104,6 +104,21 @@ def _cases(full: bool):
         yield f"prefill {label}", lambda: pa.prefill_attention(q, kc, vc, bt, cu, sl, 0.1, 128)
         k = torch.zeros(5, kv_heads, head_dim, dtype=dtype)
         yield f"store_kv {label}", lambda: sk.store_kv(k, k, kc, vc, torch.arange(5))
+    # Gemma 2's soft-capped scores (a constexpr branch of both attention kernels)
+    q, kc, vc, bt, sl = paged(bf16, 128, 16, 8, 2, [700, 1000])
+    yield "decode softcap bf16", lambda: da._paged_decode_attention(q, kc, vc, bt, sl, 0.1, None,
+                                                                   partition_size=512, softcap=50.0)
+    q, kc, vc, bt, sl = paged(bf16, 128, 16, 8, 300, [100, 200])
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    yield "prefill softcap bf16", lambda: pa.prefill_attention(q, kc, vc, bt, cu, sl, 0.1, 128, softcap=50.0)
+    for t in (1, 256):  # the fused MoE's decode and prefill configs (Qwen3-30B-A3B-like shapes, scaled down)
+        gate_up, down = torch.zeros(16, 2 * 768, 2048, dtype=bf16), torch.zeros(16, 2048, 768, dtype=bf16)
+        x, w = torch.zeros(t, 2048, dtype=bf16), torch.zeros(t, 4)
+        ids = torch.zeros(t, 4, dtype=torch.int64)
+        yield f"fused_moe bf16 T={t}", lambda: fm.fused_moe(x, w, ids, gate_up, down)
+    qkv, table = torch.zeros(8, 48 * 128, dtype=bf16), torch.zeros(4096, 96)
+    yield "rotary partial bf16", lambda: fu.rotary_(qkv, 40, 128, torch.zeros(8, dtype=torch.long), table, table,
+                                                   rotary_dim=96)
     for dtype in (bf16, fp32):
         x = torch.zeros(8, 4096, dtype=dtype)
         yield f"rms_norm {dtype}", lambda: fu.rms_norm(x, torch.ones(4096, dtype=dtype), 1e-5, torch.zeros_like(x))
