@@ -300,7 +300,7 @@ class Engine(RemoteKVMixin):
             num_cached_tokens=request.num_cached_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             error=request.error,
-            ttft_parts=_ttft_parts(request) if n_new and len(request.output_token_ids) == n_new else None,
+            ttft_parts=request.ttft_parts() if n_new and len(request.output_token_ids) == n_new else None,
             **self._prompt_logprobs_once(request),
         )
 
@@ -393,10 +393,3 @@ class Engine(RemoteKVMixin):
         if self.runner.tp.enabled:
             self.runner.stop_followers()
 
-
-def _ttft_parts(request: Request) -> dict[str, float] | None:
-    """Queue and compute time of a request's first token here (None for one that arrived with its KV)."""
-    start = request.first_scheduled_time
-    if start is None:
-        return None
-    return {"queue_s": start - request.arrival_time, "compute_s": time.monotonic() - start}

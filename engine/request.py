@@ -296,3 +296,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def ttft_parts(self) -> dict[str, float] | None:
+        """Queue and compute time of this request's first token here (None for one that arrived with its KV)."""
+        start = self.first_scheduled_time
+        if start is None:
+            return None
+        return {"queue_s": start - self.arrival_time, "compute_s": time.monotonic() - start}
