@@ -4,4 +4,9 @@
   would sample from there, with the drafts before the position counted as generated.
 - :mod:`engine.spec.rejection`: the verification sampler (pure function of logits, drafts and the requests'
   seeds): greedy token-exact, sampled lossless in distribution.
+- :mod:`engine.spec.proposers`: the proposer interface and per-request state rebuilt from tokens;
+  :mod:`engine.spec.ngram` (prompt lookup), :mod:`engine.spec.suffix` (suffix decoding with a worker cache).
+- :mod:`engine.spec.config`: ``--speculative-config`` as vLLM users write it.
+
+Not wired into the engine yet: the scheduler does not schedule drafts, the runner returns one row per request.
 """
