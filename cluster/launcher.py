@@ -129,6 +129,7 @@ class Cluster:
             except Exception as e:  # a dead or stuck worker: killed below all the same
                 log.debug("worker %s did not shut down cleanly: %r", worker_id, e)
             ray.kill(handle)
+            self.pools._release(worker_id)  # a tensor-parallel worker's other ranks and placement group
             if self.registry.get(worker_id).state != WorkerState.DEAD:
                 self.backend.retire(worker_id, "cluster stopped", fault=False)
         if self.started_ray:

@@ -24,15 +24,28 @@ TP_CLUSTER = {"prefill.num_workers": 1, "decode.num_workers": 2, "decode.tensor_
               "transfer.transfer_timeout_s": 3.0}
 
 
-def rank_actor(worker_id: str, rank: int):
-    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-             if e["name"].startswith(f"duet-rank{rank}-of-{worker_id}-")]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0])
+def rank_actor(cluster, worker_id: str, rank: int):
+    """Rank ``rank`` (>= 1) of one of this cluster's workers (its spawner keeps the handles)."""
+    return cluster.pools._spawn.ranks[worker_id][rank - 1]
 
 
-def test_kill_one_rank_of_a_decode_worker_mid_stream(cluster_factory, loop_thread, reference):  # noqa: F811
-    cluster = cluster_factory(**TP_CLUSTER)
+@pytest.fixture
+def tp_cluster(cluster_factory, loop_thread):
+    """A cluster of this test's own, stopped when it ends (the module's clusters would hold their CPUs and
+    placement groups until the module ends)."""
+    clusters = []
+
+    def start(**overrides):
+        clusters.append(cluster_factory(**overrides))
+        return clusters[-1]
+
+    yield start
+    for cluster in clusters:
+        loop_thread.run(cluster.stop())
+
+
+def test_kill_one_rank_of_a_decode_worker_mid_stream(tp_cluster, loop_thread, reference):  # noqa: F811
+    cluster = tp_cluster(**TP_CLUSTER)
     before = dict(cluster.backend.counters)
     prompts, params = workload(7, 12)
 
@@ -42,7 +55,7 @@ def test_kill_one_rank_of_a_decode_worker_mid_stream(cluster_factory, loop_threa
         await asyncio.sleep(0.3)  # tokens are flowing
         victim = pick(cluster, Role.DECODE)
         fault.update(at=time.monotonic(), worker=victim.worker_id)
-        ray.kill(rank_actor(victim.worker_id, 1))
+        ray.kill(rank_actor(cluster, victim.worker_id, 1))
 
     results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-rank")
     outcome = judge(results, reference(prompts, params), Outcome())
@@ -50,10 +63,10 @@ def test_kill_one_rank_of_a_decode_worker_mid_stream(cluster_factory, loop_threa
     assert figures["exact"] + figures["errors"] == len(prompts) and figures["migrations"] >= 1, figures
     assert cluster.pools.counters["replaced"] >= 1
     new = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
-    assert len(new) == 2 and all(rank_actor(w, 1) is not None for w in new)  # the replacement has its ranks
+    assert len(new) == 2 and all(rank_actor(cluster, w, 1) is not None for w in new)  # the replacement has its ranks
 
 
-def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(cluster_factory, loop_thread, tiny_model):
+def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(tp_cluster, loop_thread, tiny_model):
     """KV tiers with TP: rank 0's mover runs every job on every rank's own host tier (its heads of the same
     blocks and slots). A device cache of 24 blocks and 9 prompts of 7 blocks: the first prompts leave the device
     and come back from the host tier on both ranks (rank 1's heads too: else its attention reads stale blocks) —
@@ -64,8 +77,8 @@ def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(cluster_facto
     from tests.cluster.test_disagg_cluster import stats
     from tests.cluster.test_faults import stream
 
-    cluster = cluster_factory(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
-                                 "router.local_prefill_max_tokens": 0, "engine.num_blocks": 24,
+    cluster = tp_cluster(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
+                            "router.local_prefill_max_tokens": 0, "engine.num_blocks": 24,
                                  "engine.kv_host_bytes": 96 * 2 * 2 * 16 * 1 * 16 * 4})  # 96 blocks of one rank
     prompts = [[3 + (7 * i + j) % 490 for j in range(112)] for i in range(9)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -87,15 +100,15 @@ def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(cluster_facto
     assert host >= 3 * 96
 
 
-def test_a_rank_lost_while_idle_is_found_by_the_health_probe(cluster_factory, loop_thread):
+def test_a_rank_lost_while_idle_is_found_by_the_health_probe(tp_cluster, loop_thread):
     """No step runs, so no collective fails: the worker's health asks its ranks, and the pool replaces it."""
     from tests.cluster.test_disagg_cluster import wait_for
 
-    cluster = cluster_factory(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
-                                 "lifecycle.health_interval_s": 0.5})
+    cluster = tp_cluster(**{"prefill.tensor_parallel_size": 2, "decode.tensor_parallel_size": 2,
+                            "lifecycle.health_interval_s": 0.5})
     victim = cluster.registry.ready(Role.PREFILL)[0].worker_id
     replaced = cluster.pools.counters["replaced"]
-    ray.kill(rank_actor(victim, 1))
+    ray.kill(rank_actor(cluster, victim, 1))
     assert wait_for(lambda: cluster.pools.counters["replaced"] > replaced, timeout_s=30)
     record = cluster.registry.get(victim)
     assert "rank 1 does not answer" in record.reason, record.reason
@@ -103,15 +116,15 @@ def test_a_rank_lost_while_idle_is_found_by_the_health_probe(cluster_factory, lo
                     and cluster.registry.ready(Role.PREFILL)[0].worker_id != victim, timeout_s=90)
 
 
-def test_tensor_parallel_workers_flip_roles_with_their_ranks(cluster_factory, loop_thread):
+def test_tensor_parallel_workers_flip_roles_with_their_ranks(tp_cluster, loop_thread):
     """prefill 2 -> 1 with decode 1 -> 2 is a flip, and back: each rank's agents follow rank 0's role (a prefill
     rank opens the agent peers read from, a decode rank closes it); the flipped workers serve the same tokens."""
     from tests.cluster.test_role_flip import client, flipped_to, serve_through, settled
     from tests.cluster.test_disagg_cluster import wait_for
     from tests.cluster.test_operating import on_loop
 
-    cluster = cluster_factory(**{"prefill.num_workers": 2, "prefill.tensor_parallel_size": 2,
-                                 "decode.tensor_parallel_size": 2, "router.local_prefill_max_tokens": 0})
+    cluster = tp_cluster(**{"prefill.num_workers": 2, "prefill.tensor_parallel_size": 2,
+                            "decode.tensor_parallel_size": 2, "router.local_prefill_max_tokens": 0})
     pools = cluster.pools
     reference = serve_through(loop_thread, client(cluster, "prefill-0"), client(cluster, "decode-0"), "before")
     on_loop(loop_thread, pools.set_target, Role.PREFILL, 1)
