@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.disagg import PeerBlocks
+from engine.emitting import EmitMixin
 from engine.errors import ConfigError, InvalidRequestError
 from engine.remote_kv import RemoteKVMixin
 from engine.hashing import BlockHasher
@@ -28,9 +29,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.parallel import TensorParallel
 from engine.request import Request, RequestStatus, SamplingParams, check_prompt
-from engine.sampler import sample
 from engine.scheduler import Scheduler
-from engine.stopping import apply_stop_conditions
+from engine.spec.decoder import SpecDecoder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -59,7 +59,7 @@ class EngineStats:
     num_decode_tokens: int = 0  # ... and those rows
 
 
-class Engine(RemoteKVMixin):
+class Engine(EmitMixin, RemoteKVMixin):
     def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
                  tp: TensorParallel | None = None, tier_mirror=None) -> None:
         """``tp``: rank 0 of a tensor-parallel engine (engine/parallel.py); the other ranks follow this engine's
@@ -87,6 +87,8 @@ class Engine(RemoteKVMixin):
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._grammars = None  # engine.structured.GrammarBackend, built on the first structured request
         self._grammar_lock = threading.Lock()  # make_request may run on any thread
+        self.spec = SpecDecoder(config.speculative_config) if config.speculative_config is not None else None
+        self._decode_only_tokens = 0  # this step's tokens, when it ran only decoding sequences (and drafts)
         self.held: dict[str, Request] = {}  # prefill role: handed-off requests whose blocks stay pinned
         self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
 
@@ -185,6 +187,8 @@ class Engine(RemoteKVMixin):
         else:
             self.scheduler.remove(request, RequestStatus.FINISHED_ABORTED)
         self.stats.num_aborted += 1
+        if self.spec is not None:
+            self.spec.finish(request, finished=False)
         self._pending.append(self._output(request, [], "", 0))
         return True
 
@@ -207,21 +211,30 @@ class Engine(RemoteKVMixin):
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0, steps = time.perf_counter(), self.stats.num_steps
+        self._decode_only_tokens = 0
         try:
             return self._step()
         finally:
             if self.stats.num_steps != steps:  # a step that ran the model: its whole time counts as busy
-                self.stats.busy_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.stats.busy_s += dt
+                if self.spec is not None and self._decode_only_tokens:
+                    self.spec.observe_step(self._decode_only_tokens, dt)
 
     def _step(self) -> list[RequestOutput]:
         self.sync_tiers()
         outputs, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.sweep(self.requests)
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.loading:  # only loads in flight: wait for one rather than spin
                 self.sync_tiers(wait_s=0.005)
             return outputs
-        decode_rows = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        decode_rows = sum(1 for s in sched.scheduled if s.num_new_tokens - s.num_draft_tokens == 1)
+        if decode_rows == len(sched.scheduled):  # decode / verify only: what the speculation policy's cost model fits
+            self._decode_only_tokens = sched.num_batched_tokens
         logits, sampled = self.runner.execute(sched)
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self.scheduler.on_step_computed(sched)
@@ -229,89 +242,13 @@ class Engine(RemoteKVMixin):
         st = self.stats
         st.num_steps += 1
         st.num_computed_tokens += sched.num_batched_tokens
-        st.num_prefill_tokens_computed += sched.num_batched_tokens - decode_rows
+        st.num_prefill_tokens_computed += sched.num_batched_tokens - decode_rows - sum(
+            s.num_draft_tokens for s in sched.scheduled)
         st.num_decode_steps += decode_rows > 0
         st.num_decode_tokens += decode_rows
         if not sampled:
             return outputs
-        requests = [s.request for s in sampled]
-        if any(r.params.max_tokens == 0 for r in requests):  # prompt only (echo / prompt logprobs): no sample
-            outputs += [self._finish_unsampled(r) for r in requests if r.params.max_tokens == 0]
-            keep = [i for i, r in enumerate(requests) if r.params.max_tokens != 0]
-            requests, logits = [requests[i] for i in keep], logits[keep]
-            if not requests:
-                return outputs
-        result = sample(logits, requests)
-        for i, request in enumerate(requests):
-            n_before = len(request.text) - request.num_stop_held_chars
-            request.append_output_token(result.token_ids[i])
-            if result.logprobs[i] is not None:
-                request.output_logprobs.append(result.logprobs[i])
-                request.output_top_logprobs.append(result.top_logprobs[i])
-            self.stats.num_generated_tokens += 1
-            self.scheduler.on_tokens_appended(request)
-            status = self._advance_grammar(request) or apply_stop_conditions(request, self.max_model_len)
-            handoff = None
-            if status is not None:
-                self.scheduler.remove(request, status)
-                del self.requests[request.request_id]
-                self.stats.num_finished += 1
-            elif request.remote_decode:
-                handoff = self._hand_off(request)
-            new_text = request.text[n_before: len(request.text) - request.num_stop_held_chars]
-            out = self._output(request, [result.token_ids[i]], new_text, 1)
-            out.handoff = handoff
-            outputs.append(out)
-        return outputs
-
-    @staticmethod
-    def _advance_grammar(request: Request) -> RequestStatus | None:
-        """Feed the sampled token to the request's grammar; a refusal (the mask makes it impossible, short of
-        a bug) ends this request with an error rather than failing the whole step."""
-        if request.grammar is None:
-            return None
-        try:
-            request.grammar.accept(request.output_token_ids[-1])
-        except RuntimeError as e:
-            request.error = f"structured output: {e}"
-            return RequestStatus.FINISHED_ERROR
-        return None
-
-    def _finish_unsampled(self, request: Request) -> RequestOutput:
-        """A max_tokens=0 request whose prompt is computed: it ends here with reason "length"."""
-        request.stop_reason = None
-        self.scheduler.remove(request, RequestStatus.FINISHED_LENGTH)
-        del self.requests[request.request_id]
-        self.stats.num_finished += 1
-        return self._output(request, [], "", 0)
-
-    def _output(self, request: Request, new_ids: list[int], new_text: str, n_new: int) -> RequestOutput:
-        finished = request.is_finished
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-            new_logprobs=request.output_logprobs[-n_new:] if n_new and request.output_logprobs else [],
-            new_top_logprobs=request.output_top_logprobs[-n_new:] if n_new and request.output_top_logprobs else [],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            error=request.error,
-            ttft_parts=request.ttft_parts() if n_new and len(request.output_token_ids) == n_new else None,
-            **self._prompt_logprobs_once(request),
-        )
-
-    @staticmethod
-    def _prompt_logprobs_once(request: Request) -> dict:
-        """The prompt logprobs, on the first output after they are complete (and never again)."""
-        if (request.params.prompt_logprobs is None or request.prompt_logprobs_sent
-                or len(request.prompt_logprobs) < request.num_prompt_tokens):
-            return {}
-        request.prompt_logprobs_sent = True
-        return {"prompt_logprobs": request.prompt_logprobs, "prompt_top_logprobs": request.prompt_top_logprobs}
+        return outputs + self._sample_and_emit(logits, sampled)
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]):
         """Run a batch to completion; returns {request_id: (token_ids, text, finish_reason)} in input order."""

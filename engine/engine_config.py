@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -49,12 +50,21 @@ class EngineConfig:
     # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
     # 0 runs every step eagerly. Ignored on a CPU.
     cuda_graph_max_batch: int = 256
+    # speculative decoding (engine/spec): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
+    # --speculative-config takes it; None: off
+    speculative_config: Any = None
     hash_seed: int = 0
     hash_namespace: str = ""
     seed: int = 0  # seeds requests that bring no seed of their own
     worker_id: str = "local"
 
     def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_json(spec) if isinstance(spec, str) else SpeculativeConfig.from_dict(spec)
+            object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and spec.needs_draft_model:
+            raise ConfigError("speculative decoding with a draft model is not built yet: use method ngram or suffix")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

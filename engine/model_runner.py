@@ -132,7 +132,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Run one step. Returns (logits [num_sampled, vocab] fp32, the scheduled requests they belong to)."""
+        """Run one step. Returns (logits [rows, vocab] fp32, the scheduled requests they belong to): one row per
+        request that completed its sequence, k + 1 consecutive rows for one with k drafts to verify."""
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         ordered = prefills + decodes
@@ -148,7 +149,8 @@ class ModelRunner:
         for s in ordered:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(r.all_token_ids[start:end])
+            input_ids.extend(r.all_token_ids[start:end - s.num_draft_tokens])
+            input_ids.extend(s.draft_token_ids)  # verified by this step: their logits are rows too
             positions.extend(range(start, end))
             block_ids = r.block_ids
             slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
@@ -156,7 +158,7 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + s.num_new_tokens)
             tables.append(block_ids)
             if s.completes_sequence:
-                sample_rows.append(cu_q[-1] - 1)
+                sample_rows.extend(range(cu_q[-1] - 1 - s.num_draft_tokens, cu_q[-1]))
                 sampled.append(s)
         step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
         self.tp.send(("step", step))

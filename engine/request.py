@@ -257,6 +257,9 @@ class Request:
     remote_decode: bool = False  # prefill role: hand the KV off after the first token
     abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
     peer_blocks: object | None = None  # engine.disagg.PeerBlocks lent by a peer for the prefix, until admitted
+    # speculative decoding (engine/spec/decoder.py): drafts proposed for the next step, verified by it (never
+    # part of all_token_ids: only the accepted ones are appended)
+    spec_token_ids: list[int] = field(default_factory=list)
     # prompt + outputs as one list, kept in step by append_output_token (read on every step: no copies)
     all_token_ids: list[int] = field(init=False, repr=False)
 

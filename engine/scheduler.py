@@ -62,13 +62,23 @@ def _peer_extent(request: Request, peer: PeerBlocks, start: int, limit: int) -> 
 
 @dataclass
 class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request`` this step: its next uncomputed tokens, then (speculative
+    decoding) ``draft_token_ids``, which the step verifies: the model runs them, the engine keeps what the
+    target accepts (engine/spec). A draft is never part of the request's tokens before it is accepted."""
+
     request: Request
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def completes_sequence(self) -> bool:
         """After this step every token of the request is computed, so its next token can be sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens
+                == self.request.num_tokens)
 
 
 @dataclass
@@ -161,8 +171,9 @@ class Scheduler:
                 continue
             if not self._grow(request, num_new, out):
                 continue  # request itself was preempted; running[i] is now the next one
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            drafts = self._fit_drafts(request, budget - num_new) if num_new == 1 else ()
+            out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         blocked = False  # an earlier request that must compute its prompt did not fit: FCFS among those
@@ -315,11 +326,19 @@ class Scheduler:
             self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
-        """The model has run ``out``: advance computed counts and offer newly full blocks to the cache."""
+        """The model has run ``out``: advance computed counts and offer newly full blocks to the cache. Drafts
+        do not count until accepted (``on_drafts_accepted``)."""
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
+            request.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             self.register_full_blocks(request)
+
+    def on_drafts_accepted(self, request: Request, num_accepted: int) -> None:
+        """The first ``num_accepted`` drafts a step verified were appended to the request (its hashes extended):
+        their KV, written by that step, is the request's; full blocks are offered to the cache. The rejected
+        drafts' KV lies past ``num_computed_tokens`` in blocks never registered, and is overwritten."""
+        request.num_computed_tokens += num_accepted
+        self.register_full_blocks(request)
 
     def register_full_blocks(self, request: Request) -> None:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
@@ -337,6 +356,22 @@ class Scheduler:
         self.hasher.extend(request.block_hashes, request.all_token_ids, request.params.hash_salt)
 
     # ---- internals -------------------------------------------------------------------------------
+    def _fit_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The request's drafts (``spec_token_ids``) that fit the step's token budget left and the blocks free
+        without preempting anyone: drafts are cut, never paid for by another request's KV."""
+        drafts = request.spec_token_ids
+        if not drafts or budget <= 0:
+            return ()
+        held = len(request.blocks) * self.block_size - request.num_computed_tokens - 1  # room past the new token
+        room = held + self.pool.num_free_blocks * self.block_size
+        n = min(len(drafts), budget, room)
+        if n <= 0:
+            return ()
+        need = self.blocks_needed(request.num_computed_tokens + 1 + n) - len(request.blocks)
+        if need > 0:
+            request.blocks.extend(self.pool.allocate(need))
+        return tuple(drafts[:n])
+
     def _grow(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Ensure blocks for ``num_new`` more tokens, preempting the newest requests if needed.
         Returns False if ``request`` itself had to be preempted."""

@@ -1,0 +1,133 @@
+"""Speculative decoding inside one engine: drafts proposed before a step, verified by it.
+
+Per step (engine/engine.py):
+
+1. :meth:`SpecDecoder.propose` — every running sequence that decodes this step (one uncomputed token) is
+   shown to the proposer with the most drafts it may still use (``max_tokens`` and the context leave room
+   for k + 1 more tokens); :mod:`engine.spec.policy` cuts each to what pays; the rest go to
+   ``Request.spec_token_ids``.
+2. The scheduler takes what fits the step's token budget and free blocks (``Scheduler._fit_drafts``, never
+   preempting for a draft); the runner runs the drafts after the sequence's new token and returns k + 1 rows
+   of logits.
+3. engine/spec/rejection.py verifies; the engine appends the accepted drafts and the token after them one at
+   a time through the stop checks (engine/emitting.py), and the scheduler counts the accepted drafts' KV as
+   computed (``on_drafts_accepted``): rejected drafts' KV is never registered, hashed or published.
+4. :meth:`observe` feeds the policy (acceptance, shadow trials) and the counters behind vLLM's
+   ``vllm:spec_decode_*`` metrics.
+
+Proposer state is a cache of the tokens (engine/spec/proposers.py): a request handed off, migrated or
+preempted is rebuilt from its tokens. :meth:`finish` feeds a finished output to the suffix proposer's worker
+cache; requests that left without it are swept every ``SWEEP_STEPS`` steps.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.spec.config import SpeculativeConfig
+from engine.spec.policy import Acceptance, StepCost, choose_lengths
+from engine.spec.proposers import SpecSequence, make_proposer
+
+log = logging.getLogger(__name__)
+
+SWEEP_STEPS = 256
+
+
+@dataclass
+class SpecStats:
+    """Counters under vLLM's names (``vllm:spec_decode_num_drafts`` ...): ``num_drafts`` sequences verified
+    drafts, ``num_draft_tokens`` drafts in all, ``num_accepted_tokens`` of them accepted;
+    ``accepted_per_pos[j]``: drafts accepted at position j."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.needs_draft_model:
+            raise NotImplementedError("draft_model speculation needs the draft runner (engine/spec/draft.py)")
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = make_proposer(config)
+        self.cost = StepCost()
+        self.acceptance = Acceptance()
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._shadow: dict[str, int] = {}  # request -> its first draft, when none was verified
+        self._known: set[str] = set()  # requests the proposer may hold state for
+        self._steps = 0
+
+    # ---- before the step ---------------------------------------------------------------------------
+    def propose(self, running: Sequence[Request], max_model_len: int, base_tokens: int | None = None) -> None:
+        """Set ``spec_token_ids`` of every request in ``running`` (empty for those not decoding this step).
+        ``base_tokens``: the step's tokens without drafts (default: one per decoding sequence)."""
+        decoding = []
+        for r in running:
+            r.spec_token_ids = []
+            if r.num_tokens - r.num_computed_tokens == 1 and not r.remote_decode:
+                decoding.append(r)
+        self._shadow.clear()
+        if not decoding:
+            return
+        seqs = [SpecSequence(r.request_id, r.all_token_ids, r.num_prompt_tokens - r.num_prior_output_tokens,
+                             _room(r, max_model_len)) for r in decoding]
+        self._known.update(s.request_id for s in seqs)
+        drafts = self.proposer.propose(seqs)
+        alphas = [self.acceptance.alpha(r.request_id) for r in decoding]
+        lengths = choose_lengths(alphas, [len(d) for d in drafts], base_tokens or len(decoding), self.cost.fit())
+        for r, d, k in zip(decoding, drafts, lengths):
+            r.spec_token_ids = list(d[:k])
+            if k == 0 and d:
+                self._shadow[r.request_id] = d[0]
+
+    # ---- after the step -----------------------------------------------------------------------------
+    def observe(self, request: Request, num_drafts: int, num_accepted: int, first_token: int) -> None:
+        """A sequence's step: ``num_drafts`` verified, ``num_accepted`` of them accepted, ``first_token`` the
+        first token appended (the shadow trial's outcome when no draft was verified)."""
+        rid = request.request_id
+        if num_drafts:
+            st = self.stats
+            st.num_drafts += 1
+            st.num_draft_tokens += num_drafts
+            st.num_accepted_tokens += num_accepted
+            for j in range(num_accepted):
+                st.accepted_per_pos[j] += 1
+            self.acceptance.observe(rid, min(num_accepted + 1, num_drafts), num_accepted)
+        elif rid in self._shadow:
+            self.acceptance.observe(rid, 1, int(self._shadow.pop(rid) == first_token))
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step that ran only decoding sequences (and their drafts): ``num_tokens`` tokens in ``seconds``."""
+        self.cost.observe(num_tokens, seconds)
+
+    def finish(self, request: Request, finished: bool) -> None:
+        """The request left this engine: ``finished`` normally (its output may feed the worker's cache) or
+        not (aborted, failed, handed off)."""
+        rid = request.request_id
+        self.acceptance.forget(rid)
+        if rid in self._known:
+            self._known.discard(rid)
+            self.proposer.finish(rid, request.generated_token_ids if finished else None)
+
+    def sweep(self, live: Collection[str]) -> None:
+        """Every ``SWEEP_STEPS`` calls: forget the requests no longer in ``live`` (left by a path that did not
+        call ``finish``)."""
+        self._steps += 1
+        if self._steps % SWEEP_STEPS:
+            return
+        for rid in [r for r in self._known if r not in live]:
+            self._known.discard(rid)
+            self.acceptance.forget(rid)
+            self.proposer.finish(rid, None)
+
+
+def _room(request: Request, max_model_len: int) -> int:
+    """The most drafts a step may verify for ``request``: k accepted plus the token after them must fit its
+    ``max_tokens`` and the context."""
+    by_tokens = request.params.max_tokens - len(request.output_token_ids) - 1
+    by_context = max_model_len - request.num_tokens - 1
+    return max(0, min(by_tokens, by_context))
