@@ -35,6 +35,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="CUDA: decode batches up to this size replay CUDA graphs (0: eager)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-config", help=SPEC_HELP)
+
+
+SPEC_HELP = ("speculative decoding, a JSON object with vLLM's keys: method (ngram | suffix), num_speculative_tokens, "
+             "prompt_lookup_min / prompt_lookup_max (ngram), suffix_decoding_* (suffix); "
+             "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default: off)")
 
 
 def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +58,8 @@ def engine_config_from_args(args: argparse.Namespace):
         quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching)
+        cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching,
+        speculative_config=args.speculative_config)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -118,6 +125,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.max_model_len": args.max_model_len,
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
+        "engine.speculative_config": args.speculative_config,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -185,6 +193,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-bytes", type=int, help="host-memory KV tier per worker (default 0: none)")
     p.add_argument("--kv-disk-bytes", type=int, help="disk KV tier per worker, under --kv-disk-dir (default 0: none)")
     p.add_argument("--kv-disk-dir", help="directory the disk KV tier writes its files to")
+    p.add_argument("--speculative-config", help=SPEC_HELP)
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 

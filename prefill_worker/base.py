@@ -43,7 +43,7 @@ from engine.errors import DuetError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
-from prefill_worker.engine_facts import hit_sources, kv_compat, tier_stats
+from prefill_worker.engine_facts import hit_sources, kv_compat, spec_stats, tier_stats
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
 from proto.kv_codec import encode_batch
@@ -292,7 +292,8 @@ class WorkerBase(ABC):
                     "prefix_hit_tokens_by_source": hit_sources(engine),
                     "moe_tokens_per_expert": engine.runner.model.tokens_per_expert(),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
-                    "events_full_state_due": self._full_state_due, **tier_stats(engine), **self._role_stats()}
+                    "events_full_state_due": self._full_state_due, **tier_stats(engine), **spec_stats(engine),
+                    **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))
 

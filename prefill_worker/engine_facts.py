@@ -40,3 +40,15 @@ def tier_stats(engine: Engine) -> dict[str, Any]:
         **asdict(tiers.stats), "jobs_in_flight": tiers.num_jobs_in_flight, "loading": len(engine.scheduler.loading),
         "tier_hit_tokens": engine.scheduler.num_tier_hit_tokens, "bytes": dict(mover.bytes_moved),
         "seconds": dict(mover.seconds), "op_failures": mover.op_failures}}
+
+
+def spec_stats(engine: Engine) -> dict[str, Any]:
+    """Speculative decoding's counters for stats() (router/metrics_spec.py renders them under vLLM's names); empty
+    when the engine does not speculate."""
+    spec = engine.spec
+    if spec is None:
+        return {}
+    st = spec.stats
+    return {"spec_decode": {"method": spec.config.method, "num_drafts": st.num_drafts,
+                            "num_draft_tokens": st.num_draft_tokens, "num_accepted_tokens": st.num_accepted_tokens,
+                            "num_accepted_tokens_per_pos": list(st.accepted_per_pos)}}

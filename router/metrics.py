@@ -26,6 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from router.metrics_spec import spec_families
 from router.metrics_tiers import tier_families
 from prometheus_client.utils import floatToGoString
 
@@ -252,6 +253,7 @@ class ClusterCollector:
                     family.add_metric(self._labels(rec), cumulative_buckets(snap), sum_value=snap["sum"])
             yield family
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
+        yield from spec_families(live, self._labels, WORKER_LABELS)
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))
         for (role, state), n in sorted(self.workers.counts().items()):
             pools.add_metric((role.value, state.value), n)

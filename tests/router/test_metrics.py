@@ -187,3 +187,29 @@ def test_kv_offload_and_hit_source_series_from_worker_stats():
     d = dict(w, engine="decode-0", worker="decode-0", role="decode")  # a worker without tiers has none of these
     assert ("vllm:kv_offload_total_bytes_total", tuple(sorted(dict(d, transfer_type="GPU_to_CPU").items()))) \
         not in values
+
+
+def test_spec_decode_series_from_worker_stats():
+    """vLLM's speculative decoding counters (vllm/v1/spec_decode/metrics.py names, per-position label
+    ``position``) for a worker that speculates; none for one that does not."""
+    reg = registry_with_workers()
+    spec = {"method": "ngram", "num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 22,
+            "num_accepted_tokens_per_pos": [9, 7, 4, 2]}
+    reg.update_stats("decode-0", {**reg.get("decode-0").stats, "spec_decode": spec}, 2.0)
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector("m", reg))
+    families = scrape(metrics)
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    d = dict(model_name="m", engine="decode-0", worker="decode-0", role="decode")
+
+    def value(name, **labels):
+        return values[(name, tuple(sorted(labels.items())))]
+
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+        assert families[f"vllm:spec_decode_{name}"].type == "counter"
+    assert value("vllm:spec_decode_num_drafts_total", **d) == 10
+    assert value("vllm:spec_decode_num_draft_tokens_total", **d) == 40
+    assert value("vllm:spec_decode_num_accepted_tokens_total", **d) == 22
+    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j), **d)
+            for j in range(4)] == [9, 7, 4, 2]
+    assert not [k for k in values if k[0].startswith("vllm:spec_decode") and ("worker", "prefill-0") in k[1]]

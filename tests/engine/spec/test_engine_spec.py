@@ -203,3 +203,19 @@ def test_speculative_config_in_engine_config():
         EngineConfig(model="m", speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="not valid JSON"):
         EngineConfig(model="m", speculative_config="{method: ngram")
+
+
+def test_tensor_parallel_engine_speculates_the_same_tokens(tiny_model):
+    """Rank 0 proposes and verifies; every rank runs the verification forward (k + 1 rows per sequence) on its
+    shard: the tokens of one rank without speculation."""
+    from tests.engine.tp_engines import tp_engine
+
+    model = tiny_model("llama")
+    cases = [(p, PARAMS["repeat"]) for p in prompts()[:8]]
+    want = run(make_engine(model), cases)
+    config = EngineConfig(model=str(model), num_blocks=256, speculative_config=NGRAM, tensor_parallel_size=2)
+    with tp_engine(config, 2) as engine:
+        engine.spec.cost.fit = lambda: None
+        got = run(engine, cases)
+        assert engine.spec.stats.num_accepted_tokens > 20, engine.spec.stats
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
