@@ -2,10 +2,11 @@
 /metrics (the worker registry, the workers' stats, the router's own request timing) — never a second
 bookkeeping of its own.
 
-A point holds rates over the second before it (requests, tokens, errors, transfer bytes, fallbacks), the
-latency percentiles of the requests and tokens seen in that second, and the state at its end (pool sizes
-and targets, queues, KV use). Cumulative worker counters become rates per worker, so a worker that
-joins or leaves never shows up as a negative spike.
+A point holds rates over the second before it (requests, tokens, errors, transfer bytes, fallbacks,
+speculative decoding's acceptance), the latency percentiles of the requests and tokens seen in that second,
+and the state at its end (pool sizes and targets, queues, KV use). Cumulative worker counters become rates
+per worker, counted from the second point a worker reports each one, so a worker that joins (with counters
+already large) or leaves never shows up as a spike, up or down.
 """
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ log = logging.getLogger(__name__)
 POINTS_KEPT = 600
 _WORKER_COUNTERS = ("transfer_bytes", "transfers_failed", "num_remote_recomputes", "num_remote_failures",
                     "leases_expired", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # in stats["spec_decode"]
+
+
+def _counters(stats: dict[str, Any]) -> dict[str, float]:
+    """The cumulative counters a worker's stats() reports, those of speculative decoding as ``spec_<name>``;
+    a counter it does not report is left out (not read as 0, which would make its first report a spike)."""
+    spec = stats.get("spec_decode") or {}
+    counts = {k: stats.get(k) for k in _WORKER_COUNTERS} | {f"spec_{k}": spec.get(k) for k in _SPEC_COUNTERS}
+    return {k: float(v) for k, v in counts.items() if v is not None}
 
 
 class Timeline:
@@ -80,19 +90,24 @@ class Timeline:
             point[f"target_{role.value}"] = self.pools.targets[role]
         point["queued_prefill_tokens"] = sum(r.load.queued_prefill_tokens for r in registry.live() if r.load)
 
-        deltas = dict.fromkeys(_WORKER_COUNTERS, 0.0)
-        for rec in registry.live():
-            prev = self._worker_last.get(rec.worker_id, {})
-            now_counts = {k: float(rec.stats.get(k, 0) or 0) for k in _WORKER_COUNTERS}
+        live, last, self._worker_last = registry.live(), self._worker_last, {}
+        deltas = dict.fromkeys((*_WORKER_COUNTERS, *(f"spec_{k}" for k in _SPEC_COUNTERS)), 0.0)
+        for rec in live:
+            prev = last.get(rec.worker_id, {})
+            now_counts = self._worker_last[rec.worker_id] = _counters(rec.stats)
             for k, v in now_counts.items():
                 deltas[k] += max(0.0, v - prev.get(k, v))
-            self._worker_last[rec.worker_id] = now_counts
         point["xfer_bytes_s"] = deltas["transfer_bytes"] / dt
         point["xfer_failures"] = deltas["transfers_failed"]
         point["recomputes"] = deltas["num_remote_recomputes"] + deltas["num_remote_failures"]
         point["lease_expiries"] = deltas["leases_expired"]
         queried = deltas["prefix_cache_queried_tokens"]
         point["prefix_hit"] = deltas["prefix_cache_hit_tokens"] / queried if queried else None
+        drafts, draft_tokens, accepted = (deltas[f"spec_{k}"] for k in _SPEC_COUNTERS)
+        point["spec_on"] = any(rec.stats.get("spec_decode") for rec in live)
+        point["spec_accept_rate"] = accepted / draft_tokens if draft_tokens else None
+        point["spec_accept_len"] = 1 + accepted / drafts if drafts else None
+        point["spec_draft_tok_s"] = draft_tokens / dt
         return point
 
 

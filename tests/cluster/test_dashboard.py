@@ -1,9 +1,11 @@
 """The operator dashboard in a real headless Chromium (Debian's chromium + chromedriver, driven by Selenium)
 against a live cluster: the page loads without console errors, shows the live workers, its charts receive
-data, and a scaling action made on the page changes the pool. Screenshots go to build/screenshots/."""
+data, a scaling action made on the page changes the pool, and the speculative decoding chart shows only while a
+worker reports speculation. Screenshots go to build/screenshots/."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 from pathlib import Path
 
@@ -113,6 +115,7 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
         assert wait_for(lambda: all(points(browser, c) >= 5 for c in charts), timeout_s=40, interval_s=0.5), \
             {c: points(browser, c) for c in charts}
         assert browser.find_element("id", "kpi-tok").text not in ("–", "0")
+        assert dom(browser, "#chart-spec.hidden")  # no worker speculates: today's eight charts
         # each worker's host KV tier: a bar and "used / total" blocks, the total what the worker reported
         tier_text = lambda: [e.text for e in dom(browser, '[data-worker="prefill-0"] .tier[data-tier="host"]')]  # noqa: E731
         assert wait_for(lambda: tier_text() and tier_text()[0].endswith("/ 512"), timeout_s=10), tier_text()
@@ -157,6 +160,53 @@ def test_dashboard_is_read_only_until_the_admin_key_is_entered(cluster, loop_thr
         browser.find_element("css selector", "#key-form button").click()
         assert wait_for(lambda: enabled(browser, '#pool-decode button[data-action="minus"]'), timeout_s=10)
     finally:
+        errors = leave(browser)
+        server.should_exit = True
+        task.result(15)
+    assert errors == []
+
+
+def test_dashboard_shows_speculative_decoding_while_a_worker_speculates(cluster, loop_thread, browser):
+    """decode-0's stats (as the pools poll them each second) carry speculative decoding's counters, advancing
+    with each poll: the chart appears, with its acceptance rate and mean acceptance length; when they stop
+    carrying them, it goes away again."""
+    from cluster.dashboard import mount_dashboard
+    from router.http_api import create_app
+
+    registry = cluster.registry
+    real_update, polls = registry.update_stats, itertools.count(1)
+    accepted = itertools.accumulate(itertools.cycle((70, 78, 84, 74, 66, 80, 90, 72)))
+
+    def with_spec(worker_id, stats, now_s):
+        if worker_id == "decode-0":
+            n = next(polls)
+            acc = next(accepted)
+            stats = dict(stats, spec_decode={"method": "ngram", "num_drafts": 40 * n, "num_draft_tokens": 120 * n,
+                                             "num_accepted_tokens": acc, "num_accepted_tokens_per_pos": [acc]})
+        real_update(worker_id, stats, now_s)
+
+    app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,
+                     metrics=cluster.metrics)
+    mount_dashboard(app)
+    server, task, url = serve_app(loop_thread, app)
+    visible = lambda: dom(browser, "#chart-spec") and not dom(browser, "#chart-spec.hidden")  # noqa: E731
+    try:
+        browser.get(url + "/dashboard")
+        assert wait_for(lambda: dom(browser, '[data-worker="decode-0"]'), timeout_s=20)
+        assert wait_for(lambda: points(browser, "chart-kv") >= 1, timeout_s=10)
+        assert not visible()
+        registry.update_stats = with_spec
+        assert wait_for(visible, timeout_s=15)
+        assert wait_for(lambda: points(browser, "chart-spec") >= 15, timeout_s=40, interval_s=0.5)
+        legend = browser.find_element("css selector", "#chart-spec .legend").text
+        assert "accepted" in legend and "mean length" in legend and "tok/s" in legend, legend
+        axis = [e.get_attribute("textContent") for e in dom(browser, "#chart-spec .axis-label")]
+        assert "100%" in axis and "0.0%" in axis, axis  # the rate's axis, not the draft tokens' (legend only)
+        browser.save_screenshot(str(SHOTS / "dashboard-spec.png"))
+        del registry.update_stats  # the next poll's stats carry no spec_decode
+        assert wait_for(lambda: not visible(), timeout_s=15)
+    finally:
+        registry.__dict__.pop("update_stats", None)
         errors = leave(browser)
         server.should_exit = True
         task.result(15)

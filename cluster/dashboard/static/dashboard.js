@@ -94,7 +94,8 @@ function sumLast(key, seconds) {
 
 // ---------------------------------------------------------------------------------------- charts
 
-// A line chart of some point fields over the last WINDOW_S seconds. Gaps (null) break the line.
+// A line chart of some point fields over the last WINDOW_S seconds. Gaps (null) break the line. A series with
+// legendOnly is not drawn, only its latest value shown in the legend (in its own fmt, if it has one).
 function lineChart(id, spec) {
   const fig = $(id);
   let svg = fig.querySelector("svg");
@@ -112,8 +113,9 @@ function lineChart(id, spec) {
   const t0 = now - span;
   const axisFmt = spec.axisFmt || spec.fmt;
   const pts = state.points.filter((p) => p.t >= t0);
+  const drawn = spec.series.filter((s) => !s.legendOnly);
   const values = [];
-  for (const s of spec.series) for (const p of pts) if (p[s.key] !== null && p[s.key] !== undefined) values.push(s.scale ? p[s.key] * s.scale : p[s.key]);
+  for (const s of drawn) for (const p of pts) if (p[s.key] !== null && p[s.key] !== undefined) values.push(s.scale ? p[s.key] * s.scale : p[s.key]);
   let yMax = Math.max(spec.min || 0, ...values, spec.slo ? spec.slo * 1.15 : 0);
   if (spec.max !== undefined) yMax = Math.max(yMax, spec.max);
   if (!(yMax > 0)) yMax = 1;
@@ -136,7 +138,7 @@ function lineChart(id, spec) {
                                      text: "SLO " + spec.fmt(spec.slo) }));
   }
   let plotted = 0;
-  for (const s of spec.series) {
+  for (const s of drawn) {
     let d = "", pen = false;
     for (const p of pts) {
       const raw = p[s.key];
@@ -154,8 +156,9 @@ function lineChart(id, spec) {
   while (legend.firstChild) legend.removeChild(legend.firstChild);
   for (const s of spec.series) {
     const v = latest(s.key);
-    legend.appendChild(el("span", {}, [el("i", { style: "background:" + s.color }), document.createTextNode(s.label + " "),
-                                       el("b", { text: v === null ? "–" : spec.fmt(s.scale ? v * s.scale : v) })]));
+    const text = v === null ? "–" : s.fmt ? s.fmt(v) : spec.fmt(s.scale ? v * s.scale : v);
+    legend.appendChild(el("span", {}, [s.legendOnly ? null : el("i", { style: "background:" + s.color }),
+                                       document.createTextNode(s.label + " "), el("b", { text })]));
   }
 }
 function niceCeil(v) {
@@ -213,6 +216,13 @@ function render() {
     { key: "errors_s", label: "errors/s", color: COLORS.bad }, { key: "recomputes", label: "recomputes", color: COLORS.p90 },
     { key: "lease_expiries", label: "lease expiries", color: COLORS.prefill },
     { key: "placed_again", label: "placed again", color: COLORS.accent }] });
+  // speculative decoding: shown while a live worker speculates (the timeline's spec_on)
+  const spec = $("chart-spec");
+  spec.classList.toggle("hidden", !latest("spec_on"));
+  if (!spec.classList.contains("hidden")) lineChart("chart-spec", { fmt: fmtPct, max: 1, series: [
+    { key: "spec_accept_rate", label: "accepted", color: COLORS.p50 },
+    { key: "spec_accept_len", label: "mean length", legendOnly: true, fmt: (v) => v.toFixed(2) },
+    { key: "spec_draft_tok_s", label: "drafted", legendOnly: true, fmt: (v) => fmtNumber(v) + " tok/s" }] });
   renderPool("prefill", pools.prefill);
   renderPool("decode", pools.decode);
   renderDecisions(auto.decisions);
