@@ -219,3 +219,56 @@ def test_tensor_parallel_engine_speculates_the_same_tokens(tiny_model):
         got = run(engine, cases)
         assert engine.spec.stats.num_accepted_tokens > 20, engine.spec.stats
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+
+
+def test_resumed_request_speculates_from_its_tokens(model_dir):
+    """A migrated request (prompt + the k tokens generated elsewhere, ResumeState): its proposer state is built
+    from those tokens and the generated tail counts as output — the original's remaining tokens exactly."""
+    import dataclasses
+
+    from engine.request import ResumeState
+
+    params = PARAMS["repeat"]
+    prompt = prompts()[7]
+    full = run(make_engine(model_dir), [(prompt, params)])[0]
+    k = 9
+    engine = make_engine(model_dir, NGRAM)
+    cont = dataclasses.replace(params, max_tokens=params.max_tokens - k, resume=ResumeState(k, 0))
+    got = run(engine, [(prompt + full["tokens"][:k], cont)])[0]
+    assert got["tokens"] == full["tokens"][k:]
+    assert engine.spec.stats.num_accepted_tokens > 0
+
+
+def test_host_tier_receives_only_accepted_blocks(model_dir):
+    """With a host KV tier, what is written through is what the plain engine caches: blocks of accepted
+    tokens only; a second round loads them back and gives the same tokens."""
+    cases = [(p, PARAMS["repeat"]) for p in prompts()[6:]]
+    plain = make_engine(model_dir, num_blocks=20, max_num_seqs=2)
+    want = run(plain, cases)
+    bpb = plain.runner.bytes_per_block
+    # a device cache smaller than the working set: the second round loads blocks back from the host tier
+    engine = make_engine(model_dir, NGRAM, num_blocks=20, max_num_seqs=2, kv_host_bytes=256 * bpb)
+    assert [g["tokens"] for g in run(engine, cases)] == [w["tokens"] for w in want]
+    engine.sync_tiers(wait_s=0.5)
+    host = set(engine.tiers.host.hashes())
+    assert host and host <= hashes_of_plain_run(model_dir, cases)
+    assert [g["tokens"] for g in run(engine, cases)] == [w["tokens"] for w in want]
+    assert engine.tiers.stats.loaded_blocks["host"] > 0 and engine.spec.stats.num_accepted_tokens > 0
+
+
+def hashes_of_plain_run(model_dir, cases) -> set[int]:
+    """Every block hash a plain engine with room for all caches running ``cases``."""
+    engine = make_engine(model_dir)
+    run(engine, cases)
+    return cached_hashes(engine)
+
+
+@pytest.mark.slow
+def test_triton_backend_verifies_the_same_tokens(model_dir):
+    """The verification rows through the Triton kernels (the interpreter here): the torch path's tokens."""
+    cases = [(prompts()[i], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=0.6, ignore_eos=True))
+             for i in (0, 5)]  # short prompts whose outputs repeat early
+    want = run(make_engine(model_dir, kernels="torch"), cases)
+    engine = make_engine(model_dir, NGRAM, kernels="triton")
+    assert [g["tokens"] for g in run(engine, cases)] == [w["tokens"] for w in want]
+    assert engine.spec.stats.num_accepted_tokens > 0
