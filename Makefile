@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-moe bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -100,6 +100,11 @@ gpu-check:
 
 bench-kvtransfer: install
 	$(PY) -m bench.bench_kvtransfer
+
+# speculative decoding (issue 28): SmolLM2, input-grounded and open-chat prompts, batch 1 / 4 / 16, output tok/s
+# without speculation vs ngram vs suffix in one run; last line: ratio: <best proposer's speedup, batch 1, grounded>
+bench-spec: install
+	$(HUGEPAGES) $(PY) -m bench.bench_spec $(if $(SMALL),--small,)
 
 # role flip (issue 24): a worker flipped between pools in place vs a new worker's cold start, on a real cluster
 # (SmolLM2; TINY=1: the tiny Llama); last line: ratio: <flip_s / cold_start_s>
