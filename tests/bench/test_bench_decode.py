@@ -32,7 +32,8 @@ def test_bench_decode_runs_and_reports_a_ratio():
     rows = re.findall(r"batch\s+(\d+):\s+([\d.]+) tok/s\s+([\d.]+) ms/step\s+([\d.]+) % of copy", done.stdout)
     assert [int(r[0]) for r in rows] == [1, 3, 1, 3]  # both sides, both batch sizes
     # the tiny model's weights fit in cache, so under a loaded machine (the copy baseline measured slow) it can
-    # pass 100 % of the DRAM copy rate; the bound catches unit mistakes (a fraction printed as %, bytes as bits)
-    assert all(float(r[1]) > 0 and 0 < float(r[3]) < 1000 for r in rows)
+    # pass 100 % of the DRAM copy rate; the bound catches unit mistakes (a fraction printed as %, bytes as bits).
+    # It may print 0.0 too: the tiny model's steps on a machine busy with other tests move a few MB/s.
+    assert all(float(r[1]) > 0 and 0 <= float(r[3]) < 1000 for r in rows)
     last = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"ratio: \d+\.\d\d \(duet / torch reference kernels, decode tok/s at batch 3\)", last), last
