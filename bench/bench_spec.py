@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="input-grounded,open-chat")
+    ap.add_argument("--paragraph-words", type=int, default=160, help="length of the input-grounded texts")
     ap.add_argument("--small", action="store_true", help="batches 1,4; 64 tokens")
     ap.add_argument("--out", default="build/bench/spec.json")
     args = ap.parse_args()
@@ -82,7 +83,7 @@ def main() -> None:
     results = {}
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            texts, warm = prompts(workload, n_prompts(batch))
+            texts, warm = prompts(workload, n_prompts(batch), max_words=args.paragraph_words)
             base = None
             for name, spec in METHODS.items():
                 cell = run_cell(model, spec, texts, warm, batch, args.max_tokens)

@@ -44,7 +44,8 @@ CHAT = (
 
 
 def paragraph(topic: str, max_words: int = 160) -> str:
-    """The first ``max_words`` words of a reference topic, cut at a sentence or line end."""
+    """The first ``max_words`` words of a reference topic, cut at the next sentence end (at most half as many
+    words again)."""
     from pydoc_data.topics import topics
 
     lines = [ln for ln in topics[topic].splitlines() if ln.strip() and not set(ln.strip()) <= set("*=-")]
@@ -52,7 +53,7 @@ def paragraph(topic: str, max_words: int = 160) -> str:
     for ln in lines[1:]:  # the first line is the title
         out.append(ln)
         words += len(ln.split())
-        if words >= max_words and ln.rstrip().endswith((".", ":")):
+        if words >= max_words and ln.rstrip().endswith((".", ":")) or words >= 1.5 * max_words:
             break
     return "\n".join(out)
 
@@ -68,10 +69,10 @@ def misspell(text: str, seed: int, rate: float = 0.08) -> str:
     return " ".join(words)
 
 
-def grounded() -> list[str]:
+def grounded(max_words: int = 160) -> list[str]:
     out = []
     for i, topic in enumerate(TOPICS):
-        text = paragraph(topic)
+        text = paragraph(topic, max_words)
         kind = i % 3
         if kind == 0:
             out.append(f"Repeat the following text exactly, word for word.\n\n{text}")
@@ -83,12 +84,13 @@ def grounded() -> list[str]:
     return out
 
 
-WORKLOADS = {"input-grounded": grounded, "open-chat": lambda: list(CHAT)}
+WORKLOADS = {"input-grounded": grounded, "open-chat": lambda max_words: list(CHAT)}
 
 
-def prompts(workload: str, n: int, warmup: int = 2) -> tuple[list[str], list[str]]:
-    """(the ``n`` measured prompts, ``warmup`` other ones) of a workload."""
-    all_prompts = WORKLOADS[workload]()
+def prompts(workload: str, n: int, warmup: int = 2, max_words: int = 160) -> tuple[list[str], list[str]]:
+    """(the ``n`` measured prompts, ``warmup`` other ones) of a workload; input-grounded paragraphs of about
+    ``max_words`` words."""
+    all_prompts = WORKLOADS[workload](max_words)
     if n + warmup > len(all_prompts):
         raise ValueError(f"{workload} has {len(all_prompts)} prompts, {n} + {warmup} asked")
     return all_prompts[:n], all_prompts[n:n + warmup]
