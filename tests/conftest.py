@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import json
 import os
-
 import shutil
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One intra-op thread for the test process (OMP_NUM_THREADS=2 in the environment restores two). On the 2-vCPU dev VM
+# the suite's other processes (Ray workers, `duet serve`, a second checkout's tests) hold a core much of the time, and
+# a 2-thread OpenMP region then waits for a descheduled peer at every op: 5-7x the wall time of one thread there
+# (tests/engine/test_kv_tiers.py: 99-127 s against 18-23 s), the same on an idle machine. The kernels' own 2-thread
+# paths keep their tests (tests/kernels/test_cpu_native.py's two_threads fixture).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a GPU, Triton kernels run in the interpreter. It must be chosen before anything imports triton.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,6 +20,8 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +42,20 @@ def tiny_model(tmp_path_factory):
 
 from tests.redis_server import redis_server, redis_url  # noqa: E402,F401  (session redis-server fixtures)
 
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the session: the cluster tests' (tests/cluster/conftest.py) and the benchmark tests'
+    (tests/bench/conftest.py), started once rather than once per benchmark module and again for the clusters."""
+    import ray
+
+    ray.init(num_cpus=8, resources={"duet_worker": 32}, include_dashboard=False, namespace="duet-tests",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
@@ -45,16 +66,27 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory, smollm2_gguf):
-    """SmolLM2 saved by transformers 5 as a safetensors directory (written once per session, ~25 s)."""
-    from tests.real_model import save_smollm2_with_transformers
+def smollm2_dir(smollm2_gguf):
+    """SmolLM2 saved by transformers 5 as a safetensors directory.
 
-    return save_smollm2_with_transformers(smollm2_gguf, tmp_path_factory.mktemp("smollm2-hf5"))
+    The same checkpoint as bench/hf_model.py's (transformers' save_pretrained of the GGUF dequantized to fp32:
+    config, generation config, tokenizer, chat template and weights byte for byte equal to
+    ``tests.real_model.save_smollm2_with_transformers``'s), which tests/bench/test_lm_eval_compare.py needs too:
+    written once per checkout (~25-50 s on the 2-core dev VM), not once more per session."""
+    from bench.hf_model import DEFAULT_DIR, ensure_hf_model
+
+    return ensure_hf_model(ROOT / DEFAULT_DIR)
+
+
+# the longest greedy continuation the suite asks of the default model's reference (tests/engine/test_real_model.py);
+# shorter asks for the same prompts (tests/cluster/test_real_models_serve.py's 32) are its prefixes
+SMOLLM2_GREEDY_HORIZON = 48
 
 
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2_gguf):
-    """transformers' own GGUF loading of the default model: the reference duet's GGUF path must equal."""
+    """transformers' own GGUF loading of the default model: the reference duet's GGUF path must equal. Its
+    greedy continuations are computed once per prompt for the session (``Reference.greedy``)."""
     from tests.real_model import Reference
 
-    return Reference.load(smollm2_gguf)
+    return Reference.load(smollm2_gguf, greedy_horizon=SMOLLM2_GREEDY_HORIZON)

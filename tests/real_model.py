@@ -12,7 +12,7 @@ equal to ``pad_token_id``, and SmolLM2's pad token is ``<|im_end|>``, which ever
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,15 +35,19 @@ class Reference:
 
     model: transformers.PreTrainedModel
     tokenizer: transformers.PreTrainedTokenizerBase
+    # greedy continuations computed to at least this many tokens and kept, by prompt: a shared (session)
+    # reference asked for the same prompts by several tests computes each once (see ``greedy``)
+    greedy_horizon: int = 0
+    _greedy: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def load(cls, path: str | Path) -> Reference:
+    def load(cls, path: str | Path, greedy_horizon: int = 0) -> Reference:
         path = Path(path)
         kw = {"gguf_file": path.name} if path.is_file() else {}
         where = str(path.parent if path.is_file() else path)
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kw)
         model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
-        return cls(model, tokenizer)
+        return cls(model, tokenizer, greedy_horizon)
 
     def chat_ids(self, messages) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -60,11 +64,21 @@ class Reference:
         return ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
 
     def greedy(self, ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy continuation up to and without the first EOS (as a server returns it)."""
-        out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(self.eos_token_ids),
-                                  pad_token_id=self.tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
-        return out[:next((i for i, t in enumerate(out) if t in self.eos_token_ids), len(out))]
+        """Greedy continuation up to and without the first EOS (as a server returns it).
+
+        Kept per prompt, computed to ``max(max_tokens, greedy_horizon)`` tokens: greedy decoding's first n tokens
+        do not depend on how many come after (generate runs the same steps on the same inputs, max_new_tokens
+        only says when to stop), so a shorter request is the prefix of a longer one, EOS cut included."""
+        key = tuple(ids)
+        have = self._greedy.get(key)
+        if have is None or have[0] < max_tokens:
+            n = max(max_tokens, self.greedy_horizon)
+            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=n, do_sample=False, eos_token_id=sorted(self.eos_token_ids),
+                                      pad_token_id=self.tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
+            have = self._greedy[key] = (n, out[:next((i for i, t in enumerate(out) if t in self.eos_token_ids),
+                                                     len(out))])
+        return list(have[1][:max_tokens])
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,15 +5,7 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def ray_up():
-    """The session's Ray if a cluster test started one, else one for this module (room for 4 workers)."""
-    import ray
-
-    from bench.cluster_run import init_ray
-
-    if ray.is_initialized():
-        yield
-        return
-    init_ray(4)
+def ray_up(ray_session):
+    """The session's Ray (tests/conftest.py: room for 32 workers, more than the 4 these benchmarks need), which
+    the cluster tests use after them: one Ray start for the session instead of one per benchmark module."""
     yield
-    ray.shutdown()

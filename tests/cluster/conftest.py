@@ -7,22 +7,11 @@ processes, KV blocks moved by NIXL between them, events fed to the router over R
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=8, resources={"duet_worker": 32}, include_dashboard=False, namespace="duet-tests",
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
+# ray_session: the session's one local Ray (tests/conftest.py; the benchmark tests use it too)
 
 
 class LoopThread:

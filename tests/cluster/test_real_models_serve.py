@@ -8,7 +8,7 @@ token with transformers — raw completions and multi-turn chat through the offi
     Paris, also as the README's curl asks it (no max_tokens: the rest of the context);
 (c) a Llama-3-rope checkpoint saved by transformers 5.
 
-Then one `duet serve` of the GGUF for the API features (issue 14) and the agent clients (issue 25).
+Then that same `make run` server of the GGUF for the API features (issue 14) and the agent clients (issue 25).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -67,47 +68,77 @@ def readme_curl_chat(port: int) -> tuple[dict, str]:
 
 # `make test` serves SmolLM2's GGUF file (by `make run` itself) and a transformers-5 directory (the Llama-3 one); SmolLM2
 # saved by transformers 5 goes through the engine there (tests/engine/test_real_model.py) and through `duet serve`
-# in `make soak` only (80 s: the suite's 25-minute budget)
+# in `make soak` only (80 s: the suite's 25-minute budget). `make run` comes last: its server stays up for the API
+# features and agent clients below (one SmolLM2 server for the module, not two), so no two servers overlap.
 SOAK = int(os.environ.get("DUET_FAULT_SCALE", "1")) > 1
-CASES = ["smollm2-gguf-make-run", "llama3-rope-transformers-5-dir"] + (["smollm2-transformers-5-dir"] if SOAK else [])
+CASES = ["llama3-rope-transformers-5-dir"] + (["smollm2-transformers-5-dir"] if SOAK else []) + ["smollm2-gguf-make-run"]
+
+
+@contextmanager
+def served(case: str, model, ray_session, log_path: Path):
+    """The server of ``case`` until /health answers: its HTTP port. Stopped with SIGINT (a terminal's Ctrl-C) at
+    the end, after which none of its workers may be left."""
+    port = free_port()
+    with serving(serve_argv(case, model, ray_session.get_runtime_context().gcs_address, port), log_path, port,
+                 signal.SIGINT):
+        yield port
+    assert not serve_worker_stats(ray_session), "workers left behind after the server stopped"
+
+
+@pytest.fixture(scope="module")
+def smollm2_make_run(ray_session, tmp_path_factory):
+    """`make run` as a user types it (SmolLM2's GGUF, 1 prefill + 1 decode worker, every prompt through the
+    handoff, the KV cache sized by default): its port. One process for the make-run greedy case and the tests
+    below it; that it stops and leaves no worker behind is checked when the module is done with it."""
+    with served("smollm2-gguf-make-run", None, ray_session, tmp_path_factory.mktemp("make-run") / "serve.log") as port:
+        yield port
+
+
+def handoff_counts(ray_session) -> tuple[int, int, int]:
+    """(prompts prefilled on prefill-0 and handed off, KV pulls decode-0 received, its recomputes) so far."""
+    stats = serve_worker_stats(ray_session)
+    return (stats["prefill-0"]["num_handoffs"], stats["decode-0"]["num_remote_kv_received"],
+            stats["decode-0"]["num_remote_recomputes"])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_served_greedy_equals_transformers(case, ray_session, tmp_path, request):
     if case == "smollm2-gguf-make-run":
-        model, reference, name = None, request.getfixturevalue("smollm2_reference"), "SmolLM2-135M-Instruct"
-    else:
-        model = request.getfixturevalue("smollm2_dir" if case.startswith("smollm2") else "llama3_dir")
-        reference, name = Reference.load(model), model.name
-    port = free_port()
-    address = ray_session.get_runtime_context().gcs_address
-    with serving(serve_argv(case, model, address, port), tmp_path / "serve.log", port, signal.SIGINT):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == [name]
-        for prompt in RAW_PROMPTS:
-            want = reference.greedy(reference.prompt_ids(prompt), MAX_TOKENS)
-            got = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-            assert got.choices[0].text == reference.text(want), prompt
-            assert got.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
-        for label, messages in CHATS.items():
-            want = reference.greedy(reference.chat_ids(messages), MAX_TOKENS)
-            got = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-            assert got.choices[0].message.content == reference.text(want), label
-            assert got.usage.prompt_tokens == len(reference.chat_ids(messages))
-            if case.startswith("smollm2") and label == "one-turn":
-                assert "Paris" in got.choices[0].message.content
-        stats = serve_worker_stats(ray_session)
-        n_requests = len(RAW_PROMPTS) + len(CHATS)
-        assert stats["prefill-0"]["num_handoffs"] == n_requests  # every prompt prefilled on the prefill worker
-        assert stats["decode-0"]["num_remote_kv_received"] == n_requests  # ... and its KV pulled by the decoder
-        assert stats["decode-0"]["num_remote_recomputes"] == 0
-        if case == "smollm2-gguf-make-run":  # must-show 8 of issue 23: the README's chat, no max_tokens, answers
-            answer, shown = readme_curl_chat(port)
-            assert answer["choices"][0]["message"]["content"] == shown, answer
-            assert answer["choices"][0]["finish_reason"] == "stop"
-            served = client.models.list().data[0].model_extra["max_model_len"]
-            assert answer["usage"]["total_tokens"] < served <= 8192  # SmolLM2's context, or what the KV cache holds
-    assert not serve_worker_stats(ray_session), "workers left behind after the server stopped"
+        reference, name = request.getfixturevalue("smollm2_reference"), "SmolLM2-135M-Instruct"
+        check_greedy(case, request.getfixturevalue("smollm2_make_run"), ray_session, reference, name)
+        return
+    model = request.getfixturevalue("smollm2_dir" if case.startswith("smollm2") else "llama3_dir")
+    with served(case, model, ray_session, tmp_path / "serve.log") as port:
+        check_greedy(case, port, ray_session, Reference.load(model), model.name)
+
+
+def check_greedy(case: str, port: int, ray_session, reference: Reference, name: str) -> None:
+    before = handoff_counts(ray_session)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [name]
+    for prompt in RAW_PROMPTS:
+        want = reference.greedy(reference.prompt_ids(prompt), MAX_TOKENS)
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == reference.text(want), prompt
+        assert got.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+    for label, messages in CHATS.items():
+        want = reference.greedy(reference.chat_ids(messages), MAX_TOKENS)
+        got = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].message.content == reference.text(want), label
+        assert got.usage.prompt_tokens == len(reference.chat_ids(messages))
+        if case.startswith("smollm2") and label == "one-turn":
+            assert "Paris" in got.choices[0].message.content
+    handoffs, pulls, recomputes = (after - b for after, b in zip(handoff_counts(ray_session), before))
+    n_requests = len(RAW_PROMPTS) + len(CHATS)
+    assert handoffs == n_requests  # every prompt prefilled on the prefill worker
+    assert pulls == n_requests  # ... and its KV pulled by the decoder
+    assert recomputes == 0
+    if case == "smollm2-gguf-make-run":  # must-show 8 of issue 23: the README's chat, no max_tokens, answers
+        answer, shown = readme_curl_chat(port)
+        assert answer["choices"][0]["message"]["content"] == shown, answer
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        served_len = client.models.list().data[0].model_extra["max_model_len"]
+        assert answer["usage"]["total_tokens"] < served_len <= 8192  # SmolLM2's context, or what the KV cache holds
 
 
 JSON_SCHEMAS = {
@@ -122,14 +153,10 @@ JSON_SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def smollm2_served(ray_session, tmp_path_factory, smollm2_gguf):
-    """`duet serve` of the SmolLM2 GGUF, 1 prefill + 1 decode worker, every prompt through the handoff: the base
-    URL. One process for the tests below (the greedy tests above each start their own, and check it stops)."""
-    port = free_port()
-    address = ray_session.get_runtime_context().gcs_address
-    with serving(serve_argv("gguf", smollm2_gguf, address, port), tmp_path_factory.mktemp("smollm2-serve") / "serve.log",
-                 port, signal.SIGINT):
-        yield f"http://127.0.0.1:{port}"
+def smollm2_served(smollm2_make_run):
+    """The base URL of the module's SmolLM2 server (`make run`: the GGUF, 1 prefill + 1 decode worker, every
+    prompt through the handoff)."""
+    return f"http://127.0.0.1:{smollm2_make_run}"
 
 
 def test_served_smollm2_api_features_equal_transformers(ray_session, smollm2_served, smollm2_reference):

@@ -25,10 +25,19 @@ def model_dir(tiny_model):
     return tiny_model("llama")
 
 
+_BYTES_PER_BLOCK: dict[str, int] = {}
+
+
+def bytes_per_block(model_dir) -> int:
+    if str(model_dir) not in _BYTES_PER_BLOCK:
+        probe = Engine(EngineConfig(model=str(model_dir), num_blocks=2))
+        _BYTES_PER_BLOCK[str(model_dir)] = probe.runner.bytes_per_block
+        probe.close()
+    return _BYTES_PER_BLOCK[str(model_dir)]
+
+
 def make_engine(model_dir, num_blocks=12, host_blocks=0, disk_blocks=0, disk_dir=None, **kw):
-    probe = Engine(EngineConfig(model=str(model_dir), num_blocks=2))
-    bpb = probe.runner.bytes_per_block
-    probe.close()
+    bpb = bytes_per_block(model_dir)
     header = 4096  # more than a file's header: disk_blocks files fit
     return Engine(EngineConfig(model=str(model_dir), num_blocks=num_blocks, kv_host_bytes=host_blocks * bpb,
                                kv_disk_bytes=disk_blocks * (bpb + header), kv_disk_dir=disk_dir, **kw))
@@ -65,24 +74,43 @@ def drain(engine):
     assert engine.pool.num_used_blocks == 0
 
 
+@pytest.fixture(scope="module")
+def without_tiers(model_dir):
+    """``without_tiers(params, rounds)``: (outputs, tokens computed) of ``families(n_families=6)`` run round after
+    round on the default engine without lower tiers — the fault-free expectation most tests below compare with,
+    run once per (params, rounds) for the module instead of once per test (each run is the same fresh engine on
+    the same prompts: the same outputs)."""
+    cache: dict = {}
+
+    def get(params, rounds=2):
+        key = (id(params), rounds)
+        if key not in cache:
+            base = make_engine(model_dir)
+            cache[key] = (run_rounds(base, families(n_families=6), params, rounds=rounds),
+                          base.stats.num_computed_tokens)
+            base.close()
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_host_tier_outputs_equal_and_loads_happen(model_dir, params):
+def test_host_tier_outputs_equal_and_loads_happen(model_dir, params, without_tiers):
     prompts = families(n_families=6)
-    base = make_engine(model_dir)
-    expected = run_rounds(base, prompts, params)
+    expected, base_computed_tokens = without_tiers(params)
     tiered = make_engine(model_dir, host_blocks=64)
     assert run_rounds(tiered, prompts, params) == expected
     stats = tiered.tiers.stats
     assert stats.loaded_blocks["host"] > 0 and stats.load_failures == 0
     # the tiers saved compute: fewer tokens ran than without them
-    assert tiered.stats.num_computed_tokens < base.stats.num_computed_tokens
+    assert tiered.stats.num_computed_tokens < base_computed_tokens
     assert tiered.scheduler.num_tier_hit_tokens == stats.loaded_blocks["host"] * B
-    base.close(), tiered.close()
+    tiered.close()
 
 
-def test_disk_tier_round_trip_outputs_equal(model_dir, tmp_path):
+def test_disk_tier_round_trip_outputs_equal(model_dir, tmp_path, without_tiers):
     prompts = families(n_families=6)
-    expected = run_rounds(make_engine(model_dir), prompts, GREEDY)
+    expected, _ = without_tiers(GREEDY)
     # host smaller than the working set: blocks spill to disk and come back disk -> host -> device
     # (a host tier smaller than the device one is refused, so the device tier shrinks too)
     engine = make_engine(model_dir, num_blocks=12, host_blocks=12, disk_blocks=200, disk_dir=str(tmp_path))
@@ -142,9 +170,10 @@ def test_events_store_on_new_tier_before_removal_from_old(model_dir, tmp_path):
     engine.close()
 
 
-def test_corrupted_and_truncated_disk_files_are_recomputed(model_dir, tmp_path):
+def test_corrupted_and_truncated_disk_files_are_recomputed(model_dir, tmp_path, without_tiers):
     prompts = families(n_families=6)
-    expected = run_rounds(make_engine(model_dir), prompts, GREEDY, rounds=1)
+    # one round: what a fresh engine's first round gives (the first half of the two-round run, the same calls)
+    expected = without_tiers(GREEDY)[0][:len(prompts)]
     engine = make_engine(model_dir, num_blocks=12, host_blocks=12, disk_blocks=200, disk_dir=str(tmp_path))
     run_rounds(engine, prompts, GREEDY, rounds=1)
     files = sorted(tmp_path.rglob("*.kvb"))
@@ -164,9 +193,9 @@ def test_corrupted_and_truncated_disk_files_are_recomputed(model_dir, tmp_path):
     engine.close()
 
 
-def test_unwritable_disk_tier_is_counted_and_served(model_dir, tmp_path):
+def test_unwritable_disk_tier_is_counted_and_served(model_dir, tmp_path, without_tiers):
     prompts = families(n_families=6)
-    expected = run_rounds(make_engine(model_dir), prompts, GREEDY, rounds=2)
+    expected, _ = without_tiers(GREEDY, rounds=2)
     engine = make_engine(model_dir, num_blocks=12, host_blocks=12, disk_blocks=200, disk_dir=str(tmp_path))
     disk_dir = engine.tiers.mover.disk.dir
     disk_dir.rmdir()
@@ -212,9 +241,7 @@ def small_filesystem(tmp_path, model_dir):
     """A tmpfs holding about three blocks: a disk tier configured larger than the disk it is on fills it (ENOSPC)."""
     import subprocess
 
-    probe = Engine(EngineConfig(model=str(model_dir), num_blocks=2))
-    size_kib = 3 * probe.runner.bytes_per_block // 1024 + 8
-    probe.close()
+    size_kib = 3 * bytes_per_block(model_dir) // 1024 + 8
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount_point)],
@@ -225,9 +252,9 @@ def small_filesystem(tmp_path, model_dir):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_full_disk_tier_is_counted_and_served(model_dir, small_filesystem):
+def test_full_disk_tier_is_counted_and_served(model_dir, small_filesystem, without_tiers):
     prompts = families(n_families=6)
-    expected = run_rounds(make_engine(model_dir), prompts, GREEDY, rounds=2)
+    expected, _ = without_tiers(GREEDY, rounds=2)
     # the tier believes it has 200 blocks; the filesystem holds about three of them
     engine = make_engine(model_dir, num_blocks=12, host_blocks=12, disk_blocks=200, disk_dir=str(small_filesystem))
     assert run_rounds(engine, prompts, GREEDY, rounds=2) == expected
