@@ -72,7 +72,7 @@ test-fast: install system-deps
 # the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md), the
 # full schemathesis fuzz (>= 2,000 generated requests) and SmolLM2 saved by transformers 5 through `duet serve`
 soak: install system-deps
-	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py tests/cluster/test_real_models_serve.py
+	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py tests/cluster/test_real_models_serve.py tests/cluster/test_tp_serve.py
 
 bench-engine: install
 	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)
