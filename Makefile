@@ -70,7 +70,8 @@ test-fast: install system-deps
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
 # the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md), the
-# full schemathesis fuzz (>= 2,000 generated requests) and SmolLM2 saved by transformers 5 through `duet serve`
+# full schemathesis fuzz (>= 2,000 generated requests), SmolLM2 saved by transformers 5 through `duet serve` and
+# SmolLM2 split over three ranks both ways (P3-D1 and P1-D3)
 soak: install system-deps
 	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py tests/cluster/test_real_models_serve.py tests/cluster/test_tp_serve.py
 
