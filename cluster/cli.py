@@ -38,8 +38,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", help=SPEC_HELP)
 
 
-SPEC_HELP = ("speculative decoding, a JSON object with vLLM's keys: method (ngram | suffix), num_speculative_tokens, "
-             "prompt_lookup_min / prompt_lookup_max (ngram), suffix_decoding_* (suffix); "
+SPEC_HELP = ("speculative decoding, a JSON object with vLLM's keys: method (ngram | suffix | draft_model), "
+             "num_speculative_tokens, prompt_lookup_min / prompt_lookup_max (ngram), suffix_decoding_* (suffix), "
+             "model (draft_model: a checkpoint with the target's tokenizer); "
              "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default: off)")
 
 

@@ -10,7 +10,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
-from engine.spec.rejection import Drafts, rejection_sample
+from engine.spec.rejection import rejection_sample
 from engine.stopping import apply_stop_conditions
 
 
@@ -30,7 +30,7 @@ class EmitMixin:
                 return outputs
         requests = [s.request for s in sampled]
         if any(s.num_draft_tokens for s in sampled):
-            res = rejection_sample(logits, requests, [Drafts(s.draft_token_ids) for s in sampled])
+            res = rejection_sample(logits, requests, self.spec.drafts(sampled))
             tokens, logprobs, tops, accepted = res.token_ids, res.logprobs, res.top_logprobs, res.num_accepted
         else:
             res = sample(logits, requests)

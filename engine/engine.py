@@ -31,6 +31,7 @@ from engine.parallel import TensorParallel
 from engine.request import Request, RequestStatus, SamplingParams, check_prompt
 from engine.scheduler import Scheduler
 from engine.spec.decoder import SpecDecoder
+from engine.spec.draft import DraftModel
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -70,7 +71,11 @@ class Engine(EmitMixin, RemoteKVMixin):
         mpe = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or mpe, mpe)
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len, tp)
+        spec = config.speculative_config
+        draft = DraftModel.load(config, self.model_config, self.max_model_len, self.tokenizer) \
+            if spec is not None and spec.needs_draft_model else None  # its weights in memory before the cache is sized
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len, tp,
+                                  extra_bytes_per_block=draft.bytes_per_block if draft else 0)
         self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv_sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
@@ -87,7 +92,7 @@ class Engine(EmitMixin, RemoteKVMixin):
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._grammars = None  # engine.structured.GrammarBackend, built on the first structured request
         self._grammar_lock = threading.Lock()  # make_request may run on any thread
-        self.spec = SpecDecoder(config.speculative_config) if config.speculative_config is not None else None
+        self.spec = SpecDecoder(spec, draft and draft.allocate(self.runner.num_blocks)) if spec is not None else None
         self._decode_only_tokens = 0  # this step's tokens, when it ran only decoding sequences (and drafts)
         self.held: dict[str, Request] = {}  # prefill role: handed-off requests whose blocks stay pinned
         self.remote_pending: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
@@ -235,6 +240,8 @@ class Engine(EmitMixin, RemoteKVMixin):
         decode_rows = sum(1 for s in sched.scheduled if s.num_new_tokens - s.num_draft_tokens == 1)
         if decode_rows == len(sched.scheduled):  # decode / verify only: what the speculation policy's cost model fits
             self._decode_only_tokens = sched.num_batched_tokens
+        if self.spec is not None:
+            self.spec.fill(sched)  # a draft model's drafts, now that their blocks are allocated
         logits, sampled = self.runner.execute(sched)
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
         self.scheduler.on_step_computed(sched)

@@ -63,8 +63,6 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_json(spec) if isinstance(spec, str) else SpeculativeConfig.from_dict(spec)
             object.__setattr__(self, "speculative_config", spec)
-        if spec is not None and spec.needs_draft_model:
-            raise ConfigError("speculative decoding with a draft model is not built yet: use method ngram or suffix")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -77,9 +77,12 @@ def with_huge_page_malloc(environ: dict[str, str]) -> dict[str, str]:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, *, extra_bytes_per_block: int = 0, kv_blocks: bool = True) -> None:
         """``tp``: this rank's place in a tensor-parallel engine (engine/parallel.py); rank 0's runner sends each
-        step to the others (``execute``, ``logits``), which run it through ``follow``."""
+        step to the others (``execute``, ``logits``), which run it through ``follow``. A draft model's cache
+        (engine/spec/draft.py) is indexed by the same block ids: its target is sized for both
+        (``extra_bytes_per_block``: the draft's bytes per block), the draft loads its weights first with
+        ``kv_blocks=False`` (no cache yet) and gets the target's count of blocks by ``allocate_kv``."""
         self.model_cfg = model_cfg
         self.tp = tp or TensorParallel()
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states (``logits`` reads them)
@@ -104,14 +107,14 @@ class ModelRunner:
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * self.num_kv_heads
                                 * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
-        self.kv_size = size_kv_cache(cfg, self.bytes_per_block, self.device.type, max_model_len, self.device.index)
-        if self.tp.enabled:  # one block table for all ranks: each holds as many blocks as the smallest can
-            self.kv_size = dataclasses.replace(self.kv_size, num_blocks=self.tp.min_int(self.kv_size.num_blocks))
-        self.num_blocks = self.kv_size.num_blocks
-        self.max_model_len = cap_max_model_len(max_model_len, self.kv_size, cfg.block_size)  # what the cache holds
-        self.kv_cache = torch.zeros(
-            self.num_blocks, model_cfg.num_layers, 2, cfg.block_size, self.num_kv_heads,
-            model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.max_model_len, self.kv_size = max_model_len, None
+        if kv_blocks:
+            self.kv_size = size_kv_cache(cfg, self.bytes_per_block + extra_bytes_per_block, self.device.type,
+                                         max_model_len, self.device.index)
+            if self.tp.enabled:  # one block table for all ranks: each holds as many blocks as the smallest can
+                self.kv_size = dataclasses.replace(self.kv_size, num_blocks=self.tp.min_int(self.kv_size.num_blocks))
+            self.max_model_len = cap_max_model_len(max_model_len, self.kv_size, cfg.block_size)  # what it holds
+        self.allocate_kv(self.kv_size.num_blocks if kv_blocks else 0)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
         if model_cfg.gemma.attn_logit_softcapping and not self.ops.attention_softcap:
             reason = f"attention logit soft-capping (Gemma 2): the {self.backend} attention kernels take no cap"
@@ -129,6 +132,14 @@ class ModelRunner:
         elif self.device.type == "cuda" and cfg.cuda_graph_max_batch:
             self.decode_graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                               -(-self.max_model_len // cfg.block_size))
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """A zeroed cache of ``num_blocks`` blocks (a draft model's: as many as its target's)."""
+        m = self.model_cfg
+        self.num_blocks = num_blocks
+        self.kv_cache = None  # the old one is freed before the new one is allocated
+        self.kv_cache = torch.zeros(num_blocks, m.num_layers, 2, self.block_size, self.num_kv_heads, m.head_dim,
+                                    dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:

@@ -6,7 +6,9 @@
   seeds): greedy token-exact, sampled lossless in distribution.
 - :mod:`engine.spec.proposers`: the proposer interface and per-request state rebuilt from tokens;
   :mod:`engine.spec.ngram` (prompt lookup), :mod:`engine.spec.suffix` (suffix decoding with a worker cache).
+- :mod:`engine.spec.draft`: a draft model (a second checkpoint of the target's vocabulary) with its KV in
+  blocks indexed like the target's.
+- :mod:`engine.spec.policy`: how many drafts pay per sequence and step; :mod:`engine.spec.decoder`: all of it
+  wired into the engine's step.
 - :mod:`engine.spec.config`: ``--speculative-config`` as vLLM users write it.
-
-Not wired into the engine yet: the scheduler does not schedule drafts, the runner returns one row per request.
 """

@@ -83,7 +83,7 @@ class SpeculativeConfig:
 
     @property
     def needs_draft_model(self) -> bool:
-        """Whether proposing needs a second model (``method`` draft_model), which duet cannot run yet."""
+        """Whether proposing needs a second model (``method`` draft_model: engine/spec/draft.py)."""
         return self.method == "draft_model"
 
     @classmethod

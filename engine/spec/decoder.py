@@ -5,10 +5,12 @@ Per step (engine/engine.py):
 1. :meth:`SpecDecoder.propose` — every running sequence that decodes this step (one uncomputed token) is
    shown to the proposer with the most drafts it may still use (``max_tokens`` and the context leave room
    for k + 1 more tokens); :mod:`engine.spec.policy` cuts each to what pays; the rest go to
-   ``Request.spec_token_ids``.
+   ``Request.spec_token_ids``. A draft model (engine/spec/draft.py) proposes placeholders here: its drafts
+   need the blocks the scheduler allocates for them.
 2. The scheduler takes what fits the step's token budget and free blocks (``Scheduler._fit_drafts``, never
-   preempting for a draft); the runner runs the drafts after the sequence's new token and returns k + 1 rows
-   of logits.
+   preempting for a draft); :meth:`fill` runs the draft model over the scheduled sequences and puts its drafts
+   in place of the placeholders; the runner runs the drafts after the sequence's new token and returns k + 1
+   rows of logits.
 3. engine/spec/rejection.py verifies; the engine appends the accepted drafts and the token after them one at
    a time through the stop checks (engine/emitting.py), and the scheduler counts the accepted drafts' KV as
    computed (``on_drafts_accepted``): rejected drafts' KV is never registered, hashed or published.
@@ -16,7 +18,8 @@ Per step (engine/engine.py):
    ``vllm:spec_decode_*`` metrics.
 
 Proposer state is a cache of the tokens (engine/spec/proposers.py): a request handed off, migrated or
-preempted is rebuilt from its tokens. :meth:`finish` feeds a finished output to the suffix proposer's worker
+preempted is rebuilt from its tokens (the draft model's KV likewise: computed again from the tokens, see
+engine/spec/draft.py). :meth:`finish` feeds a finished output to the suffix proposer's worker
 cache; requests that left without it are swept every ``SWEEP_STEPS`` steps.
 """
 from __future__ import annotations
@@ -26,9 +29,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.scheduler import SchedulerOutput
 from engine.spec.config import SpeculativeConfig
 from engine.spec.policy import Acceptance, StepCost, choose_lengths
 from engine.spec.proposers import SpecSequence, make_proposer
+from engine.spec.rejection import Drafts
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +53,16 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
-        if config.needs_draft_model:
-            raise NotImplementedError("draft_model speculation needs the draft runner (engine/spec/draft.py)")
+    def __init__(self, config: SpeculativeConfig, draft=None) -> None:
+        """``draft``: the engine.spec.draft.DraftModel of a ``draft_model`` config (its runner needs the engine)."""
+        if config.needs_draft_model and draft is None:
+            raise ValueError("draft_model speculation needs its DraftModel (engine/spec/draft.py)")
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = make_proposer(config)
+        self.draft = draft
+        self.proposer = draft if draft is not None else make_proposer(config)
+        self._probs: dict[str, object] = {}  # request -> q of this step's drafts (a draft model's sampled requests)
+        self._shadow_wanted: set[str] = set()  # requests whose draft model runs for a shadow trial only
         self.cost = StepCost()
         self.acceptance = Acceptance()
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -71,6 +80,8 @@ class SpecDecoder:
             if r.num_tokens - r.num_computed_tokens == 1 and not r.remote_decode:
                 decoding.append(r)
         self._shadow.clear()
+        self._shadow_wanted.clear()
+        self._probs.clear()
         if not decoding:
             return
         seqs = [SpecSequence(r.request_id, r.all_token_ids, r.num_prompt_tokens - r.num_prior_output_tokens,
@@ -82,7 +93,36 @@ class SpecDecoder:
         for r, d, k in zip(decoding, drafts, lengths):
             r.spec_token_ids = list(d[:k])
             if k == 0 and d:
-                self._shadow[r.request_id] = d[0]
+                if self.draft is None:
+                    self._shadow[r.request_id] = d[0]
+                else:  # a placeholder: the draft model makes the first draft in fill
+                    self._shadow_wanted.add(r.request_id)
+
+    def fill(self, sched: SchedulerOutput) -> None:
+        """After scheduling, a draft model's drafts in place of the placeholders (same count), for every sequence
+        the step verifies drafts of; a sequence that verifies none but wants a shadow trial gets its first
+        draft made for that (the draft's KV catches up meanwhile). Nothing for the other proposers."""
+        if self.draft is None:
+            return
+        seqs = [s for s in sched.scheduled if s.num_draft_tokens or (
+            s.request.request_id in self._shadow_wanted and s.num_new_tokens == 1 and s.completes_sequence)]
+        if not seqs:
+            return
+        proposals = self.draft.draft([s.request for s in seqs], [max(s.num_draft_tokens, 1) for s in seqs])
+        for s, p in zip(seqs, proposals):
+            rid = s.request.request_id
+            if s.num_draft_tokens:
+                s.draft_token_ids = tuple(p.token_ids)
+                s.request.spec_token_ids = list(p.token_ids)
+                if p.probs is not None:
+                    self._probs[rid] = p.probs
+            else:
+                self._shadow[rid] = p.token_ids[0]
+
+    def drafts(self, scheduled) -> list[Drafts]:
+        """What verification takes for each ``ScheduledRequest``: its drafts and, for a draft model's sampled
+        requests, the distributions they were drawn from."""
+        return [Drafts(s.draft_token_ids, self._probs.pop(s.request.request_id, None)) for s in scheduled]
 
     # ---- after the step -----------------------------------------------------------------------------
     def observe(self, request: Request, num_drafts: int, num_accepted: int, first_token: int) -> None:
@@ -97,8 +137,10 @@ class SpecDecoder:
             for j in range(num_accepted):
                 st.accepted_per_pos[j] += 1
             self.acceptance.observe(rid, min(num_accepted + 1, num_drafts), num_accepted)
-        elif rid in self._shadow:
+        elif rid in self._shadow:  # a draft model's sampled draft equals the token less often than it is accepted
             self.acceptance.observe(rid, 1, int(self._shadow.pop(rid) == first_token))
+        if self.draft is not None:
+            self.draft.observe(request, num_accepted)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step that ran only decoding sequences (and their drafts): ``num_tokens`` tokens in ``seconds``."""

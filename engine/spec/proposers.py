@@ -105,8 +105,9 @@ class RequestStates(Generic[S]):
 
 
 def make_proposer(config) -> Proposer:
-    """The proposer for an ``engine.spec.config.SpeculativeConfig`` (ngram or suffix; a draft model is
-    not a proposer here yet). Imports inside: the proposer modules import this one."""
+    """The proposer for an ``engine.spec.config.SpeculativeConfig`` of method ngram or suffix (a draft model,
+    engine.spec.draft.DraftModel, is built by the engine: it needs a model runner). Imports inside: the proposer
+    modules import this one."""
     if config.method == "ngram":
         from engine.spec.ngram import NgramProposer
         return NgramProposer(num_speculative_tokens=config.num_speculative_tokens,
@@ -120,5 +121,5 @@ def make_proposer(config) -> Proposer:
                               max_cached_nodes=config.suffix_decoding_max_cached_nodes,
                               max_spec_factor=config.suffix_decoding_max_spec_factor,
                               min_token_prob=config.suffix_decoding_min_token_prob)
-    raise NotImplementedError(f"speculative method {config.method!r} has no proposer in duet yet "
-                              "(a draft model needs its own model runner)")
+    raise NotImplementedError(f"speculative method {config.method!r} has no model-free proposer "
+                              "(a draft model is engine.spec.draft.DraftModel, built by the engine)")

@@ -18,6 +18,10 @@ appended, without touching the request. Its ``grammar`` is None: ``process_logit
 matcher as it stands, which is right for position 0 only, so masks come per position from here instead.
 The sampler's helpers build their index tensors on the host (the engine samples host logits), so on another
 device they need ``device=x.device`` there; everything in this package is device-agnostic.
+
+A draft model (engine/spec/draft.py) processes its own logits with these same functions, one position at a time
+(:class:`GrammarCursor` walks the grammar over its drafts as they are chosen), so its drafts and q respect every
+feature the target's distribution does.
 """
 from __future__ import annotations
 
@@ -116,26 +120,57 @@ def target_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def grammar_position_masks(matcher, draft_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     """[k + 1, vocab_size] bool: row j holds the tokens the grammar allows after the request's outputs and
-    ``draft_ids[:j]``. Rows after the first draft the grammar refuses are all True: never reached (that
-    draft's target probability is 0, so it is rejected); so are rows after a draft the finished document
-    allows (EOS: the request ends there, the caller drops what follows).
-    ``matcher`` (engine.structured.GrammarMatcher) is left in the state it was given in."""
+    ``draft_ids[:j]`` (a :class:`GrammarCursor` walked over the drafts). ``matcher``
+    (engine.structured.GrammarMatcher) is left in the state it was given in."""
     k = len(draft_ids)
     masks = torch.ones(k + 1, vocab_size, dtype=torch.bool)
-    words = np.empty((vocab_size + 31) // 32, dtype=np.int32)
-    num_consumed = 0
+    cursor = GrammarCursor(matcher, vocab_size)
     try:
         for j in range(k + 1):
-            matcher.fill_bitmask(words)
-            bits = np.unpackbits(words.view(np.uint8), count=vocab_size, bitorder="little").view(np.bool_)
-            masks[j] = torch.from_numpy(bits.copy())
-            # the end, a refused draft, or a finished document (only EOS allowed: the draft is EOS, and the
-            # request ends there; a stopped llguidance matcher would not count the EOS, so it is not fed)
-            if j == k or not bits[draft_ids[j]] or matcher.is_terminated:
-                break
-            matcher.accept(draft_ids[j])
-            num_consumed += 1
+            masks[j] = cursor.mask()
+            if j < k:
+                cursor.advance(draft_ids[j])
     finally:
-        if num_consumed:  # GrammarMatcher has no public rollback yet: llguidance's, through the wrapper
-            matcher._ll.rollback(num_consumed)
+        cursor.close()
     return masks
+
+
+class GrammarCursor:
+    """A request's grammar matcher walked over drafts one at a time: :meth:`mask` holds the tokens allowed at the
+    next position, :meth:`advance` moves past a draft, :meth:`close` rolls the matcher back to where it was.
+    Past a draft the grammar refuses, or one the finished document allows (EOS), every position allows
+    everything: never reached (the refused draft's target probability is 0, so it is rejected; after EOS the
+    request ends and the caller drops what follows)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)
+        self._bits: np.ndarray | None = None  # the last mask's
+        self._num_consumed = 0
+        self._done = False
+
+    def mask(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed after the drafts advanced over."""
+        if self._done:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        self.matcher.fill_bitmask(self._words)
+        self._bits = np.unpackbits(self._words.view(np.uint8), count=self.vocab_size, bitorder="little").view(np.bool_)
+        return torch.from_numpy(self._bits.copy())
+
+    def advance(self, token_id: int) -> None:
+        """Move past ``token_id``, the draft at the position :meth:`mask` was last called for."""
+        if self._done:
+            return
+        # a refused draft, or a finished document (only EOS allowed: the draft is EOS, and the request ends
+        # there; a stopped llguidance matcher would not count the EOS, so it is not fed)
+        if self._bits is None or not self._bits[token_id] or self.matcher.is_terminated:
+            self._done = True
+            return
+        self.matcher.accept(token_id)
+        self._num_consumed += 1
+        self._bits = None
+
+    def close(self) -> None:
+        if self._num_consumed:  # GrammarMatcher has no public rollback yet: llguidance's, through the wrapper
+            self.matcher._ll.rollback(self._num_consumed)
+        self._num_consumed = 0
