@@ -91,3 +91,44 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
                 if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{") and 'worker="decode-0"' in ln)
     assert float(line.rsplit(" ", 1)[1]) == spec["num_accepted_tokens"]
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in metrics
+
+
+def test_served_draft_model_disaggregated_equals_without(ray_session, tiny_model, tmp_path):
+    """Must-show 3, disaggregated: a tiny target with a draft derived from it (its weights plus noise: drafts
+    accepted and rejected), `duet serve` 1 P + 1 D — the prefill worker hands the prompt's KV over NIXL, the decode
+    worker computes the draft's own KV of the prompt and speculates. Greedy completions equal the engine's without
+    speculation; seeded sampled ones reproduce themselves from one server to the next request."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from engine.tiny_draft import derive_draft
+
+    model = tiny_model("llama")
+    draft = derive_draft(model, tmp_path / "draft", noise=0.05)
+    prompts = [[(7 * i + 3 * j) % 400 + 3 for j in range(20 + 9 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=0.6)
+    want = [r["text"] for r in Engine(EngineConfig(model=str(model), num_blocks=256)).generate(prompts, params)]
+    port = free_port()
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--prefill", "1", "--decode", "1",
+            "--local-prefill-max-tokens", "0", "--num-blocks", "256", "--speculative-config", json.dumps(spec),
+            "--address", ray_session.get_runtime_context().gcs_address, "--port", str(port),
+            "--grpc-port", str(free_port())]
+    with serving(argv, tmp_path / "serve.log", port, signal.SIGINT):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+
+        def complete(ids, seed=None, temperature=0.0):
+            got = client.completions.create(model=name, prompt=ids, max_tokens=24, temperature=temperature,
+                                            seed=seed, extra_body={"ignore_eos": True, "repetition_penalty": 0.6})
+            return got.choices[0].text
+
+        got = [complete(p) for p in prompts]
+        sampled = [complete(prompts[0], seed=11, temperature=0.9) for _ in range(2)]
+        stats = serve_worker_stats(ray_session)
+    assert got == want
+    assert sampled[0] == sampled[1]
+    spec_stats = stats["decode-0"]["spec_decode"]
+    assert spec_stats["method"] == "draft_model"
+    assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
+    assert stats["decode-0"]["num_remote_kv_received"] == len(prompts) + 2  # every prompt came over NIXL
