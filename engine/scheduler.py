@@ -360,11 +360,8 @@ class Scheduler:
         """The request's drafts (``spec_token_ids``) that fit the step's token budget left and the blocks free
         without preempting anyone: drafts are cut, never paid for by another request's KV."""
         drafts = request.spec_token_ids
-        if not drafts or budget <= 0:
-            return ()
         held = len(request.blocks) * self.block_size - request.num_computed_tokens - 1  # room past the new token
-        room = held + self.pool.num_free_blocks * self.block_size
-        n = min(len(drafts), budget, room)
+        n = min(len(drafts), budget, held + self.pool.num_free_blocks * self.block_size)
         if n <= 0:
             return ()
         need = self.blocks_needed(request.num_computed_tokens + 1 + n) - len(request.blocks)
