@@ -13,20 +13,25 @@ with d_<j counted as generated (engine/spec/targets.py).
   is drawn from norm(max(p_j - q_j, 0)) and the step ends; with all k accepted a bonus token is drawn from
   p_k. Every emitted token is then distributed as p_j given the tokens before it (lossless in distribution;
   tests/engine/spec computes the output distribution exactly and compares it with the target's).
+- **Sampled, one-hot drafts** (n-gram, suffix: q_j one-hot at d_j) take the same test in its coupled form: the
+  plain sampler's own token at each index (the race below) is drawn, and d_j is accepted while it equals it.
+  Acceptance then has probability p_j(d_j) = min(1, p/q) and a rejection's token is the race's winner among the
+  other tokens, distributed as norm(max(p_j - q_j, 0)) — the same algorithm, with its randomness coupled to the
+  plain sampler's, so the output is the plain sampler's **token for token** whatever drafts were proposed.
 
 **Randomness** is stateless per output index, like the sampler's. Position j of a request is output index
 n_j = num_prior_output_tokens + len(output_token_ids) + j, and each index owns two random numbers:
 
-- the acceptance test of the draft at n: ``u = acceptance_uniform(seed, n)``, a 53-bit uniform in [0, 1)
-  from splitmix64(step_seed(seed, n) ^ a salt) — integer arithmetic, the same on every device; accept when
-  u < min(1, p / q);
+- the acceptance test of a draft model's draft at n: ``u = acceptance_uniform(seed, n)``, a 53-bit uniform in
+  [0, 1) from splitmix64(step_seed(seed, n) ^ a salt) — integer arithmetic, the same on every device; accept
+  when u < min(1, p / q);
 - the token drawn at n (the residual at a rejection, or the bonus): the plain sampler's own noise for n —
   Exp(1) over the vocabulary from ``torch.Generator().manual_seed(step_seed(seed, n))`` (on the host) —
   and the exponential race argmax(weights / noise), which draws exactly from the normalised weights.
 
 An index's token is emitted once, so each number is used once, whatever the batch, the number of drafts or
-how steps split the output; a seeded request reproduces its tokens run to run given the same drafts, and
-with k = 0 this is the plain sampler, token for token. A draft model must draw its drafts with
+how steps split the output; with one-hot drafts, or k = 0, a seeded request gives the plain sampler's tokens;
+with a draft model's, the same tokens given the same drafts (which positions had drafts changes the draws). A draft model must draw its drafts with
 :func:`draft_step_seed`, never the request's step_seed: the residual draw would be correlated with the draft.
 
 **Logprobs** of the emitted tokens are what the plain sampler reports: log-softmax of the model's raw logits
@@ -173,32 +178,65 @@ def _verify_sampled(processed: torch.Tensor, row0s: list[int], requests: Sequenc
         p_at = probs[torch.tensor(draft_rows, device=probs.device), index]
         q_at = torch.cat([_q_at_drafts(drafts[i], probs.device) for i in seqs])
         ratios = acceptance_probs(p_at, q_at).tolist()
-    emit_rows, seeds, rejected = [], [], []  # rejected: (row in weights, sequence, position)
+    # one-hot drafts (n-gram, suffix): the plain sampler's own token at each position, accepted while the draft
+    # equals it — P(accept d_j) = p_j(d_j) as Leviathan's test, and a rejection's token is the race's winner among
+    # the others, distributed as norm(max(p_j - q_j, 0)); so the output is the plain sampler's, token for token
+    onehot = [s for s, i in enumerate(seqs) if drafts[i].probs is None and drafts[i].num_tokens]
+    plain: dict[int, list[int]] = {}
+    if onehot:
+        rows, row_seeds = [], []
+        for s in onehot:
+            r, d = requests[seqs[s]], drafts[seqs[s]]
+            base = r.num_prior_output_tokens + len(r.output_token_ids)
+            rows += [local0s[s] + j for j in range(d.num_tokens + 1)]
+            row_seeds += [step_seed(r.seed, base + j) for j in range(d.num_tokens + 1)]
+        tokens = _race(probs[rows], row_seeds)
+        at = 0
+        for s in onehot:
+            n = drafts[seqs[s]].num_tokens + 1
+            plain[s], at = tokens[at:at + n], at + n
+    emit_rows, seeds, rejected, emit_seqs = [], [], [], []  # rejected: (row in weights, sequence, position)
     at = 0
     for s, i in enumerate(seqs):
         r, d = requests[i], drafts[i]
+        if s in plain:
+            j = 0
+            while j < d.num_tokens and d.token_ids[j] == plain[s][j]:
+                j += 1
+            num_accepted[i], final[i] = j, plain[s][j]
+            at += d.num_tokens
+            continue
         base = r.num_prior_output_tokens + len(r.output_token_ids)
         j = 0
         while j < d.num_tokens and acceptance_uniform(r.seed, base + j) < ratios[at + j]:
             j += 1
         at += d.num_tokens
         num_accepted[i] = j
+        if j < d.num_tokens:  # rejected: draw from the residual of p_j and q_j
+            rejected.append((len(emit_rows), i, j))
         emit_rows.append(local0s[s] + j)
         seeds.append(step_seed(r.seed, base + j))
-        if j < d.num_tokens:  # rejected: draw from the residual of p_j and q_j
-            rejected.append((s, i, j))
+        emit_seqs.append(i)
+    if not emit_rows:
+        return
     weights = probs[emit_rows]
     if rejected:
         index = torch.tensor([s for s, _, _ in rejected], device=probs.device)
         q = _q_rows(weights, [(drafts[i], j) for _, i, j in rejected])
         weights[index] = residual_probs(weights[index], q)
-    noise = torch.empty(weights.shape, dtype=weights.dtype)  # on the host: the same numbers on every device
+    for i, token in zip(emit_seqs, _race(weights, seeds)):
+        final[i] = token
+
+
+def _race(weights: torch.Tensor, seeds: list[int]) -> list[int]:
+    """The exponential race per row: argmax(weights / E), E ~ Exp(1) drawn on the host from ``seeds[row]`` (the
+    plain sampler's noise for that output index: the same numbers on every device)."""
+    noise = torch.empty(weights.shape, dtype=weights.dtype)
     gen = torch.Generator()
-    for s, seed in enumerate(seeds):
+    for row, seed in enumerate(seeds):
         gen.manual_seed(seed)
-        noise[s].exponential_(generator=gen)
-    for s, token in zip(seqs, (weights / noise.to(weights.device)).argmax(dim=-1).tolist()):
-        final[s] = token
+        noise[row].exponential_(generator=gen)
+    return (weights / noise.to(weights.device)).argmax(dim=-1).tolist()
 
 
 def _q_at_drafts(d: Drafts, device: torch.device) -> torch.Tensor:

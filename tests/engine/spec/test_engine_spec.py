@@ -278,3 +278,19 @@ def test_triton_backend_verifies_the_same_tokens(model_dir):
     engine = make_engine(model_dir, NGRAM, kernels="triton")
     assert [g["tokens"] for g in run(engine, cases)] == [w["tokens"] for w in want]
     assert engine.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampled_outputs_are_the_plain_samplers_token_for_token(model_dir, method):
+    """One-hot drafts (n-gram, suffix) are accepted while they equal the plain sampler's own draw at their output
+    index, so a seeded request gives exactly its tokens without speculation, however many drafts each step had."""
+    cases = [(p, SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, repetition_penalty=0.6, seed=100 + i,
+                                ignore_eos=True)) for i, p in enumerate(prompts())]
+    want = run(make_engine(model_dir), cases)
+    engine = make_engine(model_dir, METHODS[method])
+    got = run(engine, cases)
+    if method == "suffix":
+        got = run(engine, cases)
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    st = engine.spec.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
