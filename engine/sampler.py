@@ -36,6 +36,18 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) & _MASK64
 
 
+def exponential_race(weights: torch.Tensor, seeds: list[int]) -> list[int]:
+    """Per row, argmax(weights / E) with E ~ Exp(1) over the vocabulary drawn on the host from ``seeds[row]``: a
+    draw from the normalised weights, the same numbers on every device (speculative verification draws with it
+    too, engine/spec/rejection.py)."""
+    noise = torch.empty(weights.shape, dtype=weights.dtype)
+    gen = torch.Generator()
+    for row, seed in enumerate(seeds):
+        gen.manual_seed(seed)
+        noise[row].exponential_(generator=gen)
+    return (weights / noise.to(weights.device)).argmax(dim=-1).tolist()
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -57,13 +69,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         x = _top_k(x, [requests[i].params.top_k for i in random])
         x = _top_p(x, [requests[i].params.top_p for i in random])
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
-        gen = torch.Generator()
-        for row, i in enumerate(random):
-            r = requests[i]
-            gen.manual_seed(step_seed(r.seed, r.num_prior_output_tokens + len(r.output_token_ids)))
-            noise[row].exponential_(generator=gen)
-        token_ids[random] = (probs / noise).argmax(dim=-1).to(token_ids.device)
+        seeds = [step_seed(requests[i].seed, requests[i].num_prior_output_tokens + len(requests[i].output_token_ids))
+                 for i in random]
+        token_ids[random] = torch.tensor(exponential_race(probs, seeds), dtype=torch.long)
     ids = token_ids.tolist()
     logprobs: list[float | None] = [None] * n
     tops: list[dict[int, float] | None] = [None] * n

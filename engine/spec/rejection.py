@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
-from engine.sampler import step_seed
+from engine.sampler import exponential_race, step_seed
 from engine.spec.targets import position_logits, target_probs
 
 _MASK64 = (1 << 64) - 1
@@ -190,7 +190,7 @@ def _verify_sampled(processed: torch.Tensor, row0s: list[int], requests: Sequenc
             base = r.num_prior_output_tokens + len(r.output_token_ids)
             rows += [local0s[s] + j for j in range(d.num_tokens + 1)]
             row_seeds += [step_seed(r.seed, base + j) for j in range(d.num_tokens + 1)]
-        tokens = _race(probs[rows], row_seeds)
+        tokens = exponential_race(probs[rows], row_seeds)
         at = 0
         for s in onehot:
             n = drafts[seqs[s]].num_tokens + 1
@@ -224,19 +224,8 @@ def _verify_sampled(processed: torch.Tensor, row0s: list[int], requests: Sequenc
         index = torch.tensor([s for s, _, _ in rejected], device=probs.device)
         q = _q_rows(weights, [(drafts[i], j) for _, i, j in rejected])
         weights[index] = residual_probs(weights[index], q)
-    for i, token in zip(emit_seqs, _race(weights, seeds)):
+    for i, token in zip(emit_seqs, exponential_race(weights, seeds)):
         final[i] = token
-
-
-def _race(weights: torch.Tensor, seeds: list[int]) -> list[int]:
-    """The exponential race per row: argmax(weights / E), E ~ Exp(1) drawn on the host from ``seeds[row]`` (the
-    plain sampler's noise for that output index: the same numbers on every device)."""
-    noise = torch.empty(weights.shape, dtype=weights.dtype)
-    gen = torch.Generator()
-    for row, seed in enumerate(seeds):
-        gen.manual_seed(seed)
-        noise[row].exponential_(generator=gen)
-    return (weights / noise.to(weights.device)).argmax(dim=-1).tolist()
 
 
 def _q_at_drafts(d: Drafts, device: torch.device) -> torch.Tensor:
