@@ -53,6 +53,10 @@ WARMUP = 1.0  # warm-up requests served before the measured ones, per measured r
 # 7 fixed splits, is the maximum of noisy values: biased upward by the noise itself.
 NEAR = 0.05
 JITTER = (0.99, 1.01)
+# A window shorter than this many autoscaler intervals (at its baseline's rate) is reported, and counted in the
+# ratio, but also named: the autoscaler moves after two agreeing intervals and a flip, so such a window measures
+# the backlog the run carries into it rather than whether the split follows the load (docs/simulator.md e)
+SHORT_WINDOW_INTERVALS = 6
 
 
 def spread(reqs: list) -> list:
@@ -176,7 +180,8 @@ class Search:
         per = [highest(lambda k, w=w: passes(self.measure(k)[1][w]), g) for w in range(WINDOWS)]
         at = self.runs.get(overall, (None, None, {}))[2] if overall is not None else {}
         return {"config": self.dep.name, "goodput": self._r(overall), "windows": [self._r(k) for k in per],
-                "runs": self.simulated, **at}
+                "runs": self.simulated, "requests": len(self.reqs),
+                **({"interval_s": self.autoscaler.interval_s} if self.autoscaler is not None else {}), **at}
 
     def _r(self, k: int | None) -> float:
         return 0.0 if k is None else round(self.rate(k), 4)
@@ -240,11 +245,17 @@ def best_of_fixed_and_ratio(key: tuple, rows: list[dict]) -> dict:
     best_w = [max(r["windows"][w] for r in fixed) for w in range(WINDOWS)]
     ratio = auto["goodput"] / best["goodput"] if best["goodput"] else math.nan
     ratios_w = [a / b if b else math.nan for a, b in zip(auto["windows"], best_w)]
+    # how long each window lasts at its baseline's rate, in the autoscaler's intervals: a window of one or two
+    # intervals measures the backlog a run carries into it, not whether a control loop follows the load
+    n, interval = auto.get("requests"), auto.get("interval_s")
+    span = [round(n / WINDOWS / b / interval, 1) if n and interval and b else None for b in best_w]
     return {"scenario": scenario, "budget": budget, "workload": wl, "configs": rows,
             "best_fixed": best["config"], "best_fixed_goodput": best["goodput"], "best_fixed_windows": best_w,
             "autoscaler_goodput": auto["goodput"], "autoscaler_windows": auto["windows"],
             "colocated_goodput": coloc["goodput"], "ratio": ratio, "window_ratios": ratios_w,
-            "lowest_ratio": min([ratio, *ratios_w])}
+            "lowest_ratio": min([ratio, *ratios_w]), "window_intervals": span,
+            "lowest_ratio_long_windows": min([ratio, *(r for r, v in zip(ratios_w, span)
+                                                       if v is None or v >= SHORT_WINDOW_INTERVALS)])}
 
 
 def report(cases: list[dict]) -> str:
@@ -253,11 +264,13 @@ def report(cases: list[dict]) -> str:
         return " / ".join(f"{v:.3g}" for v in values)
 
     lines = ["| hardware | budget | workload | best fixed split (req/s) | autoscaler (req/s) | ratio | per window: "
-             "best fixed | per window: autoscaler | window ratios | colocated |", "|---" * 10 + "|"]
+             "best fixed | per window: autoscaler | window ratios | window length (intervals) | colocated |",
+             "|---" * 11 + "|"]
     for c in cases:
         lines.append(f"| {c['scenario']} | {c['budget']} | {c['workload']} | {c['best_fixed']} {c['best_fixed_goodput']:.3g}"
                      f" | {c['autoscaler_goodput']:.3g} | **{c['ratio']:.2f}** | {ws(c['best_fixed_windows'])} | "
-                     f"{ws(c['autoscaler_windows'])} | {ws(c['window_ratios'])} | {c['colocated_goodput']:.3g} |")
+                     f"{ws(c['autoscaler_windows'])} | {ws(c['window_ratios'])} | "
+                     f"{ws(v for v in c.get('window_intervals') or () if v is not None) or '-'} | {c['colocated_goodput']:.3g} |")
     return "\n".join(lines)
 
 
@@ -289,3 +302,27 @@ def plot(cases: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def trace_case(sc: Scenario, budget: int, workload: str, rate: float, names: tuple[str, ...] = ()) -> str:
+    """One run per configuration of a goodput case at ``rate`` (no search, no median): each one's attainment
+    overall and per window, when the windows start, and the autoscaler's moves with their reasons — what a
+    window's result came from. ``names``: configurations whose name starts with one of these (default all)."""
+    reqs, warm = make_workload(workload, sc), make_warmup(workload, sc)
+    _, scale = at_rate(reqs, rate)
+    timeline = [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in with_warmup(warm, reqs)]
+    slo, lines = GOODPUT_SLO[sc.name], []
+    for dep, auto in configs(sc, budget, reqs):
+        if names and not dep.name.startswith(names):
+            continue
+        doc = simulate_run(dep, sc.hardware, timeline, workload_desc(sc.workload, scale, len(timeline)), slo, auto)
+        overall, per = attainment(doc, slo, skip=len(warm))
+        lines.append(f"{dep.name:28s} met {overall:.1%}; per window " + " / ".join(f"{a:.1%}" for a in per))
+        if auto is None:
+            continue
+        starts = sorted(r["arrival_s"] for r in doc["requests"] if r["index"] >= len(warm))
+        lines.append("  windows start at t = " + " / ".join(f"{starts[w * len(starts) // WINDOWS]:.0f}"
+                                                            for w in range(WINDOWS)) + " s")
+        lines += [f"  t = {d['t_s']:.0f} s {d['role']} {d['direction']} -> {d['target']} ({d['code']}): {d['reason']}"
+                  for d in doc["sim"]["autoscaler"]["decisions"] if d["direction"] != "hold"]
+    return "\n".join(lines)

@@ -11,6 +11,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
     python -m bench.simulate goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
                                  # e. DistServe goodput: the autoscaler vs the best fixed split (bench/sim_goodput.py)
+    python -m bench.simulate goodput-trace --hardware cpu --budgets 8 --workloads mooncake --rate 3.54 [--only 6P+2D,auto]
+                                 # one run per configuration of a case at one rate: windows met, the autoscaler's moves
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json
 
@@ -35,7 +37,7 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
-from bench.sim_goodput import WORKLOADS, plot, report, study_goodput
+from bench.sim_goodput import SHORT_WINDOW_INTERVALS, WORKLOADS, plot, report, study_goodput, trace_case
 from bench.sim_tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
@@ -221,7 +223,7 @@ def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "goodput",
-                                      "run", "calibration-check"])
+                                      "goodput-trace", "run", "calibration-check"])
     ap.add_argument("--hardware", default=None, help="cpu, gpu or cpu,gpu (default: both for all, else cpu)")
     ap.add_argument("--limit", type=int, help="trace window (requests; default 1000)")
     ap.add_argument("--link", default="rdma", choices=["rdma", "nvlink"], help="GPU KV transfer link")
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="4,8", help="goodput: worker budgets")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="goodput: workloads")
     ap.add_argument("--jobs", type=int, default=1, help="goodput: searches run in this many processes")
+    ap.add_argument("--only", help="goodput-trace: configurations whose names start with these (comma-separated; "
+                    "e.g. 6P+2D,autoscaler)")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
     ap.add_argument("--real", type=Path, help="calibration-check: a real run's JSON (duet bench)")
     ap.add_argument("--workload", type=Path, help="calibration-check: the workload JSONL, when the real JSON's "
@@ -255,6 +259,14 @@ def main(argv: list[str] | None = None) -> None:
         calibration_check(args.real, args.workload, args.threads, args.calibration, args.out_dir)
         return
     hw = args.hardware or ("cpu,gpu" if args.study in ("all", "goodput") else "cpu")
+    if args.study == "goodput-trace":  # one goodput case at one rate: what its windows came from
+        for sc in scenarios(hw, args):
+            for budget in (int(b) for b in args.budgets.split(",")):
+                for wl in args.workloads.split(","):
+                    print(f"## {sc.name}, budget {budget}, {wl}, {args.rate} req/s")
+                    print(trace_case(sc, budget, wl, args.rate or sc.autoscale_rates[0] * budget / 4,
+                                     tuple(filter(None, (args.only or "").split(",")))))
+        return
     if args.study == "goodput":
         cases = study_goodput(scenarios(hw, args), tuple(int(b) for b in args.budgets.split(",")),
                               tuple(args.workloads.split(",")), args.jobs)
@@ -266,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"total {time.perf_counter() - t0:.0f} s; JSON in {args.out_dir}", file=sys.stderr)
         print(f"ratio: {lowest['lowest_ratio']:.3f} (lowest autoscaler / best-fixed-split goodput, per window and "
               f"overall, over {len(cases)} cases; lowest: {lowest['scenario']} budget {lowest['budget']} "
-              f"{lowest['workload']})")
+              f"{lowest['workload']}; over windows of at least {SHORT_WINDOW_INTERVALS} intervals only: "
+              f"{min(c['lowest_ratio_long_windows'] for c in cases):.3f})")
         return
     for sc in scenarios(hw, args):
         if args.study == "run":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.metrics import meets_slo
-from bench.sim_goodput import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, make_warmup, make_workload,
+from bench.sim_goodput import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, make_warmup, make_workload, report,
                                 spread, with_warmup)
 from bench.sim_scenarios import cpu_scenario, trace
 from bench.workloads import BenchRequest
@@ -55,6 +55,22 @@ def test_case_ratio_is_against_the_best_fixed_split_per_window_and_overall():
     assert row["best_fixed_windows"] == [2.0, 2.0, 1.5, 1.5]
     assert row["window_ratios"] == pytest.approx([0.9, 0.9, 1.0, 0.8]) and row["lowest_ratio"] == pytest.approx(0.8)
     assert row["colocated_goodput"] == 9.0  # reported, not the baseline
+    assert row["window_intervals"] == [None] * WINDOWS and row["lowest_ratio_long_windows"] == row["lowest_ratio"]
+
+
+def test_windows_shorter_than_the_control_loop_are_named_not_dropped():
+    """400 measured requests, 4 windows of 100: at 2 req/s a window lasts 50 s = 5 intervals of 10 s (short), at
+    1.5 req/s 6.7 intervals. The strict lowest ratio keeps every window; the second one leaves the short out."""
+    rows = [{"config": "1P+3D", "goodput": 1.0, "windows": [2.0, 1.0, 1.0, 1.0]},
+            {"config": "3P+1D", "goodput": 1.5, "windows": [1.0, 2.0, 1.5, 1.5]},
+            {"config": "autoscaler (2P+2D start)", "goodput": 1.35, "windows": [1.8, 1.6, 1.5, 1.4],
+             "requests": 400, "interval_s": 10.0},
+            {"config": "colocated-4", "goodput": 9.0, "windows": [9.0] * WINDOWS}]
+    row = best_of_fixed_and_ratio(("gpu", 8, "shift"), rows)
+    assert row["window_intervals"] == [5.0, 5.0, 6.7, 6.7]
+    assert row["lowest_ratio"] == pytest.approx(0.8)  # window 2: 1.6 / 2.0
+    assert row["lowest_ratio_long_windows"] == pytest.approx(0.9)  # overall 1.35 / 1.5; windows 3-4: 1.0, 0.93
+    assert "5 / 5 / 6.7 / 6.7" in report([row])
 
 
 def test_the_autoscaler_flips_a_worker_to_the_short_role_at_the_budget():
@@ -117,3 +133,18 @@ def test_a_grid_point_near_the_bar_is_decided_by_the_median_of_three_nearby_rate
     seen.clear()
     assert s.measure(1) == (0.99, [0.99] * WINDOWS) and seen == [1.1] and s.simulated == 4  # far from the bar: one run
     assert s.measure(0)[0] == 0.91 and s.simulated == 4  # cached
+
+
+def test_a_traced_case_shows_each_window_and_the_autoscalers_moves():
+    """goodput-trace: one run per named configuration at one rate; the autoscaler's lines say when the windows
+    start and every move it made, with its reason."""
+    from bench.sim_goodput import trace_case
+
+    sc = cpu_scenario(limit=48)
+    text = trace_case(sc, 4, "shift", 2.0, ("3P+1D", "autoscaler"))
+    lines = text.splitlines()
+    assert [ln.split()[0] for ln in lines if " met " in ln] == ["3P+1D", "autoscaler"]
+    starts = next(ln for ln in lines if "windows start at" in ln)
+    assert len(starts.split("=")[1].split("/")) == WINDOWS
+    moves = [ln for ln in lines if ln.startswith("  t = ")]
+    assert all("(" in m and "):" in m for m in moves)  # code and reason
