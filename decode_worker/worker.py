@@ -5,7 +5,8 @@
 Path of one handoff (engine thread unless said otherwise):
 1. `engine.reserve_remote(handoff)` re-hashes the prompt, reuses our own prefix hits, allocates the rest,
    and returns a `RemoteKVPlan`. If the pool is full right now the handoff waits (retried every tick;
-   the prefill lease keeps the source blocks meanwhile).
+   the prefill lease keeps the source blocks meanwhile — until its deadline, which the handoff carries: a
+   pull that cannot end before it is not made, or its bytes are discarded, and the prompt is recomputed).
 2. Transfer thread: `transport.pull(...)` READs the missing blocks straight into our cache tensor over
    NIXL (one descriptor per contiguous run); NIXL's completion notification releases the lease at the
    prefill worker. No missing blocks (a full prefix hit): just send the release notice.
@@ -76,7 +77,8 @@ class DecodeRole(WorkerRole):
             self.worker.puller.notify(handoff.source, ReleaseNotice(handoff.lease_id, ok=True).encode())
             engine.commit_remote(handoff.request_id)
             return
-        request = TransferRequest(handoff.source, handoff.lease_id, plan.remote_block_ids, plan.local_block_ids)
+        request = TransferRequest(handoff.source, handoff.lease_id, plan.remote_block_ids, plan.local_block_ids,
+                                  handoff.lease_deadline_unix_s)
         request_id = handoff.request_id
         # fault injection (transfer.fault_pull_delay_s): the blocks are reserved, the pull starts later
         w = self.worker

@@ -35,6 +35,7 @@ class KVHandoff:
     block_size: int
     source: str = ""  # the prefill worker (its transfer agent's name), filled in by the worker
     lease_id: str = ""  # filled in by the worker
+    lease_deadline_unix_s: float | None = None  # ... and when its lease runs out (kvtransfer/wire.py TransferRequest)
 
     def __post_init__(self) -> None:
         expected = -(-self.num_tokens // self.block_size)
@@ -60,6 +61,7 @@ class PeerBlocks:
     first_block: int  # the request's block index of block_hashes[0]
     block_hashes: tuple[int, ...]
     remote_block_ids: tuple[int, ...]  # in the peer's readable id space (its cache, then its host tier)
+    lease_deadline_unix_s: float | None = None  # when the peer's lease runs out (wall clock)
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != len(self.remote_block_ids) or self.first_block < 0:

@@ -11,10 +11,11 @@ Each way hands the lease's block ids to `on_release(block_ids)` once, so the own
 references. Two leases may name the same block (two requests sharing a prefix): each lease is one
 reference, released separately, so the owner's refcounts stay exact.
 
-Ordering rule the callers must keep: the puller's transfer timeout must be shorter than the lease
-timeout (minus queueing). NIXL delivers the READ's notification only after the data has landed, so a
-release on notice is always safe; an expiry is safe only if the puller has given up by then. A notice
-for a lease that is no longer held (it expired, or was already released) is counted in
+NIXL delivers the READ's notification only after the data has landed, so a release on notice is always
+safe; an expiry is safe only if the puller has given up by then. The puller keeps that by the lease's deadline
+(`deadline_unix_s`, carried in the handoff): it neither starts nor trusts a read that ends within a clock margin
+of it (prefill_worker/puller.py) — a transfer timeout alone does not bound how long a handoff waited before its
+read. A notice for a lease that is no longer held (it expired, or was already released) is counted in
 `counters.late_notices` — a non-zero value means the lease timeout is too short for the pull path.
 
 Pure Python with an injectable clock (`clock() -> seconds`, monotonic by default), so tests are exact.
@@ -103,6 +104,11 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (lease.expires_at_s, lease_id))
         self.counters.acquired += 1
         return lease
+
+    def deadline_unix_s(self, lease_id: str) -> float:
+        """When the held lease ``lease_id`` runs out, on the wall clock (``time.time()``): what a puller in another
+        process, or on another host, compares with its own clock (``TransferRequest.deadline_unix_s``)."""
+        return time.time() + (self._leases[lease_id].expires_at_s - self._clock())
 
     def release(self, lease_id: str, *, ok: bool = True) -> bool:
         """End a lease on the puller's notice; False (and counted) if it was not held."""

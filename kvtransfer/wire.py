@@ -56,6 +56,10 @@ class TransferRequest:
     lease_id: str
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    # when the owner's lease runs out, on the wall clock (time.time()); None: no lease to respect. The owner
+    # may reuse the blocks after it, so a read that has not ended by then (less a clock margin) is discarded
+    # (prefill_worker/puller.py): NIXL would deliver the reused blocks' bytes as a successful READ
+    deadline_unix_s: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so the value stays hashable and immutable.

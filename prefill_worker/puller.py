@@ -27,6 +27,10 @@ from prefill_worker.sources import Sources
 log = logging.getLogger(__name__)
 
 PullDone = Callable[[str | None, int], None]
+# A pull must end this long before its owner's lease does (TransferRequest.deadline_unix_s, the owner's wall
+# clock): what the hosts' clocks may disagree by (NTP keeps them within milliseconds) plus the time from the
+# READ's last byte to this thread's check of the clock
+LEASE_CLOCK_MARGIN_S = 0.5
 
 
 class Puller:
@@ -68,7 +72,9 @@ class Puller:
     def reset_stats(self) -> None:
         """Counters from zero (a role flip: the worker's new id starts its own series)."""
         with self.lock:
-            self.stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0}
+            self.stats = {"transfers_ok": 0, "transfers_failed": 0, "transfer_bytes": 0, "transfer_s": 0.0,
+                          # pulls not started, or their bytes discarded, because the owner's lease ran out
+                          "transfers_past_lease": 0}
             self.xfer_time = Histogram(NIXL_XFER_BUCKETS_S)  # per successful pull (vllm:nixl_xfer_time_seconds)
             self.xfer_bytes = Histogram(NIXL_BYTES_BUCKETS)  # (vllm:nixl_bytes_transferred)
 
@@ -151,10 +157,19 @@ class Puller:
     def _pull(self, transport: NixlTransport, request: TransferRequest, done: PullDone,
               before: Callable[[], str | None] | None = None) -> None:
         t0 = time.perf_counter()
-        error, num_bytes = None, 0
+        error, num_bytes, past_lease = None, 0, False
         try:
             if not self._sources.knows(request.peer_name):
                 raise KVTransferError(f"unknown peer {request.peer_name!r} (no handshake)")
+            timeout_s = self.transfer_timeout_s
+            if request.deadline_unix_s is not None:
+                left = request.deadline_unix_s - LEASE_CLOCK_MARGIN_S - time.time()
+                if left <= 0:  # waited too long (for free blocks, in this queue): the owner may reuse them now
+                    past_lease = True
+                    self._notify_failed(request)
+                    raise KVTransferError(f"the owner's lease {request.lease_id} runs out in "
+                                          f"{left + LEASE_CLOCK_MARGIN_S:.2f} s: too late to start the read")
+                timeout_s = min(timeout_s, left)
             failed = before() if before is not None else None
             if failed is not None:
                 self._notify_failed(request)
@@ -162,13 +177,21 @@ class Puller:
             if self._sources.is_split(request.peer_name):  # another split: staged reads, the notice after them
                 try:
                     num_bytes = self._sources.read(request.peer_name, request.remote_block_ids,
-                                                   request.local_block_ids, self.transfer_timeout_s,
+                                                   request.local_block_ids, timeout_s,
                                                    notif=ReleaseNotice(request.lease_id, ok=True).encode())
                 except Exception:
                     self._notify_failed(request)
                     raise
             else:
-                num_bytes = transport.pull(request, timeout_s=self.transfer_timeout_s).num_bytes
+                num_bytes = transport.pull(request, timeout_s=timeout_s).num_bytes
+            if request.deadline_unix_s is not None and time.time() > request.deadline_unix_s - LEASE_CLOCK_MARGIN_S:
+                # the bytes landed, but maybe after the owner could reuse the blocks: NIXL reports a READ of
+                # reused memory as a success, so they cannot be trusted (the caller recomputes or fails)
+                past_lease = True
+                raise KVTransferError(f"the read of lease {request.lease_id} ended "
+                                      f"{time.time() - request.deadline_unix_s:+.2f} s from the owner's lease deadline, "
+                                      f"within the {LEASE_CLOCK_MARGIN_S} s margin or past it: the blocks may have "
+                                      "been reused, the bytes are discarded")
         except KVTransferError as e:
             error = str(e)
         except Exception as e:  # nixl binding errors
@@ -183,4 +206,7 @@ class Puller:
                 self.xfer_bytes.observe(num_bytes)
             else:
                 self.stats["transfers_failed"] += 1
+                self.stats["transfers_past_lease"] += past_lease
+        if past_lease:
+            log.warning("pull from %s: %s", request.peer_name, error)
         done(error, num_bytes)

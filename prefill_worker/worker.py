@@ -111,7 +111,8 @@ class PrefillRole(WorkerRole):
         self.leases.acquire(lease_id, handoff.block_ids)
         self._lease_by_request[handoff.request_id] = lease_id
         self._request_by_lease[lease_id] = handoff.request_id
-        out.handoff = replace(handoff, source=self.transport.agent_name, lease_id=lease_id)
+        out.handoff = replace(handoff, source=self.transport.agent_name, lease_id=lease_id,
+                              lease_deadline_unix_s=self.leases.deadline_unix_s(lease_id))
         return out
 
     def on_tick(self) -> None:
@@ -149,7 +150,7 @@ class PrefillRole(WorkerRole):
         self.export_stats["exports"] += 1
         self.export_stats["exported_blocks"] += len(remote_ids)
         return PeerBlocks(self.transport.agent_name, lease_id, first_block, tuple(block_hashes[:len(remote_ids)]),
-                          tuple(remote_ids))
+                          tuple(remote_ids), self.leases.deadline_unix_s(lease_id))
 
     def _end_lease(self, request_id: str, engine: Engine) -> bool:
         lease_id = self._lease_by_request.get(request_id)
@@ -202,7 +203,8 @@ class _Importer:
                             len(local_block_ids), request_id, peer.source, error)
             w.aengine.call(lambda engine: engine.finish_import(request_id, error is None))
 
-        request = TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids)
+        request = TransferRequest(peer.source, peer.lease_id, remote_block_ids, local_block_ids,
+                                  peer.lease_deadline_unix_s)
         w.puller.pull(request, done, delay_s=w.options.fault_pull_delay_s,  # fault injection, as decode's pulls
                       before=w.ranks.reads(request))
 

@@ -196,6 +196,9 @@ _WORKER_COUNTERS = (
      "leases_expired"),
     ("duet_kv_recomputes", "Requests whose KV transfer failed and whose prompt the decode worker recomputed.",
      "num_remote_recomputes"),
+    ("duet_kv_transfers_past_lease", "Decode workers' KV pulls not started, or whose bytes were discarded, because "
+     "the prefill worker's lease ran out first (its blocks may have been reused): the prompt is recomputed.",
+     "transfers_past_lease"),
     ("duet_kv_transfer_errors", "Requests ended with an error because their KV transfer failed "
      "(transfer.recompute_on_failure: false).", "num_remote_failures"),
     ("duet_kv_transfers_skipped", "Handoffs the decode worker already held completely (nothing pulled).",

@@ -53,6 +53,7 @@ class Outcome:
     exact: int = 0
     errors: list[str] = field(default_factory=list)
     wrong: list[int] = field(default_factory=list)
+    wrong_detail: list[str] = field(default_factory=list)  # how each wrong output differs (the failure says)
     hung: list[int] = field(default_factory=list)
     cancelled: int = 0
 
@@ -83,6 +84,10 @@ def judge(results, references, outcome: Outcome) -> Outcome:
                 outcome.exact += 1
             else:
                 outcome.wrong.append(i)
+                got, want = tokens, ref["token_ids"]
+                at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                outcome.wrong_detail.append(f"request {i}: {len(got)} tokens (reference {len(want)}), first "
+                                            f"difference at token {at}; finish {getattr(last, 'finish_reason', None)}")
     return outcome
 
 
@@ -114,7 +119,17 @@ def finish(name, cluster, loop_thread, reference_fn, outcome: Outcome, fault_at:
            counters_before: dict, **extra) -> dict:
     """Check recovery and an exact batch afterwards; write the figures (``extra`` too) for docs/reliability.md."""
     assert not outcome.hung, f"hung requests: {outcome.hung}"
-    assert not outcome.wrong, f"requests that succeeded with another text than the fault-free run: {outcome.wrong}"
+    if outcome.wrong:  # what the router and the workers did, to tell which path gave the wrong text
+        counters = {k: v - counters_before.get(k, 0) for k, v in cluster.backend.counters.items()
+                    if v != counters_before.get(k, 0)}
+        try:
+            workers = {w: {k: v for k, v in s.items() if isinstance(v, (int, float)) and v and any(
+                part in k for part in ("remote", "peer", "recompute", "import", "fail", "handoff", "lease"))}
+                for w, s in stats(loop_thread, cluster).items()}
+        except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the failure
+            workers = repr(e)
+        pytest.fail(f"requests that succeeded with another text than the fault-free run: {outcome.wrong}: "
+                    f"{outcome.wrong_detail}; router counters {counters}; workers {workers}")
     back = wait_for(lambda: recovered(loop_thread, cluster), timeout_s=RECOVERY_BOUND_S, interval_s=0.25)
     recovery_s = time.monotonic() - fault_at
     assert back, ("pools did not return to their targets with every block free", cluster.pools.autoscaler_view())
