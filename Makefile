@@ -62,18 +62,21 @@ system-deps:
 		command -v chromedriver >/dev/null || ($(SUDO) apt-get update && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server curl chromium chromium-driver)
 
+# the whole suite but the tests marked soak (heavy variants of checks it also makes: `make soak` runs them)
 test: install system-deps
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not soak" $(PYTEST_ARGS)
 
 test-fast: install system-deps
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct by default; TINY=1: the generated tiny Llama; SMALL=1: a quick short run
 # the fault suite with 5x the requests per scenario (figures in build/reliability/, docs/reliability.md), the
-# full schemathesis fuzz (>= 2,000 generated requests), SmolLM2 saved by transformers 5 through `duet serve` and
-# SmolLM2 split over three ranks both ways (P3-D1 and P1-D3)
+# full schemathesis fuzz (>= 2,000 generated requests, and against a real engine), SmolLM2 saved by transformers 5
+# through `duet serve`, SmolLM2 split over three ranks both ways (P3-D1 and P1-D3); then every test marked soak
+# (`make test` leaves them out: lm-eval against duet, the live autoscaler's traffic mix, all seven served families)
 soak: install system-deps
 	DUET_FAULT_SCALE=5 $(PY) -m pytest -q -s -p no:cacheprovider tests/cluster/test_faults.py tests/cluster/test_faults_timed.py tests/cluster/test_faults_redis.py tests/router/test_fuzz.py tests/cluster/test_real_models_serve.py tests/cluster/test_tp_serve.py
+	$(PY) -m pytest -q -s -p no:cacheprovider -m soak tests/bench tests/cluster/test_operating.py tests/cluster/test_model_families_serve.py
 
 bench-engine: install
 	$(if $(SKIP_VLLM),,bench/install_vllm.sh .cache/vllm-venv)

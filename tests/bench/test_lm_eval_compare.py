@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 LIMIT = 8  # documents per task: 32 log-likelihood requests and 8 generations per backend
 
 
+@pytest.mark.soak  # ~80 s here: `make soak` (and `make eval-compare` runs the comparison in full)
 def test_lm_eval_local_completions_on_duet_equals_hf_backend(tmp_path):
     runs = run_backends(tmp_path, limit=LIMIT, batch_size=4)
     cmp = compare(runs["hf"], runs["duet"])

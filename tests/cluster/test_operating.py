@@ -51,6 +51,7 @@ AUTOSCALE = {
 }
 
 
+@pytest.mark.soak  # ~60 s; `make test` follows a traffic mix live in tests/bench/test_bench_autoscale_live.py
 def test_autoscaler_follows_the_traffic_mix_and_drains_back(cluster_factory, loop_thread):
     """Long prompts add a prefill worker (and not a decode one), long outputs add a decode worker, silence
     drains both pools back to one — with no failed request and every block back in the pools."""

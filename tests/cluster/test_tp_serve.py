@@ -91,13 +91,14 @@ def test_read_plans(tp, src_tp, total, want):
             assert [src[c.src_start + i] for i in range(c.count)] == [dst[c.dst_start + i] for i in range(c.count)]
 
 
-# `make test` serves SmolLM2 one way (~100 s); `make soak` the other too (the tiny GQA model above crosses the splits
+# `make soak` serves SmolLM2 both ways (~65 s each); `make test` neither (the tiny GQA model above crosses the splits
 # both ways in `make test`)
 SOAK = int(os.environ.get("DUET_FAULT_SCALE", "1")) > 1
 SMOLLM2_SPLITS = [(3, 1)] + ([(1, 3)] if SOAK else [])
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # ~65 s per direction: `make soak`; `make test` crosses the splits with the tiny GQA model above
 @pytest.mark.parametrize("p_tp,d_tp", SMOLLM2_SPLITS, ids=[f"P{p}-D{d}" for p, d in SMOLLM2_SPLITS])
 def test_smollm2_split_over_three_ranks_serves_the_one_rank_engine_s_text(ray_session, tmp_path, smollm2_gguf,
                                                                           p_tp, d_tp):

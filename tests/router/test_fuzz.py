@@ -60,6 +60,7 @@ def test_schemathesis_finds_no_server_error_and_nothing_undocumented(tiny_model)
     (REPORT / "schemathesis.txt").write_text(run.stdout)
 
 
+@pytest.mark.soak  # ~50 s: `make soak`; `make test` fuzzes the scripted backend above and the hostile bodies below
 def test_schemathesis_against_a_real_engine(tiny_model):
     """A shorter run against a real engine (LocalBackend: tokenizer, validation against the model's vocab
     and context length, scheduler, sampler), so errors only real generation can raise are reached too. Random
