@@ -34,6 +34,7 @@ import yaml
 from cluster.autoscaler import AutoscalerConfig
 from engine.config import EngineConfig, checkpoint_name
 from engine.errors import ConfigError
+from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -145,6 +146,9 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if not 0 < self.transfer_timeout_s < self.lease_timeout_s:
             raise ConfigError("transfer.transfer_timeout_s must be > 0 and < transfer.lease_timeout_s")
+        if self.lease_timeout_s <= 2 * LEASE_CLOCK_MARGIN_S:
+            raise ConfigError(f"transfer.lease_timeout_s must exceed {2 * LEASE_CLOCK_MARGIN_S} s: a pull must end "
+                              f"{LEASE_CLOCK_MARGIN_S} s before its lease does")
         if not 0 <= self.fault_pull_delay_s < self.lease_timeout_s:
             raise ConfigError("transfer.fault_pull_delay_s must be >= 0 and < transfer.lease_timeout_s")
 

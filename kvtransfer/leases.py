@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from kvtransfer.wire import ReleaseNotice
 
 DEFAULT_LEASE_TIMEOUT_S = 60.0
+# A pull must end this long before its owner's lease does (TransferRequest.deadline_unix_s, the owner's wall
+# clock): what the hosts' clocks may disagree by (NTP keeps them within milliseconds) plus the time from the
+# READ's last byte to the puller's check of the clock (prefill_worker/puller.py)
+LEASE_CLOCK_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True)

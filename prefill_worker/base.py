@@ -43,6 +43,7 @@ from engine.errors import DuetError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
+from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 from prefill_worker.engine_facts import hit_sources, kv_compat, spec_stats, tier_stats
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
@@ -79,6 +80,9 @@ class WorkerOptions:
         if self.transfer_timeout_s >= self.lease_timeout_s:
             raise ValueError("transfer_timeout_s must be shorter than lease_timeout_s (a lease could expire "
                              "under a transfer still landing)")
+        if self.lease_timeout_s <= 2 * LEASE_CLOCK_MARGIN_S:
+            raise ValueError(f"lease_timeout_s must exceed {2 * LEASE_CLOCK_MARGIN_S} s: a pull must end "
+                             f"{LEASE_CLOCK_MARGIN_S} s before its lease does (prefill_worker/puller.py)")
 
 
 @dataclass(frozen=True)

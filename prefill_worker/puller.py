@@ -22,15 +22,12 @@ import torch
 
 from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
 from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
+from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 from prefill_worker.sources import Sources
 
 log = logging.getLogger(__name__)
 
 PullDone = Callable[[str | None, int], None]
-# A pull must end this long before its owner's lease does (TransferRequest.deadline_unix_s, the owner's wall
-# clock): what the hosts' clocks may disagree by (NTP keeps them within milliseconds) plus the time from the
-# READ's last byte to this thread's check of the clock
-LEASE_CLOCK_MARGIN_S = 0.5
 
 
 class Puller:

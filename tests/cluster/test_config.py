@@ -1,4 +1,5 @@
-"""cluster/config.py: the router section's KV tier weights (validated when the config is built)."""
+"""cluster/config.py: the router section's KV tier weights and the transfer section's lease bounds (validated
+when the config is built)."""
 import pytest
 
 from cluster.config import ClusterConfig
@@ -20,3 +21,12 @@ def test_router_tier_weights_parse_with_defaults_for_missing_keys():
 def test_router_tier_weights_refuse_unknown_keys_and_bad_values(weights, named):
     with pytest.raises(ConfigError, match=named):
         ClusterConfig.from_dict({"model": "m", "router": {"tier_weights": weights}})
+
+
+def test_a_lease_too_short_for_the_pull_margin_is_refused():
+    """A pull must end LEASE_CLOCK_MARGIN_S before its lease does: a lease at or under twice that would refuse every
+    read (each prompt recomputed): a clear error instead. Just above it is accepted."""
+    with pytest.raises(ConfigError, match="lease_timeout_s must exceed 1.0"):
+        ClusterConfig.from_dict({"model": "m", "transfer": {"lease_timeout_s": 1.0, "transfer_timeout_s": 0.5}})
+    config = ClusterConfig.from_dict({"model": "m", "transfer": {"lease_timeout_s": 1.5, "transfer_timeout_s": 0.5}})
+    assert config.transfer.lease_timeout_s == 1.5
