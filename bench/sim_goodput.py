@@ -270,7 +270,8 @@ def report(cases: list[dict]) -> str:
         lines.append(f"| {c['scenario']} | {c['budget']} | {c['workload']} | {c['best_fixed']} {c['best_fixed_goodput']:.3g}"
                      f" | {c['autoscaler_goodput']:.3g} | **{c['ratio']:.2f}** | {ws(c['best_fixed_windows'])} | "
                      f"{ws(c['autoscaler_windows'])} | {ws(c['window_ratios'])} | "
-                     f"{ws(v for v in c.get('window_intervals') or () if v is not None) or '-'} | {c['colocated_goodput']:.3g} |")
+                     f"{ws(v for v in c.get('window_intervals') or () if v is not None) or '-'} | "
+                     f"{c['colocated_goodput']:.3g} |")
     return "\n".join(lines)
 
 

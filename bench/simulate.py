@@ -11,7 +11,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
     python -m bench.simulate goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
                                  # e. DistServe goodput: the autoscaler vs the best fixed split (bench/sim_goodput.py)
-    python -m bench.simulate goodput-trace --hardware cpu --budgets 8 --workloads mooncake --rate 3.54 [--only 6P+2D,auto]
+    python -m bench.simulate goodput-trace --hardware cpu --budgets 8 --workloads mooncake --rate 3.54 \
+                                 [--only 6P+2D,auto]
                                  # one run per configuration of a case at one rate: windows met, the autoscaler's moves
     python -m bench.simulate run --config 2P+2D --rate 1.0 [--hardware cpu] [--policy round_robin] [--out F]
     python -m bench.simulate calibration-check --real build/bench/serve/duet-disagg-1p1d-trace.json

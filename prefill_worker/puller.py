@@ -186,7 +186,7 @@ class Puller:
                 # reused memory as a success, so they cannot be trusted (the caller recomputes or fails)
                 past_lease = True
                 raise KVTransferError(f"the read of lease {request.lease_id} ended "
-                                      f"{time.time() - request.deadline_unix_s:+.2f} s from the owner's lease deadline, "
+                                      f"{time.time() - request.deadline_unix_s:+.2f} s from the owner's deadline, "
                                       f"within the {LEASE_CLOCK_MARGIN_S} s margin or past it: the blocks may have "
                                       "been reused, the bytes are discarded")
         except KVTransferError as e:
