@@ -135,6 +135,19 @@ def attainment(doc: dict, slo: dict, windows: int = WINDOWS, skip: int = 0) -> t
     return (sum(good) / n if n else 0.0), per
 
 
+def run_at_rate(sc: Scenario, dep: Deployment, autoscaler, reqs: list, warm: list,
+                rate: float) -> tuple[dict, float, list[float]]:
+    """One run: ``warm`` then ``reqs`` with the measured requests at ``rate`` req/s (their rate sets the time scale);
+    (the run's document, attainment overall, per window — the warm-up not counted)."""
+    _, scale = at_rate(reqs, rate)
+    timeline = [dataclasses.replace(r, arrival_s=r.arrival_s * scale)
+                for r in (with_warmup(warm, reqs) if warm else reqs)]
+    slo = GOODPUT_SLO[sc.name]
+    doc = simulate_run(dep, sc.hardware, timeline, workload_desc(sc.workload, scale, len(timeline)), slo, autoscaler)
+    overall, per = attainment(doc, slo, skip=len(warm))
+    return doc, overall, per
+
+
 @dataclasses.dataclass
 class Search:
     """One configuration's goodput search on one workload (runs cached by grid index)."""
@@ -163,13 +176,7 @@ class Search:
 
     def _run(self, rate: float) -> tuple[float, list[float], dict]:
         self.simulated += 1
-        _, scale = at_rate(self.reqs, rate)  # the measured requests' rate sets the time scale
-        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s * scale)
-                for r in (with_warmup(self.warm, self.reqs) if self.warm else self.reqs)]
-        slo = GOODPUT_SLO[self.sc.name]
-        doc = simulate_run(self.dep, self.sc.hardware, reqs, workload_desc(self.sc.workload, scale, len(reqs)),
-                           slo, self.autoscaler)
-        overall, per = attainment(doc, slo, skip=len(self.warm))
+        doc, overall, per = run_at_rate(self.sc, self.dep, self.autoscaler, self.reqs, self.warm, rate)
         auto = doc["sim"]["autoscaler"]
         return overall, per, ({"mean_prefill": auto["mean_prefill_ready"], "mean_decode": auto["mean_decode_ready"],
                                "decisions": len(auto["decisions"])} if auto else {})
@@ -310,14 +317,11 @@ def trace_case(sc: Scenario, budget: int, workload: str, rate: float, names: tup
     overall and per window, when the windows start, and the autoscaler's moves with their reasons — what a
     window's result came from. ``names``: configurations whose name starts with one of these (default all)."""
     reqs, warm = make_workload(workload, sc), make_warmup(workload, sc)
-    _, scale = at_rate(reqs, rate)
-    timeline = [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in with_warmup(warm, reqs)]
-    slo, lines = GOODPUT_SLO[sc.name], []
+    lines = []
     for dep, auto in configs(sc, budget, reqs):
         if names and not dep.name.startswith(names):
             continue
-        doc = simulate_run(dep, sc.hardware, timeline, workload_desc(sc.workload, scale, len(timeline)), slo, auto)
-        overall, per = attainment(doc, slo, skip=len(warm))
+        doc, overall, per = run_at_rate(sc, dep, auto, reqs, warm, rate)
         lines.append(f"{dep.name:28s} met {overall:.1%}; per window " + " / ".join(f"{a:.1%}" for a in per))
         if auto is None:
             continue

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints are written once per test session (a few ms each) and reused."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -22,6 +23,14 @@ import torch
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop per test module, for tests that drive in-process workers' async methods."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture(scope="session")

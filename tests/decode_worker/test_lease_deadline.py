@@ -26,13 +26,6 @@ LEASE_S = 3.0  # long enough for b's own handoff to be read well inside its leas
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def setup(tiny_model, loop):
     model = str(tiny_model("llama"))
     # the prefill worker holds one prompt: the second prompt must take the first one's freed blocks

@@ -24,13 +24,6 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine_config(tiny_model):
     return EngineConfig(model=str(tiny_model("llama")), num_blocks=64)
 

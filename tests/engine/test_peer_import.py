@@ -4,7 +4,6 @@ process (their engines on their own threads, real agents); outputs equal to a wo
 bytes equal, a failed read recomputed and counted, every lease ended."""
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 
@@ -18,13 +17,6 @@ from decode_worker.role_worker import Worker
 
 B = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def make_worker(model_dir, name, num_blocks=64, host_blocks=0):
