@@ -37,17 +37,29 @@ def split_sizes(history: Sequence) -> list[int]:
 def recent_move_undone(history: Sequence, to_prefill: bool, cooldown: int) -> int:
     """How many workers the last change of split moved (as the observed ready workers show), when it was less
     than ``cooldown`` intervals ago and in the other direction; else 0. A move back is damped to fewer workers
-    than that: an overshoot is corrected, and a sequence of corrections shrinks to nothing (no flapping)."""
+    than that: an overshoot is corrected, and a sequence of corrections shrinks to nothing (no flapping).
+
+    A change counts only as far as one role gained what the other lost (``traded``): a pool that scaled down
+    and grew back (7P+1D → 6P+1D → 7P+1D) moved no worker, and damping the next move on it held a single decode
+    worker through a burst in the simulator (CPU budget 8, burst window 3)."""
     sizes = split_sizes(history)
-    moved = 0
+    moved, start = 0, len(sizes) - 1
     for back in range(1, min(cooldown, len(sizes) - 1) + 1):
         change = sizes[-back] - sizes[-back - 1]
         if change and moved and (change > 0) != (moved > 0):
             break  # an earlier change the other way ends the last move
         moved += change
+        start = len(sizes) - 1 - back
     if not moved or (moved > 0) == to_prefill:
         return 0
-    return max(1, abs(moved) // 2)  # prefill - decode changes by 2 per worker moved, by 1 per start or stop
+    return traded(history[start], history[-1], to_prefill=moved > 0)
+
+
+def traded(before, after, *, to_prefill: bool) -> int:
+    """Workers that went from one role to the other between two observations: as many as the receiving role
+    gained and the donor lost (a start or a stop alone trades none)."""
+    dp, dd = len(after.prefill) - len(before.prefill), len(after.decode) - len(before.decode)
+    return max(0, min(dp, -dd) if to_prefill else min(dd, -dp))
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,9 @@ def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: floa
 
     Only the move that was undone is held, not the move that undid it: the split the cluster held longer is the
     one the measurements chose. A return from a split the cluster *started* in, or reached by a long stay, is
-    not a failed move (it left there more than ``fail_s`` before it came back)."""
+    not a failed move (it left there more than ``fail_s`` before it came back), nor is an excursion that traded no
+    worker (a pool scaled down and grown back: 7P+1D → 6P+1D → 7P+1D held every move toward decode for 10 minutes
+    in the simulator's burst)."""
     if not history or hold_s <= 0:
         return None
     sizes = split_sizes(history)
@@ -86,8 +100,9 @@ def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: floa
             if left is not None and i > left + 1 and max(sizes[left + 1:i]) <= target:
                 # went above now at left+1, at most as far as the target, and came back at i
                 t_left, t_back = history[left + 1].t_s, history[i].t_s
-                if t_back - t_left <= fail_s and t_now - t_back < hold_s:
-                    far = history[max(range(left + 1, i), key=sizes.__getitem__)]
+                far = history[max(range(left + 1, i), key=sizes.__getitem__)]
+                if t_back - t_left <= fail_s and t_now - t_back < hold_s \
+                        and traded(history[left], far, to_prefill=sign > 0):  # a scale-down and regrow is no move
                     found = FailedMove(t_left, t_back, f"{len(far.prefill)}P+{len(far.decode)}D")
             left = i
     return found

@@ -25,7 +25,9 @@ The rules, in order, per role:
    direction: n workers move — the surplus role −n and the short role +n in the same tick (code
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
    agrees (one whose short role's capacity is not measured yet only agrees on the direction). A move happens
-   when one role needs more and the other has workers to spare (n = what one needs and the other spares), or
+   when one role needs more and the other has workers to spare (n = what one needs and the other spares; what
+   it spares is judged on its peak load over the last ``donor_peak_intervals`` estimates, since a worker given
+   away does not come back within the cooldown), or
    when the needs exceed the budget and the split that minimises the busier role's load per worker lowers it
    by more than ``rebalance_margin`` (n = the distance to that split) — by more than ``overload_margin`` when
    that takes a role that was not short past its capacity (it mostly moves the bottleneck: a KV-bound decode
@@ -47,7 +49,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cluster.autoscale_estimate import LEARN_INTERVALS, Estimate, estimate
+from cluster.autoscale_config import AutoscalerConfig, history_kept
+from cluster.autoscale_estimate import Estimate, estimate
 from cluster.autoscale_moves import best_split, failed_move_held, per_worker, recent_move_undone
 from cluster.autoscale_signals import misfit, percentile, pressure, signals
 from router.policy import Role
@@ -56,81 +59,6 @@ __all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSa
            "percentile"]
 
 
-@dataclass(frozen=True)
-class AutoscalerConfig:
-    enabled: bool = False
-    interval_s: float = 10.0
-    min_prefill: int = 1
-    max_prefill: int = 3
-    min_decode: int = 1
-    max_decode: int = 3
-    max_total_workers: int | None = None  # budget for prefill + decode targets (None: max_prefill + max_decode)
-    ttft_slo_s: float = 2.0  # CPU demo defaults (SmolLM2 on 2 vCPUs); set real SLOs on GPUs
-    itl_slo_s: float = 0.25
-    prefill_queued_tokens_high: int = 2048  # per warm prefill worker
-    decode_kv_usage_high: float = 0.8  # fraction of the warm decode workers' KV blocks in use
-    decode_running_high: int = 32  # running + waiting sequences per warm decode worker
-    scale_down_fraction: float = 0.5  # N−1 must carry the load under this fraction of every threshold
-    scale_down_intervals: int = 3
-    warmup_s: float = 10.0  # a new worker's samples are left out this long after it became ready
-    # the predictive half (cluster/autoscale_estimate.py)
-    prefill_tokens_per_s: float | None = None  # prior per-worker prefill rate until one is measured (None: none)
-    prefill_target_utilization: float = 0.7  # a prefill pool is sized to run this busy at the demand it sees
-    itl_target_fraction: float = 0.8  # decode sequences per worker are sized for ITL = this x itl_slo_s
-    decode_kv_target_usage: float = 0.95  # ... and its KV load for this fraction of a worker's blocks (not the 0.8
-    # pressure threshold: KV is room, not throughput — a fuller cache adds no latency until it is full)
-    estimate_window: int = 3  # intervals whose largest demand sizes the pools (bursts)
-    held_blocks_high: float = 0.3  # prefill blocks held for decode above this fraction: decode's pressure
-    rebalance_margin: float = 0.1  # a move must lower the bottleneck's load per worker by this fraction
-    overload_margin: float = 0.25  # ... and by this one when it takes a role that was not short past its capacity
-    rebalance_intervals: int = 2  # consecutive intervals that must agree on a move
-    rebalance_cooldown_intervals: int = 6  # within this many intervals a move is undone only in part (damped)
-    failed_move_intervals: int = 12  # a move undone within this many intervals did not pay ...
-    failed_move_hold_intervals: int = 60  # ... and is not made again for this many after (cluster/autoscale_moves.py)
-    scale_down_load_fraction: float = 0.8  # and N−1 must carry the predicted load at this fraction of each
-
-    def __post_init__(self) -> None:
-        from engine.errors import ConfigError
-
-        if self.interval_s <= 0 or self.warmup_s < 0:
-            raise ConfigError("autoscaler.interval_s must be > 0 and warmup_s >= 0")
-        for role in ("prefill", "decode"):
-            lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
-            if not (isinstance(lo, int) and isinstance(hi, int)) or lo < (0 if role == "prefill" else 1) or hi < lo:
-                raise ConfigError(f"autoscaler: need {'0' if role == 'prefill' else '1'} <= min_{role} <= max_{role}, "
-                                  f"got {lo}, {hi}")
-        if self.max_total_workers is not None and self.max_total_workers < self.min_prefill + self.min_decode:
-            raise ConfigError("autoscaler.max_total_workers is below min_prefill + min_decode")
-        if not 0 < self.scale_down_fraction < 1 or self.scale_down_intervals < 1:
-            raise ConfigError("autoscaler: scale_down_fraction must be in (0, 1) and scale_down_intervals >= 1")
-        if min(self.ttft_slo_s, self.itl_slo_s, self.decode_kv_usage_high) <= 0 or \
-                min(self.prefill_queued_tokens_high, self.decode_running_high) < 1:
-            raise ConfigError("autoscaler: SLOs and thresholds must be positive")
-        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
-            raise ConfigError("autoscaler.prefill_tokens_per_s must be > 0 (or null: learned)")
-        for name in ("prefill_target_utilization", "itl_target_fraction", "decode_kv_target_usage", "held_blocks_high",
-                     "scale_down_load_fraction"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"autoscaler.{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if min(self.rebalance_margin, self.overload_margin, self.rebalance_cooldown_intervals) < 0 \
-                or min(self.estimate_window, self.rebalance_intervals) < 1:
-            raise ConfigError("autoscaler: rebalance_margin, overload_margin and rebalance_cooldown_intervals must be "
-                              ">= 0, estimate_window and rebalance_intervals >= 1")
-        if not 0 <= self.failed_move_intervals <= self.failed_move_hold_intervals:
-            raise ConfigError("autoscaler: need 0 <= failed_move_intervals <= failed_move_hold_intervals (a shorter "
-                              "hold lets a flap between two splits hold the worse one)")
-
-    def bounds(self, role: Role) -> tuple[int, int]:
-        return (self.min_prefill, self.max_prefill) if role == Role.PREFILL else (self.min_decode, self.max_decode)
-
-    @property
-    def budget(self) -> int:
-        return self.max_total_workers if self.max_total_workers is not None else self.max_prefill + self.max_decode
-
-
-def history_kept(cfg: AutoscalerConfig) -> int:
-    """Observations decide() needs: the capacities' learning window, or a failed move and its hold."""
-    return max(LEARN_INTERVALS, cfg.failed_move_intervals + cfg.failed_move_hold_intervals + 1)
 
 
 @dataclass(frozen=True)
@@ -334,9 +262,10 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             # one role is short and the other has workers to spare: trade what one needs and the other spares
             dst = short[0]
             src = other_role(dst)
-            keep = max(cfg.bounds(src)[0], math.ceil(needs[src][0] / cfg.scale_down_load_fraction - 1e-9))
+            peak = _peak_load(src, history, i, targets[src], cfg, memo)
+            keep = max(cfg.bounds(src)[0], math.ceil(peak / cfg.scale_down_load_fraction - 1e-9))
             n = min(needs[dst][1] - targets[dst], targets[src] - keep, cfg.bounds(dst)[1] - targets[dst])
-            if n >= 1:  # the donor keeps headroom: its load at most scale_down_load_fraction of what stays
+            if n >= 1:  # the donor keeps headroom: its peak load at most scale_down_load_fraction of what stays
                 best_p = p + n if dst == Role.PREFILL else p - n
                 moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p),
                               measured))
@@ -376,6 +305,18 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             return src, dst, k, why if k == n else f"{why}; {k} move: {n} was held ({held})"
         held = held or failed.reason(history[-1].t_s, hold_s)
     return f"{why}; held: {held}"
+
+
+def _peak_load(role: Role, history: Sequence[Observation], i: int, target: int, cfg: AutoscalerConfig,
+               memo: dict[int, Estimate]) -> float:
+    """A donor's largest load over the ``donor_peak_intervals`` estimates up to observation ``i`` (each already the
+    largest of ``estimate_window`` intervals: 6 estimates span 8 intervals at the defaults). A worker it gives away
+    does not come back within the cooldown (a one-worker move is not undone there, and rule 3 cannot grow a role
+    at the budget), so the workers it keeps must carry its bursts over that horizon, not the interval-end
+    snapshot that decided the move: the simulator's decode pool read 0.58 workers at 2 between bursts, gave one
+    away, and the one left filled its KV cache within a minute (docs/simulator.md e)."""
+    lo = max(0, i - cfg.donor_peak_intervals + 1)
+    return max(_need(role, history, j, target, cfg, memo)[0] for j in range(lo, i + 1))
 
 
 def _estimate_of(role: Role, est: Estimate):

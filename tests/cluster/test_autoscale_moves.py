@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.autoscale_moves import failed_move_held
+from cluster.autoscale_moves import failed_move_held, recent_move_undone
 from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide, history_kept
 from engine.errors import ConfigError
 from router.policy import Role
@@ -68,6 +68,21 @@ def test_a_move_that_held_longer_than_the_failure_window_is_not_a_failure():
     hist = splits((6, 2, 300), (7, 1, 200), (6, 2, 50))
     assert failed_move_held(hist, target(7, 1), FAIL_S, HOLD_S) is None
     assert failed_move_held(hist, target(7, 1), 250.0, HOLD_S) is not None  # within a longer window it is
+
+
+def test_a_pool_that_scaled_down_and_grew_back_moved_no_worker():
+    """7P+1D → 6P+1D (prefill's load fitted in fewer) → 7P+1D (TTFT broke): ``P - D`` went down and up like a
+    move to decode and back, but decode never got a worker. Read as a failed move, it held every move toward
+    decode for 10 minutes and damped them through the cooldown — in the simulator's burst, one decode worker met
+    78 % of the burst's requests against 90 % at 6P+2D. A real trade through the same splits still counts."""
+    hist = splits((7, 1, 300), (6, 1, 100), (7, 1, 30))
+    assert failed_move_held(hist, target(6, 2), FAIL_S, HOLD_S) is None
+    assert recent_move_undone(hist, to_prefill=False, cooldown=6) == 0
+    traded = splits((7, 1, 300), (6, 1, 10), (6, 2, 90), (6, 1, 10), (7, 1, 20))
+    assert failed_move_held(traded, target(6, 2), FAIL_S, HOLD_S).reached == "6P+2D"
+    assert recent_move_undone(traded, to_prefill=False, cooldown=6) == 1
+    # a decode start and stop below the budget is no move either
+    assert failed_move_held(splits((6, 1, 300), (6, 2, 60), (6, 1, 30)), target(6, 2), FAIL_S, HOLD_S) is None
 
 
 BUDGET8 = AutoscalerConfig(enabled=True, interval_s=2, min_prefill=1, max_prefill=7, min_decode=1, max_decode=7,

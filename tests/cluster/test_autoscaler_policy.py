@@ -329,3 +329,24 @@ def test_the_kv_bound_decode_load_is_sized_for_a_nearly_full_cache():
     assert estimate(history, dataclasses.replace(CFG, decode_kv_target_usage=0.8)).decode.workers == 2
     with pytest.raises(ConfigError, match="decode_kv_target_usage"):
         dataclasses.replace(CFG, decode_kv_target_usage=1.5)
+
+
+def test_a_donor_keeps_headroom_for_its_peak_since_the_cooldown():
+    """6P+2D, prefill short (8 workers of load). Decode reads 0.59 workers at its interval-end snapshots now, but
+    five intervals ago its KV held 1.58 workers: it gives no worker away, since one it gave could not come back
+    within the cooldown (the simulator's single decode worker filled within a minute). The move happens once
+    no estimate of the last ``donor_peak_intervals`` (each the largest of ``estimate_window`` intervals) sees the
+    burst, and on the latest estimates alone with ``donor_peak_intervals`` 1."""
+    def interval(t, used):
+        return loaded(t * 2, p=6, d=2, arrived=round(8 * 500 * 0.7 * 2), busy=12.0, computed=6000, used=used)
+    hist = [interval(0, 150), *(interval(t, 56) for t in range(1, 6))]
+    out = decide(hist, steady(6, 2), BUDGET8)
+    assert out[D].signals["decode_load_workers"] == pytest.approx(56 / 95)
+    assert out[P].code != "rebalance" and out[D].target == 2, out[P].reason
+    moved = decide([*hist, *(interval(t, 56) for t in range(6, 10))], steady(6, 2), BUDGET8)
+    assert (moved[P].code, moved[P].target, moved[D].target) == ("rebalance", 7, 1), moved[P].reason
+    snapshot = decide(hist, steady(6, 2), dataclasses.replace(BUDGET8, donor_peak_intervals=1))
+    assert (snapshot[P].code, snapshot[D].target) == ("rebalance", 1), snapshot[P].reason
+    with pytest.raises(ConfigError, match="donor_peak_intervals"):
+        dataclasses.replace(CFG, donor_peak_intervals=0)
+
