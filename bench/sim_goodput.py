@@ -221,24 +221,33 @@ def _search_task(args) -> dict:
 
 
 def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads: tuple[str, ...],
-                  jobs: int = 1) -> list[dict]:
+                  jobs: int = 1, reuse: list[dict] | None = None) -> list[dict]:
     """Every (scenario, budget, workload) case: each configuration's goodput, overall and per window, and
-    the autoscaler's ratio to the best fixed split."""
-    tasks, keys = [], []
+    the autoscaler's ratio to the best fixed split. ``reuse``: a saved study's cases, whose fixed splits and
+    colocated rows are taken as they are (they do not depend on the autoscaler's policy): only the autoscaler
+    is searched again. A case or configuration the saved study lacks is an error, not a silent re-run."""
+    saved = {(c["scenario"], c["budget"], c["workload"], r["config"]): r for c in reuse or () for r in c["configs"]}
+    tasks, keys, rows = [], [], []
     for sc in scenarios:
         base = sc.autoscale_rates[0]
         for budget in budgets:
             for wl in workloads:
                 for dep, auto in configs(sc, budget, make_workload(wl, sc)):
+                    key = (sc.name, budget, wl)
+                    if reuse is not None and auto is None:
+                        if (*key, dep.name) not in saved:
+                            raise SystemExit(f"the saved study has no {dep.name} row for {key}")
+                        rows.append((key, saved[(*key, dep.name)]))
+                        continue
                     tasks.append((sc, wl, dep, auto, base * budget / 4))
-                    keys.append((sc.name, budget, wl))
+                    keys.append(key)
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
             results = list(pool.map(_search_task, tasks))
     else:
         results = [_search_task(t) for t in tasks]
     cases: dict[tuple, list[dict]] = {}
-    for key, res in zip(keys, results):
+    for key, res in [*zip(keys, results), *rows]:
         cases.setdefault(key, []).append(res)
     return [best_of_fixed_and_ratio(key, rows) for key, rows in cases.items()]
 

@@ -148,3 +148,28 @@ def test_a_traced_case_shows_each_window_and_the_autoscalers_moves():
     assert len(starts.split("=")[1].split("/")) == WINDOWS
     moves = [ln for ln in lines if ln.startswith("  t = ")]
     assert all("(" in m and "):" in m for m in moves)  # code and reason
+
+
+def test_a_restudy_searches_only_the_autoscaler_and_reuses_the_saved_fixed_splits(monkeypatch):
+    """`goodput --reuse-fixed saved.json`: a policy change re-runs the autoscaler's searches only (the fixed
+    splits and colocated do not depend on the policy); a row the saved study lacks is an error."""
+    import bench.sim_goodput as sg
+
+    searched = []
+
+    def fake_search(args):
+        sc, wl, dep, auto, base = args
+        searched.append(dep.name)
+        return {"config": dep.name, "goodput": 2.0, "windows": [2.0, 1.0, 2.0, 2.0]}
+
+    monkeypatch.setattr(sg, "_search_task", fake_search)
+    sc = cpu_scenario()
+    fixed = [{"config": f"{p}P+{4 - p}D", "goodput": float(p), "windows": [float(p)] * WINDOWS} for p in (1, 2, 3)]
+    saved = [{"scenario": sc.name, "budget": 4, "workload": "mooncake",
+              "configs": [*fixed, {"config": "colocated-4", "goodput": 1.5, "windows": [1.5] * WINDOWS}]}]
+    (case,) = sg.study_goodput([sc], (4,), ("mooncake",), reuse=saved)
+    assert len(searched) == 1 and searched[0].startswith("autoscaler")
+    assert case["best_fixed"] == "3P+1D" and case["colocated_goodput"] == 1.5
+    assert case["window_ratios"] == pytest.approx([2 / 3, 1 / 3, 2 / 3, 2 / 3])
+    with pytest.raises(SystemExit, match="2P\\+2D"):
+        sg.study_goodput([sc], (4,), ("mooncake",), reuse=[{**saved[0], "configs": [fixed[0], fixed[2]]}])
