@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import signal
 import sys
+import time
 
 import httpx
 import openai
@@ -47,6 +48,23 @@ def without_speculation(smollm2_gguf, cases):
     return out
 
 
+def accepted_total(metrics: str) -> float:
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{") and 'worker="decode-0"' in ln)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def accepted_on_metrics(port: int, want: int, timeout_s: float = 10.0) -> str:
+    """/metrics once it shows ``want`` accepted tokens (or after ``timeout_s``): the router exports the workers'
+    stats as of its last poll (every second), which can be one poll behind a fresh stats() call."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        if accepted_total(text) == want or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
 def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf, cases, without_speculation,
                                                        tmp_path):
     port = free_port()
@@ -66,7 +84,7 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             served = list(pool.map(ask, cases))
         stats = serve_worker_stats(ray_session)
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        metrics = accepted_on_metrics(port, stats["decode-0"]["spec_decode"]["num_accepted_tokens"])
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_checkpoint(str(smollm2_gguf))
@@ -87,9 +105,7 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
     assert len(differ) <= 2, differ
     assert spec["method"] == "suffix" and spec["num_accepted_tokens"] > 50, spec
     assert stats["prefill-0"]["spec_decode"]["num_drafts"] == 0  # a prefill worker samples one token: no drafts
-    line = next(ln for ln in metrics.splitlines()
-                if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{") and 'worker="decode-0"' in ln)
-    assert float(line.rsplit(" ", 1)[1]) == spec["num_accepted_tokens"]
+    assert accepted_total(metrics) == spec["num_accepted_tokens"]
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{' in metrics
 
 
