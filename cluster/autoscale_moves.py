@@ -6,8 +6,8 @@
 
 Pure, like the rest of the policy (cluster/autoscaler.py): the split is read from the observations (the ready
 workers of each role), so a replayed history gives the same answers. ``P - D`` measures the split: moving one
-worker changes it by 2, starting or stopping one by 1. A change of ``P - D`` is a move only as far as one role gained what the other lost
-(``traded``): a scale-down and a regrow of one role moved no worker.
+worker changes it by 2, starting or stopping one by 1. A change of ``P - D`` is a move only as far as one role
+gained what the other lost (``traded``): a scale-down and a regrow of one role moved no worker.
 
 Two memories, two failure modes:
 - **An overshoot** (``recent_move_undone``): within the cooldown after a move of n workers, a move back is
