@@ -59,8 +59,6 @@ __all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSa
            "percentile"]
 
 
-
-
 @dataclass(frozen=True)
 class WorkerSample:
     """One ready worker at the end of an interval."""

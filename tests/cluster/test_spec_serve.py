@@ -9,7 +9,6 @@ import concurrent.futures
 import json
 import signal
 import sys
-import time
 
 import httpx
 import openai
@@ -17,6 +16,7 @@ import pytest
 
 from bench.spec_workloads import prompts
 from tests.cluster.serve_process import ROOT, free_port, serve_worker_stats, serving
+from tests.cluster.test_disagg_cluster import wait_for
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 6}
 MAX_TOKENS = 40
@@ -54,17 +54,6 @@ def accepted_total(metrics: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def accepted_on_metrics(port: int, want: int, timeout_s: float = 10.0) -> str:
-    """/metrics once it shows ``want`` accepted tokens (or after ``timeout_s``): the router exports the workers'
-    stats as of its last poll (every second), which can be one poll behind a fresh stats() call."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-        if accepted_total(text) == want or time.monotonic() > deadline:
-            return text
-        time.sleep(0.2)
-
-
 def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf, cases, without_speculation,
                                                        tmp_path):
     port = free_port()
@@ -84,7 +73,10 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             served = list(pool.map(ask, cases))
         stats = serve_worker_stats(ray_session)
-        metrics = accepted_on_metrics(port, stats["decode-0"]["spec_decode"]["num_accepted_tokens"])
+        # /metrics renders the workers' stats as of the router's last poll (every second): one poll may lag
+        want, url = stats["decode-0"]["spec_decode"]["num_accepted_tokens"], f"http://127.0.0.1:{port}/metrics"
+        wait_for(lambda: accepted_total(httpx.get(url, timeout=30).text) == want, timeout_s=10, interval_s=0.2)
+        metrics = httpx.get(url, timeout=30).text
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_checkpoint(str(smollm2_gguf))
