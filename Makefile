@@ -62,9 +62,11 @@ system-deps:
 		command -v chromedriver >/dev/null || ($(SUDO) apt-get update && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server curl chromium chromium-driver)
 
-# the whole suite but the tests marked soak (heavy variants of checks it also makes: `make soak` runs them)
+# the whole suite but the tests marked soak (heavy variants of checks it also makes: `make soak` runs them), a test
+# file at a time in each of TEST_JOBS processes (each with its own Ray; most of a cluster test's time is waiting)
+TEST_JOBS ?= 2
 test: install system-deps
-	$(PY) -m pytest -q -p no:cacheprovider -m "not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not soak" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)

@@ -8,6 +8,7 @@ safetensors. Both servers then read the same ``config.json`` and ``tokenizer.jso
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 from pathlib import Path
@@ -16,10 +17,21 @@ DEFAULT_DIR = Path(".cache/bench/SmolLM2-135M-Instruct")
 
 
 def ensure_hf_model(out: Path = DEFAULT_DIR) -> Path:
+    """The directory, written once: processes that ask at the same time (the suite's TEST_JOBS) wait on a lock
+    for the one that writes it."""
     out = Path(out)
     stamp = out / ".complete"
     if stamp.exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            _write(out)
+    return out
+
+
+def _write(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,8 +50,7 @@ def ensure_hf_model(out: Path = DEFAULT_DIR) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     (out / "duet_source.json").write_text(json.dumps({"gguf": gguf.name, "dtype": "float32"}))
-    stamp.touch()
-    return out
+    (out / ".complete").touch()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
     autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
                  ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key
-    lifecycle: {health_interval_s: 1, stats_interval_s: 1, drain_timeout_s: 300, start_timeout_s: 300,
-                role_flip: true}         # flip a worker between pools in place (cluster/flip.py)
+    lifecycle: {health_interval_s: 1, health_misses: 2, stats_interval_s: 1, drain_timeout_s: 300,
+                start_timeout_s: 300, role_flip: true}         # flip a worker between pools in place (cluster/flip.py)
     ray_address: null                    # null: start a local Ray; "auto" / "host:port": attach
 
 Every section is validated when it is built (ConfigError naming the key). Unknown keys are refused,
@@ -158,6 +158,7 @@ class LifecycleConfig:
     """How the router watches and changes its workers (cluster/pools.py)."""
 
     health_interval_s: float = 1.0  # liveness probe of every worker
+    health_misses: int = 2  # failed probes in a row (no answer within 5 s, a rank or the engine down) = dead
     stats_interval_s: float = 1.0  # stats() of every worker (metrics, admin API, autoscaler)
     drain_timeout_s: float = 300.0  # a draining worker is stopped after this even if requests remain (logged)
     start_timeout_s: float = 300.0  # a worker that is not ready by then is killed and counts as failed
@@ -168,6 +169,8 @@ class LifecycleConfig:
     def __post_init__(self) -> None:
         if min(self.health_interval_s, self.stats_interval_s, self.drain_timeout_s, self.start_timeout_s) <= 0:
             raise ConfigError("lifecycle intervals and timeouts must be > 0")
+        if isinstance(self.health_misses, bool) or not isinstance(self.health_misses, int) or self.health_misses < 1:
+            raise ConfigError(f"lifecycle.health_misses must be an integer >= 1, got {self.health_misses!r}")
         if not isinstance(self.role_flip, bool):
             raise ConfigError(f"lifecycle.role_flip must be true or false, got {self.role_flip!r}")
 

@@ -2,9 +2,10 @@
 each pool matches its target; the autoscaler (cluster/autoscaler.py, pure) and the admin API set targets.
 
 Loops (tasks on the router's event loop):
-- health, every ``lifecycle.health_interval_s``: probe every live worker; a dead one leaves the registry's
-  live set, the index and the load tracker (its requests behave as router/dispatch.py documents), and the
-  reconcile below replaces it.
+- health, every ``lifecycle.health_interval_s``: probe every live worker; one that fails
+  ``lifecycle.health_misses`` probes in a row is dead (one slow answer on a loaded machine is not a death): it
+  leaves the registry's live set, the index and the load tracker (its requests behave as router/dispatch.py
+  documents), and the reconcile below replaces it.
 - stats, every ``lifecycle.stats_interval_s``: each worker's ``stats()`` into the registry (metrics, admin
   API, drain checks, the autoscaler's queue-time signal). Load reports reach the registry as they arrive
   on the KV event plane.
@@ -75,6 +76,7 @@ class PoolManager(RoleFlips, Operator):
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
         self._forgets: set[asyncio.Task] = set()  # decode workers dropping a gone prefill worker's NIXL peer
+        self._probe_misses: collections.Counter[str] = collections.Counter()  # consecutive failed probes
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
         self.observer = PoolObserver(self.registry, backend, metrics, self.auto)
@@ -292,11 +294,23 @@ class PoolManager(RoleFlips, Operator):
                 self._end(rec.worker_id, rec.reason, fault=rec.fault)
         live = [r for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
         problems = await asyncio.gather(*(probe(r.client) for r in live))
+        misses = self.config.lifecycle.health_misses
         for rec, problem in zip(live, problems):
-            if problem is not None and rec.state != WorkerState.DEAD:
+            if problem is None:
+                self._probe_misses.pop(rec.worker_id, None)
+                continue
+            self._probe_misses[rec.worker_id] += 1
+            if self._probe_misses[rec.worker_id] < misses:  # one slow answer on a loaded machine is not a death
+                log.warning("worker %s failed a health probe (%d of %d before it is replaced): %s", rec.worker_id,
+                            self._probe_misses[rec.worker_id], misses, problem)
+                self.counters["probe_misses"] += 1
+                continue
+            if rec.state != WorkerState.DEAD:
                 log.error("worker %s is gone (%s): replacing it", rec.worker_id, problem)
                 self.counters["replaced"] += 1
                 self._end(rec.worker_id, f"died: {problem}", fault=True)
+        for worker_id in set(self._probe_misses) - {r.worker_id for r in live}:
+            del self._probe_misses[worker_id]
         self.reconcile()
 
     async def poll_stats(self) -> None:

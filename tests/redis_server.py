@@ -6,22 +6,17 @@ saying so — the shared index is part of the product, so its tests are never sk
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 import redis
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def _start(binary: str, workdir, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    port = port or _free_port()
+    port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.ports import free_port  # noqa: F401  (the serve tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_NAMESPACE = "duet"  # the Ray namespace `duet serve` puts its actors in
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 240) -> None:

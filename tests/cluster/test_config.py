@@ -1,5 +1,5 @@
-"""cluster/config.py: the router section's KV tier weights and the transfer section's lease bounds (validated
-when the config is built)."""
+"""cluster/config.py: the router section's KV tier weights, the transfer section's lease bounds and the lifecycle
+section's probe misses (validated when the config is built)."""
 import pytest
 
 from cluster.config import ClusterConfig
@@ -30,3 +30,11 @@ def test_a_lease_too_short_for_the_pull_margin_is_refused():
         ClusterConfig.from_dict({"model": "m", "transfer": {"lease_timeout_s": 1.0, "transfer_timeout_s": 0.5}})
     config = ClusterConfig.from_dict({"model": "m", "transfer": {"lease_timeout_s": 1.5, "transfer_timeout_s": 0.5}})
     assert config.transfer.lease_timeout_s == 1.5
+
+
+@pytest.mark.parametrize("misses", [0, -1, 1.5, True, "2"])
+def test_health_misses_is_a_whole_number_of_probes(misses):
+    with pytest.raises(ConfigError, match="lifecycle.health_misses must be an integer >= 1"):
+        ClusterConfig.from_dict({"model": "m", "lifecycle": {"health_misses": misses}})
+    assert ClusterConfig.from_dict({"model": "m"}).lifecycle.health_misses == 2
+    assert ClusterConfig.from_dict({"model": "m", "lifecycle": {"health_misses": 1}}).lifecycle.health_misses == 1

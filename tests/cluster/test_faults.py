@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.pools import PROBE_TIMEOUT_S
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
@@ -243,9 +244,12 @@ def test_kill_a_decode_worker_mid_stream(cluster, before, loop_thread, reference
 
 
 def test_sigstop_a_decode_worker_past_the_lease_then_continue(cluster, before, loop_thread, reference):
-    """A frozen decode worker: its health probe times out, it is declared dead, killed and replaced; its
-    requests move; the prefill leases it would have pulled expire on time (4 s)."""
+    """A frozen decode worker: its health probes time out ``lifecycle.health_misses`` times in a row, it is
+    declared dead, killed and replaced; its requests move; the prefill leases it would have pulled expire on
+    time (4 s)."""
     prompts, params = workload(3, 12)
+    lc = cluster.config.lifecycle
+    frozen_s = lc.health_misses * (PROBE_TIMEOUT_S + lc.health_interval_s) + 3  # past the last probe's timeout
 
     async def inject(fault):
         while sum(cluster.backend.inflight[r.worker_id] for r in cluster.registry.ready(Role.DECODE)) < 6:
@@ -253,15 +257,45 @@ def test_sigstop_a_decode_worker_past_the_lease_then_continue(cluster, before, l
         victim = pick(cluster, Role.DECODE)
         fault.update(at=time.monotonic(), worker=victim.worker_id)
         os.kill(victim.pid, signal.SIGSTOP)
-        await asyncio.sleep(6)  # longer than the 4 s lease
+        await asyncio.sleep(frozen_s)  # longer than the 4 s lease, and than the probes that find it dead
         try:
             os.kill(victim.pid, signal.SIGCONT)
         except ProcessLookupError:  # already killed by the router as dead
             pass
 
+    replaced = cluster.pools.counters["replaced"]
     results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="sigstop-decode")
     outcome = judge(results, reference(prompts, params), Outcome())
     finish("sigstop-decode", cluster, loop_thread, reference, outcome, at, len(prompts), before)
+    assert cluster.pools.counters["replaced"] == replaced + 1
+
+
+def test_a_decode_worker_frozen_for_one_probe_is_not_replaced(cluster, before, loop_thread, reference):
+    """Frozen for one health probe's timeout and no longer (a loaded machine's slow answer): one probe fails,
+    the next answers, so it is not declared dead (``lifecycle.health_misses`` = 2): counted as a probe miss, not
+    replaced, every request exact."""
+    prompts, params = workload(5, 12)
+    lc = cluster.config.lifecycle
+    assert lc.health_misses >= 2
+    frozen = {}
+
+    async def inject(fault):
+        while sum(cluster.backend.inflight[r.worker_id] for r in cluster.registry.ready(Role.DECODE)) < 6:
+            await asyncio.sleep(0.01)
+        victim = pick(cluster, Role.DECODE)
+        fault.update(at=time.monotonic())
+        frozen.update(worker=victim.worker_id, misses=cluster.pools.counters["probe_misses"],
+                      replaced=cluster.pools.counters["replaced"])
+        os.kill(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(PROBE_TIMEOUT_S + lc.health_interval_s + 1)  # one probe times out; the next one waits
+        os.kill(victim.pid, signal.SIGCONT)
+
+    results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="sigstop-one-probe")
+    outcome = judge(results, reference(prompts, params), Outcome())
+    finish("sigstop-one-probe", cluster, loop_thread, reference, outcome, at, len(prompts), before)
+    assert cluster.pools.counters["probe_misses"] > frozen["misses"]
+    assert cluster.pools.counters["replaced"] == frozen["replaced"]
+    assert cluster.registry.get(frozen["worker"]).state == WorkerState.READY
 
 
 def test_cancel_storm(cluster, before, loop_thread, reference):
