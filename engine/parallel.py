@@ -181,16 +181,24 @@ def check_split(cfg, size: int) -> None:
             tp.even(cfg.moe.shared_expert_intermediate_size, "the MLP's intermediate size")
 
 
-def init_group(rank: int, size: int, host: str, port: int, timeout_s: float = 300.0) -> TensorParallel:
-    """Form a gloo group of ``size`` ranks through rank 0's TCP store at ``host:port`` (rank 0 listens there),
-    waiting up to ``timeout_s`` for the others. A group of its own, not torch.distributed's default one: several
-    engines (and tests) live in one process."""
+def open_store(host: str, size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's TCP store, listening on a port the kernel gives it (``store.port``: what the other ranks join).
+    Bound here, so no other process can take the port between choosing and binding it."""
+    return dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_group(rank: int, size: int, host: str, port: int, timeout_s: float = 300.0, *,
+               store: dist.TCPStore | None = None) -> TensorParallel:
+    """Form a gloo group of ``size`` ranks through rank 0's TCP store at ``host:port`` (rank 0's: ``store``, from
+    ``open_store``), waiting up to ``timeout_s`` for the others. A group of its own, not torch.distributed's
+    default one: several engines (and tests) live in one process."""
     if size < 1 or not 0 <= rank < size:
         raise ConfigError(f"tensor parallel rank {rank} of {size}")
     if size == 1:
         return TensorParallel()
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
     # no timeout on the collectives: a rank > 0 waits in one for as long as rank 0 has no step to send; a rank
     # that dies closes its connections, which fails the others' collectives at once
     group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(days=365))

@@ -2,8 +2,6 @@
 the steps rank 0's engine sends (``ModelRunner.follow``) until that engine closes (engine/parallel.py)."""
 from __future__ import annotations
 
-import socket
-
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import check_split, init_group
@@ -17,10 +15,3 @@ def serve_rank(config: EngineConfig, rank: int, size: int, host: str, port: int)
     mpe = model_cfg.max_position_embeddings
     runner = ModelRunner(model_cfg, config, min(config.max_model_len or mpe, mpe), tp)
     runner.follow()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free now on ``host`` (for rank 0's store; another process may take it before the store binds)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -33,9 +33,8 @@ from engine.errors import ConfigError
 from engine.kv_mover import TierMover, tier_slots
 from engine.kv_tiers import Completion, Job
 from engine.model_runner import ModelRunner
-from engine.parallel import check_split, init_group
+from engine.parallel import check_split, init_group, open_store
 from engine.parallel import TensorParallel
-from engine.tp_rank import free_port
 from kvtransfer import NixlTransport, PeerInfo, TransferRequest
 from prefill_worker.engine_facts import kv_compat
 from prefill_worker.sources import Sources
@@ -160,18 +159,18 @@ class RankGroup:
         return len(self.handles)
 
     def form_group(self, engine_config: EngineConfig) -> TensorParallel | None:
-        """Form the tensor-parallel group with the other ranks (rank 0 listens on a free local port: the ranks
-        share its node, cluster/spawn.py); None for a worker of one rank."""
+        """Form the tensor-parallel group with the other ranks (rank 0 listens on a port the kernel gives its
+        store: the ranks share its node, cluster/spawn.py); None for a worker of one rank."""
         size = engine_config.tensor_parallel_size
         if size == 1 and not self.handles:
             return None
         if len(self.handles) != size - 1:
             raise ConfigError(f"tensor_parallel_size {size} needs {size - 1} other ranks, got {len(self.handles)}")
         check_split(ModelConfig.from_checkpoint(engine_config.model), size)
-        port = free_port()
+        store = open_store("127.0.0.1", size)
         for h in self.handles:
-            h.join.remote("127.0.0.1", port)
-        return init_group(0, size, "127.0.0.1", port)
+            h.join.remote("127.0.0.1", store.port)
+        return init_group(0, size, "127.0.0.1", store.port, store=store)
 
     def reads(self, request: TransferRequest) -> Callable[[], str | None] | None:
         """What runs before rank 0's own read of ``request`` (which carries the lease's notice): every other rank
