@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 DEFAULT_DIR = Path(".cache/bench/SmolLM2-135M-Instruct")
+COMPLETE = ".complete"  # written last: the directory is whole
 
 
 def ensure_hf_model(out: Path = DEFAULT_DIR) -> Path:
     """The directory, written once: processes that ask at the same time (the suite's TEST_JOBS) wait on a lock
     for the one that writes it."""
     out = Path(out)
-    stamp = out / ".complete"
+    stamp = out / COMPLETE
     if stamp.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +51,7 @@ def _write(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     (out / "duet_source.json").write_text(json.dumps({"gguf": gguf.name, "dtype": "float32"}))
-    (out / ".complete").touch()
+    (out / COMPLETE).touch()
 
 
 if __name__ == "__main__":

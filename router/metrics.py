@@ -273,9 +273,9 @@ class ClusterCollector:
         yield low
         yield high
         actions = CounterMetricFamily("duet_pool_actions", "Pool manager actions by kind: started, start_failures, "
-                                      "drained, drain_timeouts, replaced (a dead worker), probe_misses (a failed health probe "
-                                      "short of lifecycle.health_misses in a row), flipped, flip_failures, "
-                                      "flip_fallbacks.", labels=("action",))
+                                      "drained, drain_timeouts, replaced (a dead worker), probe_misses (a failed "
+                                      "health probe short of lifecycle.health_misses in a row), flipped, "
+                                      "flip_failures, flip_fallbacks.", labels=("action",))
         counts = self.pool_counters()
         for action in ("started", "start_failures", "drained", "drain_timeouts", "replaced", "probe_misses", "flipped",
                        "flip_failures", "flip_fallbacks"):

@@ -9,8 +9,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.ports import free_port  # noqa: F401  (the serve tests import it from here)
-
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_NAMESPACE = "duet"  # the Ray namespace `duet serve` puts its actors in
 

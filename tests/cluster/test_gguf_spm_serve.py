@@ -19,7 +19,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.tiny import make_tiny_model
-from tests.cluster.serve_process import free_port, serve_worker_stats, serving
+from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.ports import free_port
 from tests.engine.gguf_files import write_gguf
 from tests.engine.test_gguf_spm import spm_vocab
 from tests.real_model import CHATS, RAW_PROMPTS, Reference

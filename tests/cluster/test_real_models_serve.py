@@ -27,7 +27,8 @@ import pytest
 import transformers
 from pydantic import BaseModel, Field
 
-from tests.cluster.serve_process import free_port, serve_worker_stats, serving
+from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.ports import free_port
 from tests.engine.hf_saved import save_with_transformers
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 

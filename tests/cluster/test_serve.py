@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.serve_process import free_port, serving
+from tests.cluster.serve_process import serving
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from bench.spec_workloads import prompts
-from tests.cluster.serve_process import ROOT, free_port, serve_worker_stats, serving
+from tests.cluster.serve_process import ROOT, serve_worker_stats, serving
+from tests.ports import free_port
 from tests.cluster.test_disagg_cluster import wait_for
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 6}

@@ -17,7 +17,8 @@ from engine.errors import ConfigError
 from kvtransfer import KVCompat
 from kvtransfer.errors import KVCompatError
 from kvtransfer.tp_split import check_split_compatible, rank_heads, read_plan
-from tests.cluster.serve_process import free_port, serve_worker_stats, serving
+from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.ports import free_port
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 MAX_TOKENS = 16
