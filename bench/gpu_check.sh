@@ -51,9 +51,10 @@ for s in $STAGES; do
         ;;
     tests)
         xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-        stage tests 180 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
-            tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_decode_graphs.py \
-            tests/engine/test_kernel_backends.py tests/kvtransfer/test_kv_nixl_transfer.py \
+        stage tests 240 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
+            tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_cuda_features.py \
+            tests/engine/test_decode_graphs.py tests/engine/test_kernel_backends.py tests/engine/test_moe.py \
+            tests/engine/test_partial_rotary.py tests/kvtransfer/test_kv_nixl_transfer.py \
             --ignore tests/kernels/test_cpu_native.py --ignore tests/kernels/test_sm90_compile.py
         ;;
     kernels)

@@ -24,6 +24,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_sizing import cap_max_model_len, size_kv_cache
 from engine.loader import load_model, resolve_dtype
+from engine.moe import SparseMoE
 from engine.ops import get_ops, resolve_backend
 from engine.parallel import TensorParallel
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -121,7 +122,12 @@ class ModelRunner:
             log.warning("attention runs the torch references: %s", reason)
             self.fallbacks.append(f"attention: {reason}")
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts:
+        if self.device.type == "cuda" and self.tp.enabled:
+            reason = "tensor parallelism on CUDA: the collectives go through gloo in host memory (no NCCL group yet)"
+            log.warning("%s", reason)
+            self.fallbacks.append(reason)
+        if (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
+                and self.ops.fused_moe is None):  # the Triton fused MoE reads nothing on the host: it replays
             reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/moe.py)"
             log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
             self.fallbacks.append(f"cuda graphs: {reason}")
@@ -292,6 +298,8 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.real_rows = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # 1: a sequence, 0: padding
+        self.moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]  # counts: real rows only
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph or None, static output)
         self.pool = None
         self.replays = 0
@@ -342,6 +350,7 @@ class DecodeGraphs:
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.long), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        self.real_rows[:b].copy_(torch.tensor([1] * n + [0] * pad, dtype=torch.int64), non_blocking=True)
 
     def _forward(self, b: int) -> torch.Tensor:
         dev = self.runner.device
@@ -350,7 +359,13 @@ class DecodeGraphs:
             slot_mapping=self.slots[:b], num_prefill_tokens=0,
             prefill_block_tables=self.tables[:0], prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
             prefill_seq_lens=empty, decode_block_tables=self.tables[:b], decode_seq_lens=self.seq_lens[:b])
-        return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_cache, meta)
+        for m in self.moe_layers:
+            m.count_rows = self.real_rows[:b]
+        try:
+            return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_cache, meta)
+        finally:
+            for m in self.moe_layers:
+                m.count_rows = None
 
     def _capture(self, b: int) -> tuple[object, torch.Tensor]:
         from kernels import _triton_utils as tu

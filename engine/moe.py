@@ -16,9 +16,10 @@ fp32 rounding, the kernel module gives its tolerances). That path, the routing a
 ``bincount`` reads the ids' min and max on the host on CUDA) read nothing on the host (by construction; a GPU test
 in tests/kernels/test_fused_moe.py checks the kernel's part).
 
-The per-expert loop of ``grouped_experts`` reads the group sizes on the host (one sync per layer): these layers
-are not captured in CUDA graphs (the runner runs MoE models' decode eagerly, said at start-up, whatever the
-backend).
+The per-expert loop of ``grouped_experts`` reads the group sizes on the host (one sync per layer): with it
+the layers are not captured in CUDA graphs (the runner runs such a model's decode eagerly, said at start-up).
+With ``fused_moe`` the decode graphs capture MoE layers like any other, and the padding rows of a graph's
+bucket are not counted (``count_rows``, set by the graphs).
 """
 from __future__ import annotations
 
@@ -97,15 +98,18 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops)
         self.register_buffer("tokens_per_expert", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
         self.ops = ops
+        # 1 for a real row, 0 for padding (a CUDA graph's bucket pads the batch: engine/model_runner.DecodeGraphs
+        # sets it around each forward it captures); None: every row is real
+        self.count_rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_fp32)
+        rows = torch.ones_like(ids) if self.count_rows is None else self.count_rows.unsqueeze(1).expand_as(ids)
+        self.tokens_per_expert.scatter_add_(0, ids.reshape(-1), rows.reshape(-1))
         if self.ops.fused_moe is not None:
-            flat = ids.reshape(-1)
-            self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
             out = self.ops.fused_moe(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         else:
-            out = grouped_experts(x, weights, ids, self.experts, self.ops, self.tokens_per_expert)
+            out = grouped_experts(x, weights, ids, self.experts, self.ops)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce_(out)

@@ -15,9 +15,10 @@ Megatron's split, as vLLM does it:
 Each rank's cache holds its KV heads only. A split that does not divide evenly is a ``ConfigError`` naming the
 sizes, never a silent approximation.
 
-Collectives go through a torch.distributed process group of the engine's own (gloo; an NCCL group for CUDA
-tensors is not built yet: TP has run on CPUs only). Half-precision sums are done in fp32 (gloo has no bf16 sum
-everywhere, and the partial products are then rounded once). Rank 0 drives: it sends each step's inputs
+Collectives go through a torch.distributed process group of the engine's own: gloo. An NCCL group for CUDA
+tensors is not built yet (it needs a GPU per rank, and no lent machine has two): a CUDA engine's sums and gathers
+are staged through host memory, correct but slow, and its runner lists that as a fallback. Half-precision sums
+are done in fp32 (gloo has no bf16 sum everywhere, and the partial products are then rounded once). Rank 0 drives: it sends each step's inputs
 (``send``) and every other rank runs the same forward (``recv`` in ``ModelRunner.follow``; engine/tp_rank.py,
 prefill_worker/tp_ranks.py start them).
 """
@@ -103,10 +104,10 @@ class TensorParallel:
         """Sum ``t`` over the ranks, in place (returned)."""
         if not self.enabled:
             return t
-        if t.dtype == torch.float32:
+        if t.dtype == torch.float32 and not t.is_cuda:
             _wait(self, self.group.allreduce([t]))
             return t
-        acc = t.float()
+        acc = t.float().cpu()  # a CUDA tensor is summed in host memory (gloo; see the module's docstring)
         _wait(self, self.group.allreduce([acc]))
         return t.copy_(acc)
 
@@ -116,9 +117,10 @@ class TensorParallel:
             return local
         per = -(-vocab_size // self.size)
         padded = local if local.shape[-1] == per else torch.nn.functional.pad(local, (0, per - local.shape[-1]))
+        padded = padded.cpu().contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        _wait(self, self.group.allgather([parts], [padded.contiguous()]))
-        return torch.cat(parts, dim=-1)[..., :vocab_size]
+        _wait(self, self.group.allgather([parts], [padded]))
+        return torch.cat(parts, dim=-1)[..., :vocab_size].to(local.device)
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Rows of the vocab-parallel table ``weight`` (this rank's vocab range) for ``ids``."""

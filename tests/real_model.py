@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from tests.engine.hf_saved import hf_reference
+
 CHATS = {
     "one-turn": [{"role": "user", "content": "What is the capital of France?"}],
     "system": [{"role": "system", "content": "You are a terse assistant."},
@@ -46,7 +48,7 @@ class Reference:
         kw = {"gguf_file": path.name} if path.is_file() else {}
         where = str(path.parent if path.is_file() else path)
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kw)
-        model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
+        model = hf_reference(where, **kw)
         return cls(model, tokenizer, greedy_horizon)
 
     def chat_ids(self, messages) -> list[int]:

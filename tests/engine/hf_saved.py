@@ -38,3 +38,11 @@ def save_with_transformers(out: str | Path, config: transformers.PretrainedConfi
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out
+
+
+def hf_reference(where: str | Path, dtype: torch.dtype = torch.float32, **kw) -> transformers.PreTrainedModel:
+    """transformers' model of ``where`` as the reference, on its eager attention: transformers' SDPA path drops
+    Gemma 2's attention soft-cap (5.17 chose SDPA for Gemma 2 by default and gave other logits than 5.24, which
+    chooses eager; seen on a GPU machine's image), and eager is transformers' own definition for every family."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, attn_implementation="eager",
+                                                             **kw).eval()

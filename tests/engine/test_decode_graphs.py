@@ -133,3 +133,29 @@ def test_capture_all_fills_every_bucket_once(tiny_model):
     g.graphs[4] = (None, None)  # one bucket already there (a decode batch ran): not captured again
     assert g.capture_all() == len(g.sizes) - 1 and set(g.graphs) == set(g.sizes)
     assert g.capture_all() == 0
+
+
+def test_moe_layers_count_the_real_rows_of_a_padded_batch(tiny_model, tmp_path):
+    """A bucket of 4 holding 3 sequences: each sparse layer counts 3 tokens top_k times (not 4; the padding
+    row is routed like any other), and the layers count every row again outside the padded path."""
+    import transformers
+
+    from engine.moe import SparseMoE
+    from tests.engine.hf_saved import save_with_transformers
+    from tests.engine.test_parity import SHAPE
+
+    model_dir = save_with_transformers(tmp_path / "moe", transformers.MixtralConfig(
+        **SHAPE, num_local_experts=4, num_experts_per_tok=2), tiny_model("llama"))
+    e = Engine(EngineConfig(model=str(model_dir), num_blocks=32, kernels="torch", cuda_graph_max_batch=0))
+    moe = [m for m in e.runner.model.modules() if isinstance(m, SparseMoE)]
+    g = DecodeGraphs(e.runner, 4, 8, capture=False)
+    assert len(moe) == SHAPE["num_hidden_layers"] and g.moe_layers == moe
+    g.capture_all()  # warm-up forwards of padding only
+    assert [int(m.tokens_per_expert.sum()) for m in moe] == [0] * len(moe)
+    g._fill(4, [5, 6, 7], [3, 4, 5], [40, 41, 42], [[2], [2], [2]], [4, 5, 6])
+    with torch.inference_mode():
+        g._forward(4)
+    assert [int(m.tokens_per_expert.sum()) for m in moe] == [3 * 2] * len(moe)
+    assert all(m.count_rows is None for m in moe)  # set only around the padded forward
+    e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0))
+    assert [int(m.tokens_per_expert.sum()) for m in moe] == [(3 + 4) * 2] * len(moe)

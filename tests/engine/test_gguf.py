@@ -21,6 +21,7 @@ from engine.request import SamplingParams
 from engine.tiny import tiny_corpus
 from engine.tokenizer import Tokenizer
 from tests.engine.gguf_files import write_gguf
+from tests.engine.hf_saved import hf_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)  # rows fit 256-value K blocks
@@ -38,8 +39,7 @@ def greedy(engine: Engine, prompts=PROMPTS, n: int = 24) -> list[list[int]]:
 
 
 def hf_gguf_greedy(path: Path, prompts=PROMPTS, n: int = 24) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    model = hf_reference(path.parent, gguf_file=path.name)
     return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]

@@ -16,7 +16,7 @@ import transformers
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from tests.engine.gguf_files import write_gguf
-from tests.engine.hf_saved import save_with_transformers
+from tests.engine.hf_saved import hf_reference, save_with_transformers
 from tests.engine.test_gguf import PROMPTS, engine_for, greedy, hf_gguf_greedy
 from tests.engine.test_parity import hf_greedy
 
@@ -115,7 +115,7 @@ def test_gemma_gguf_metadata_equals_the_checkpoint(tiny_model, tmp_path, variant
     engine = engine_for(path)
     assert engine.model_config.gemma.final_logit_softcapping == 8.0
     assert greedy(engine) == hf_greedy(hf_dir, PROMPTS, 24)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    hf = hf_reference(hf_dir)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[2]])).logits[0]
     assert ref.abs().max() < 8.0  # capped

@@ -17,7 +17,7 @@ from engine.gguf import GGUFCheckpoint
 from engine.request import SamplingParams
 from engine.tiny import make_tiny_model, tiny_corpus
 from tests.engine.gguf_files import write_gguf
-from tests.engine.hf_saved import save_with_transformers
+from tests.engine.hf_saved import hf_reference, save_with_transformers
 
 CONTROL, USER = ["<|user|>", "<|assistant|>"], ["<tool>"]
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
@@ -104,8 +104,7 @@ def test_phi3_and_gemma_sentencepiece_gguf_tokenizers_equal_transformers(tmp_pat
 @pytest.mark.slow
 def test_llama_gguf_with_a_sentencepiece_vocabulary_generates_like_transformers(spm_gguf):
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name,
-                                                            dtype=torch.float32)
+    ref = hf_reference(spm_gguf.parent, gguf_file=spm_gguf.name)
     engine = Engine(EngineConfig(model=str(spm_gguf), num_blocks=64, dtype="float32"))
     prompts = ["The river and the mountain garden", "café 🙂 def f(x):"]
     res = engine.generate([engine.tokenizer.encode(p) for p in prompts],

@@ -16,7 +16,7 @@ from engine.request import SamplingParams
 
 import transformers  # the reference (a test dependency: pip install .[test])
 
-from tests.engine.hf_saved import save_with_transformers
+from tests.engine.hf_saved import hf_reference, save_with_transformers
 
 PROMPT_LENS = (1, 3, 16, 17, 45, 100, 160, 300)
 NUM_TOKENS = 64
@@ -38,7 +38,7 @@ def random_prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int
 
 
 def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS) -> list[list[int]]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf_reference(model_dir)
     outs = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
@@ -181,7 +181,7 @@ def test_gemma2_logits_equal_transformers(tiny_model, tmp_path):
     prompt = random_prompts(512, lens=(60,))[0]
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=32))
     ours = prompt_logits(engine, prompt)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf_reference(model_dir)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert ref.abs().max() < 8.0  # capped at final_logit_softcapping
