@@ -22,7 +22,7 @@ Two capacities per decode worker, the tighter one binds:
   mean step time) per interval over the history, solved for ``itl_slo_s * itl_target_fraction``; the prior
   ``decode_running_high`` until the points span enough batch sizes to fit;
 - KV blocks: ``decode_kv_target_usage`` (0.95) of a worker's blocks, against the blocks the load holds (decode's
-  used blocks + the blocks prefill workers hold for decode). Not ``decode_kv_usage_high`` (0.8, the reactive
+  used blocks + the blocks prefill workers hold for decode while decode backs up: ``kv_blocks_needed``). Not ``decode_kv_usage_high`` (0.8, the reactive
   threshold): KV is room, not throughput — a cache at 0.9 serves as fast as one at 0.5 — and sized at 0.8 a
   decode worker at 91 % read as 1.14 workers of load, so the H100 model at budget 4 moved 3P+1D → 2P+2D on a
   short KV peak and starved prefill (docs/simulator.md e).
@@ -118,7 +118,7 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
         return RoleNeed(None, None, None, "unknown")
     window = hist[-cfg.estimate_window:]
     seqs = max(decode_backlog(o) for o in window)
-    blocks = max(sum(s.kv_blocks_used for s in o.decode) + sum(s.held_blocks for s in o.prefill) for o in window)
+    blocks = max(kv_blocks_needed(o, cfg) for o in window)
     totals = [s.kv_blocks_total for o in window for s in o.decode if s.kv_blocks_total]
     kv_cap = (sum(totals) / len(totals)) * cfg.decode_kv_target_usage if totals else None
     fit = fit_step_time(hist)
@@ -135,6 +135,19 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
     if by_kv > by_seqs:
         return RoleNeed(by_kv, float(blocks), kv_cap, "decode_kv_blocks", signals)
     return RoleNeed(by_seqs, float(seqs), seq_cap, "decode_seqs", signals)
+
+
+def kv_blocks_needed(obs, cfg) -> int:
+    """Decode KV blocks the load holds: decode's used blocks, plus the blocks prefill workers hold for decode
+    while decode backs up (handoffs wait there for blocks, or its warm cache is at ``decode_kv_usage_high``).
+    With room on decode those blocks are in transit, not a standing need: a pull reserves its blocks on decode
+    (already in decode's used blocks) while prefill still holds the source, and a queued pull starts as soon as
+    the transfer thread frees. Counted always, they held a decode worker the prefill pool needed (docs/simulator.md
+    e: the CPU shift's window 1 ran 6P+2D where 7P+1D met the SLOs)."""
+    used = sum(s.kv_blocks_used for s in obs.decode)
+    total = sum(s.kv_blocks_total or 0 for s in obs.decode)
+    backs_up = any(s.handoffs_waiting for s in obs.decode) or (total > 0 and used >= cfg.decode_kv_usage_high * total)
+    return used + (sum(s.held_blocks for s in obs.prefill) if backs_up else 0)
 
 
 def decode_backlog(obs) -> int:

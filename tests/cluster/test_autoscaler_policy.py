@@ -183,6 +183,20 @@ def test_prefill_latency_caused_by_decode_scales_decode_not_prefill():
     assert out[P].direction == "hold" and (out[D].direction, out[D].code) == ("up", "handoffs_waiting")
 
 
+def test_blocks_held_for_decode_are_its_kv_need_only_while_decode_backs_up():
+    """A pull in flight reserves its blocks on decode while prefill still holds the source: with room on decode
+    the held blocks are in transit, not a standing need (counted, they kept a decode worker that prefill needed:
+    the simulator's CPU shift, docs/simulator.md e). Once decode backs up they are its need."""
+    from cluster.autoscale_estimate import estimate
+
+    room = loaded(0, p=2, d=1, held=4, held_blocks=80, used=40, running=4)  # decode 40 % full, nothing waits
+    full = loaded(0, p=2, d=1, held=4, held_blocks=80, used=85, running=4)  # at decode_kv_usage_high (0.8)
+    waits = loaded(0, p=2, d=1, held=4, held_blocks=80, used=40, running=4, waiting_handoffs=1)
+    for obs, want in ((room, 40), (full, 85 + 80), (waits, 40 + 80)):
+        assert estimate([obs], CFG).decode.signals["decode_kv_blocks_needed"] == want
+    assert decide([room], steady(2, 1), CFG)[D].signals["decode_kv_blocks_needed"] == 40
+
+
 def test_prefill_capacity_is_learned_and_sizes_the_pool():
     # each interval (2 s): 1,000 tokens computed in 2 busy seconds = 500 tok/s per worker; 2,000 tok/s arrive
     hist = [loaded(t * 2, p=1, d=1, arrived=4000, busy=2.0, computed=1000) for t in range(3)]
