@@ -22,10 +22,10 @@ Two capacities per decode worker, the tighter one binds:
   mean step time) per interval over the history, solved for ``itl_slo_s * itl_target_fraction``; the prior
   ``decode_running_high`` until the points span enough batch sizes to fit;
 - KV blocks: ``decode_kv_target_usage`` (0.95) of a worker's blocks, against the blocks the load holds (decode's
-  used blocks + the blocks prefill workers hold for decode while decode backs up: ``kv_blocks_needed``). Not ``decode_kv_usage_high`` (0.8, the reactive
-  threshold): KV is room, not throughput — a cache at 0.9 serves as fast as one at 0.5 — and sized at 0.8 a
-  decode worker at 91 % read as 1.14 workers of load, so the H100 model at budget 4 moved 3P+1D → 2P+2D on a
-  short KV peak and starved prefill (docs/simulator.md e).
+  used blocks + the blocks prefill workers hold for decode while decode backs up: ``kv_blocks_needed``). Not
+  ``decode_kv_usage_high`` (0.8, the reactive threshold): KV is room, not throughput — a cache at 0.9 serves as
+  fast as one at 0.5 — and sized at 0.8 a decode worker at 91 % read as 1.14 workers of load, so the H100 model
+  at budget 4 moved 3P+1D → 2P+2D on a short KV peak and starved prefill (docs/simulator.md e).
 """
 from __future__ import annotations
 

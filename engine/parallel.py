@@ -18,9 +18,9 @@ sizes, never a silent approximation.
 Collectives go through a torch.distributed process group of the engine's own: gloo. An NCCL group for CUDA
 tensors is not built yet (it needs a GPU per rank, and no lent machine has two): a CUDA engine's sums and gathers
 are staged through host memory, correct but slow, and its runner lists that as a fallback. Half-precision sums
-are done in fp32 (gloo has no bf16 sum everywhere, and the partial products are then rounded once). Rank 0 drives: it sends each step's inputs
-(``send``) and every other rank runs the same forward (``recv`` in ``ModelRunner.follow``; engine/tp_rank.py,
-prefill_worker/tp_ranks.py start them).
+are done in fp32 (gloo has no bf16 sum everywhere, and the partial products are then rounded once). Rank 0
+drives: it sends each step's inputs (``send``) and every other rank runs the same forward (``recv`` in
+``ModelRunner.follow``; engine/tp_rank.py, prefill_worker/tp_ranks.py start them).
 """
 from __future__ import annotations
 

@@ -17,20 +17,15 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.moe import SparseMoE
-from engine.request import SamplingParams
 from tests.engine.hf_saved import hf_reference, save_with_transformers
-from tests.engine.test_parity import SAVED_BY_TRANSFORMERS, _phi3, hf_greedy, random_prompts
+from tests.engine import test_cuda_engine as cuda_tests
+from tests.engine.test_cuda_engine import NUM_TOKENS, assert_greedy_in_graphs_equals_transformers, cuda_engine
+from tests.engine.test_parity import SAVED_BY_TRANSFORMERS, _phi3, random_prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CPU suite has no GPU; `make gpu-check` runs these on one")]
+pytestmark = cuda_tests.pytestmark  # a CUDA device, else skipped: `make gpu-check` runs them on one
 
-NUM_TOKENS = 32
 LENS = (1, 17, 45, 100, 160)
 FAMILIES = {**SAVED_BY_TRANSFORMERS, "phi3-longrope-window": lambda: _phi3(512, 40)}
-
-
-def cuda_engine(model_dir, **kw) -> Engine:
-    kw.setdefault("num_blocks", 512)
-    return Engine(EngineConfig(model=str(model_dir), device="cuda", **kw))
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -46,13 +41,7 @@ def test_float32_greedy_equals_transformers_in_graphs_on_every_family(tiny_model
     assert engine.runner.backend == "triton"
     moe = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoE)]
     before = [int(m.tokens_per_expert.sum()) for m in moe]  # the graphs' warm-up forwards ran padding only
-    res = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
-    assert engine.runner.fallbacks == [], engine.runner.fallbacks
-    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.replays > 0
-    engine.pool.check()
-    ref = hf_greedy(model_dir, prompts, NUM_TOKENS)
-    for n, r, want in zip(LENS, res, ref):
-        assert r["token_ids"] == want, f"prompt of {n} tokens diverges at {first_difference(r['token_ids'], want)}"
+    assert_greedy_in_graphs_equals_transformers(engine, model_dir, prompts)
     if moe:  # every token the model ran, top_k times per sparse layer: the padding rows of a bucket not counted
         fed = sum(LENS) + (NUM_TOKENS - 1) * len(prompts)
         assert [int(m.tokens_per_expert.sum()) - b for m, b in zip(moe, before)] == [fed * m.top_k for m in moe]
@@ -87,7 +76,8 @@ def test_speculative_decoding_gives_plain_greedy_tokens(tiny_model, tmp_path, me
     if method == "suffix":  # again: the cache of finished outputs now proposes whole continuations
         got = run(engine, cases)
     for (p, sp), g, w in zip(cases, got, want):
-        assert (g["tokens"], g["finish"]) == (w["tokens"], w["finish"]), (len(p), first_difference(g["tokens"], w["tokens"]))
+        assert (g["tokens"], g["finish"]) == (w["tokens"], w["finish"]), \
+            (len(p), first_difference(g["tokens"], w["tokens"]))
     st = engine.spec.stats
     assert st.num_accepted_tokens > 50 and st.num_draft_tokens > st.num_accepted_tokens, st
     engine.pool.check()
