@@ -143,7 +143,9 @@ def kv_blocks_needed(obs, cfg) -> int:
     With room on decode those blocks are in transit, not a standing need: a pull reserves its blocks on decode
     (already in decode's used blocks) while prefill still holds the source, and a queued pull starts as soon as
     the transfer thread frees. Counted always, they held a decode worker the prefill pool needed (docs/simulator.md
-    e: the CPU shift's window 1 ran 6P+2D where 7P+1D met the SLOs)."""
+    e: the CPU shift's window 1 ran 6P+2D where 7P+1D met the SLOs). Not the pressure rule's
+    ``autoscale_signals.decode_backs_up``: that one reads the held blocks as a share of prefill's cache, which
+    says nothing of whether decode has room for them."""
     used = sum(s.kv_blocks_used for s in obs.decode)
     total = sum(s.kv_blocks_total or 0 for s in obs.decode)
     backs_up = any(s.handoffs_waiting for s in obs.decode) or (total > 0 and used >= cfg.decode_kv_usage_high * total)

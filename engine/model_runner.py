@@ -350,7 +350,8 @@ class DecodeGraphs:
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.long), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.real_rows[:b].copy_(torch.tensor([1] * n + [0] * pad, dtype=torch.int64), non_blocking=True)
+        if self.moe_layers:  # read only by MoE layers' counts
+            self.real_rows[:b].copy_(torch.tensor([1] * n + [0] * pad, dtype=torch.int64), non_blocking=True)
 
     def _forward(self, b: int) -> torch.Tensor:
         dev = self.runner.device

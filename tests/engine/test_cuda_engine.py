@@ -50,8 +50,11 @@ def assert_greedy_in_graphs_equals_transformers(engine: Engine, model_dir, promp
     engine.pool.check()
     for p, r, want in zip(prompts, res, hf_greedy(model_dir, prompts, NUM_TOKENS)):
         got = r["token_ids"]
-        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        assert got == want, f"prompt of {len(p)} tokens diverges at {first}"
+        assert got == want, f"prompt of {len(p)} tokens diverges at {first_difference(got, want)}"
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def test_graphs_captured_up_front_serve_every_batch_size_without_a_compile(tiny_model):

@@ -19,17 +19,14 @@ from engine.engine import Engine
 from engine.moe import SparseMoE
 from tests.engine.hf_saved import hf_reference, save_with_transformers
 from tests.engine import test_cuda_engine as cuda_tests
-from tests.engine.test_cuda_engine import NUM_TOKENS, assert_greedy_in_graphs_equals_transformers, cuda_engine
+from tests.engine.test_cuda_engine import (NUM_TOKENS, assert_greedy_in_graphs_equals_transformers, cuda_engine,
+                                           first_difference)
 from tests.engine.test_parity import SAVED_BY_TRANSFORMERS, _phi3, random_prompts
 
 pytestmark = cuda_tests.pytestmark  # a CUDA device, else skipped: `make gpu-check` runs them on one
 
 LENS = (1, 17, 45, 100, 160)
 FAMILIES = {**SAVED_BY_TRANSFORMERS, "phi3-longrope-window": lambda: _phi3(512, 40)}
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.parametrize("variant", list(FAMILIES))
