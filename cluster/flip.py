@@ -247,6 +247,9 @@ class RoleFlips:
         self._end(rec.worker_id, f"flipped to {to_role.value} as {new_id}", fault=False)
         self.registry.add(new_id, to_role, time.monotonic())
         self.handles[new_id] = handle
+        rename = getattr(self._spawn, "rename", None)  # a tensor-parallel worker's ranks and group go with it
+        if rename is not None:
+            rename(rec.worker_id, new_id)
         client = RayWorkerClient(handle, info)
         async with self._handshake:
             await shake_hands(self.registry, client)

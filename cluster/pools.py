@@ -181,8 +181,8 @@ class PoolManager(RoleFlips, Operator):
             self._record_cold_start(worker_id, role, time.monotonic() - t0)
             log.info("worker %s is ready (cold start %.2f s)", worker_id, time.monotonic() - t0)
             return worker_id
-        except asyncio.CancelledError:
-            self._end(worker_id, "cancelled while starting", fault=False)
+        except asyncio.CancelledError:  # the cluster stops: the half-started worker is not left running
+            self._end(worker_id, "cancelled while starting", fault=False, kill=True)
             raise
         except Exception as e:
             self.counters["start_failures"] += 1
@@ -262,7 +262,9 @@ class PoolManager(RoleFlips, Operator):
         if feed is not None:
             feed.cancel()
 
-    def _end(self, worker_id: str, reason: str, *, fault: bool) -> None:
+    def _end(self, worker_id: str, reason: str, *, fault: bool, kill: bool | None = None) -> None:
+        """The worker leaves the pools: its feed stops, the others forget its NIXL agent, dispatch retires it;
+        its actor (and a tensor-parallel worker's ranks) is killed if ``kill`` (default: if it is a fault)."""
         self._cancel_feed(worker_id)
         rec = self.registry.get(worker_id) if worker_id in self.registry else None
         peer = getattr(getattr(rec.client, "info", None), "peer", None) if rec is not None else None
@@ -273,7 +275,7 @@ class PoolManager(RoleFlips, Operator):
         if worker_id in self.registry and self.registry.get(worker_id).state != WorkerState.DEAD:
             self.backend.retire(worker_id, reason, fault=fault)
         handle = self.handles.pop(worker_id, None)
-        if fault and handle is not None:
+        if (fault if kill is None else kill) and handle is not None:
             try:
                 ray.kill(handle)
             except Exception as e:
@@ -284,7 +286,11 @@ class PoolManager(RoleFlips, Operator):
         self.counters["peers_forgotten"] += await forget_peer(self.registry, worker_id, agent_name)
 
     def reconcile_soon(self) -> None:
-        asyncio.get_running_loop().call_soon(self.reconcile)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a task closed with its loop gone (a process exiting): nothing is left to reconcile
+            return
+        loop.call_soon(self.reconcile)
 
     # ---- loops -----------------------------------------------------------------------------------
     async def check_health(self) -> None:

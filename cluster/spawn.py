@@ -119,6 +119,12 @@ class Spawner:
         if group is not None:
             remove_placement_group(group)
 
+    def rename(self, worker_id: str, new_id: str) -> None:
+        """A flipped worker keeps its ranks and placement group under its new id (``release`` finds them there)."""
+        for held in (self.ranks, self.groups):
+            if worker_id in held:
+                held[new_id] = held.pop(worker_id)
+
     def _sinks(self) -> list:
         from router.events import MemoryEventLog, RedisEventSink
 

@@ -5,6 +5,8 @@ import asyncio
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 # One intra-op thread for the test process (OMP_NUM_THREADS=2 in the environment restores two). On the 2-vCPU dev VM
@@ -99,3 +101,27 @@ def smollm2_reference(smollm2_gguf):
     from tests.real_model import Reference
 
     return Reference.load(smollm2_gguf, greedy_horizon=SMOLLM2_GREEDY_HORIZON)
+
+
+_last_ray_module: list[str] = []  # the last test module that ran with the session's Ray up
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_left_clean(request):
+    """Every test module leaves the session's Ray as it found it: a worker actor or placement group an earlier
+    module left alive holds CPUs that a later cluster's replacement worker then waits for (forever: Ray queues an
+    actor it cannot place). Checked when the next module starts (by then the kills Ray does asynchronously ended)."""
+    ray = sys.modules.get("ray")  # not imported: this process never started Ray
+    if ray is not None and ray.is_initialized() and _last_ray_module:
+        keys = ("CPU", "duet_worker")
+        total = ray.cluster_resources()
+        free = lambda: ray.available_resources()  # noqa: E731
+        deadline = time.monotonic() + 30
+        while any(free().get(k, 0) < total.get(k, 0) for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        held = {k: total.get(k, 0) - free().get(k, 0) for k in keys}
+        assert not any(held.values()), f"{_last_ray_module[-1]} left Ray resources held after its end: {held}"
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        _last_ray_module.append(request.module.__name__)

@@ -295,6 +295,8 @@ def test_killed_prefill_worker_leaves_the_pool_no_request_is_lost_and_it_is_repl
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in reference(tiny_model(), prompts, params)]
     assert victim.worker_id in cluster.backend.lost and victim.worker_id not in cluster.backend.prefill
     # the pool is brought back to its target by a new worker
-    assert wait_for(lambda: len(cluster.backend.prefill) == 2, timeout_s=90), cluster.pools.autoscaler_view()
+    assert wait_for(lambda: len(cluster.backend.prefill) == 2, timeout_s=90), (
+        cluster.pools.autoscaler_view()["pools"], cluster.pools.counters,
+        [(r.worker_id, r.state.value, r.reason) for r in cluster.pools.registry.records()], ray.available_resources())
     assert victim.worker_id not in cluster.backend.prefill
     assert all(s["kv_blocks_used"] == 0 for s in stats(loop_thread, cluster).values())

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from router.policy import Role
+from router.registry import WorkerState
 from tests.cluster.test_faults import Outcome, finish, judge, pick, reference, run_with_fault, workload  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -140,3 +141,7 @@ def test_tensor_parallel_workers_flip_roles_with_their_ranks(tp_cluster, loop_th
     (decoder,) = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
     assert serve_through(loop_thread, client(cluster, back), client(cluster, decoder), "as-prefill") == reference
     assert (pools.counters["flipped"], pools.counters["flip_failures"], pools.counters["started"]) == (2, 0, 0)
+    # the flipped workers' ranks and placement groups went with them to their new ids: stopping the cluster
+    # releases them (else two ranks and their CPUs stay held in Ray: the suite's ray_left_clean check)
+    live = {r.worker_id for r in cluster.registry.records(states=(WorkerState.READY,))}
+    assert set(pools._spawn.ranks) == set(pools._spawn.groups) == live, (pools._spawn.ranks, live)
