@@ -39,6 +39,7 @@ from cluster.flip import RoleFlips
 from cluster.handshake import forget_peer, shake_hands
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
+from cluster.start_wait import await_info
 from engine.errors import InvalidRequestError
 from router.admin_api import Operator
 from router.dispatch import ClusterBackend
@@ -170,7 +171,10 @@ class PoolManager(RoleFlips, Operator):
         try:
             handle = self._spawn(role, worker_id)
             self.handles[worker_id] = handle
-            info = await asyncio.wait_for(handle.info.remote(), self.config.lifecycle.start_timeout_s)
+            asks = getattr(self._spawn, "asks", None)
+            info = await await_info(worker_id, handle, self.config.lifecycle.start_timeout_s,
+                                    asks(role) if asks is not None else None,
+                                    lambda: self.counters.update(["start_waits_for_room"]))
             client = RayWorkerClient(handle, info)
             async with self._handshake:
                 await shake_hands(self.registry, client)

@@ -68,13 +68,24 @@ class Spawner:
             full_state_interval_s=None if config.router.index == "memory" else FULL_STATE_INTERVAL_S)
         return options, worker_engine_config(config, pool)
 
-    def __call__(self, role: Role, worker_id: str):
+    def _place(self, role: Role) -> dict:
+        """Ray's placement options of one rank of a ``role`` worker."""
         pool = pool_config(self.config, role)
         on_gpu = self.config.engine.device.startswith("cuda")
         num_gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
-        options, engine_config = self.worker_args(role, worker_id)
         resources = {**({WORKER_RESOURCE: 1} if self.use_resource and not on_gpu else {}), **pool.resources}
-        place = dict(num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus, resources=resources)
+        return dict(num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus, resources=resources)
+
+    def asks(self, role: Role) -> dict[str, float]:
+        """What one ``role`` worker asks of Ray, all its ranks together (for a slow start's log line)."""
+        place, ranks = self._place(role), pool_config(self.config, role).tensor_parallel_size
+        total = {"CPU": place["num_cpus"], "GPU": place["num_gpus"], **place["resources"]}
+        return {k: v * ranks for k, v in total.items() if v}
+
+    def __call__(self, role: Role, worker_id: str):
+        pool = pool_config(self.config, role)
+        options, engine_config = self.worker_args(role, worker_id)
+        place = self._place(role)
         tag = uuid.uuid4().hex[:8]
         ranks = []
         if pool.tensor_parallel_size > 1:

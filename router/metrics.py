@@ -273,11 +273,12 @@ class ClusterCollector:
         yield low
         yield high
         actions = CounterMetricFamily("duet_pool_actions", "Pool manager actions by kind: started, start_failures, "
+                                      "start_waits_for_room (a start Ray had not placed after 20 s), "
                                       "drained, drain_timeouts, replaced (a dead worker), probe_misses (a failed "
                                       "health probe short of lifecycle.health_misses in a row), flipped, "
                                       "flip_failures, flip_fallbacks.", labels=("action",))
         counts = self.pool_counters()
-        for action in ("started", "start_failures", "drained", "drain_timeouts", "replaced", "probe_misses", "flipped",
+        for action in ("started", "start_failures", "start_waits_for_room", "drained", "drain_timeouts", "replaced", "probe_misses", "flipped",
                        "flip_failures", "flip_fallbacks"):
             actions.add_metric((action,), float(counts.get(action, 0)))
         yield actions
