@@ -57,6 +57,9 @@ class Autoscaling:
                 self.targets[role] = d.target
                 self.decisions.append({"t_s": now - self.t0_s, "role": role.value, "direction": d.direction,
                                        "target": d.target, "code": d.code, "reason": d.reason})
+        if sum(self.targets.values()) > self.cfg.budget:  # the policy's contract; a run past it measures nothing
+            raise AssertionError(f"the autoscaler's targets {self.targets} exceed its budget of {self.cfg.budget} "
+                                 f"at t = {now - self.t0_s:g} s")
         self.reconcile(now)
         self.timeline.append({"t_s": now - self.t0_s, **{f"{r.value}_{k}": v for r in Role
                                                          for k, v in self._counts(r).items()}})

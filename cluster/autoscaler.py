@@ -151,8 +151,11 @@ def decide(history: Sequence[Observation], pools: Mapping[Role, PoolState], conf
             out[src] = decision(src, "down", targets[src] - n, "rebalance", why)
             out[dst] = decision(dst, "up", targets[dst] + n, "rebalance", why)
             return out
-    for role in free:
+    # both roles may want the budget's last worker: the busier per worker takes it, the other sees it taken
+    for role in sorted(free, key=lambda r: needs[r][0] / max(targets[r], 1), reverse=True):
         out[role] = _step(role, history, targets, needs[role], cfg, decision, memo)
+        if out[role].direction == "up":
+            targets[role] = out[role].target
     return out
 
 

@@ -68,6 +68,17 @@ def test_bounds_and_budget():
     assert decide([], {P: PoolState(1, 1), D: PoolState(5, 5)}, CFG)[D].target == 3  # above max → max
 
 
+def test_both_roles_short_with_one_worker_left_in_the_budget_grow_one_role_only():
+    """Each role's step checked the budget against the other's *current* target, so from 2P+1D at a budget of 4
+    both grew (3P+2D). The busier role per worker takes the last worker; the other holds on the budget."""
+    tight = dataclasses.replace(CFG, max_total_workers=4)
+    for p, d, grows in ((1, 2, P), (2, 1, D)):  # pressure on both: each reads one worker more than it has
+        out = decide([obs(p=p, d=d, queued=9000, running=30)], steady(p, d), tight)
+        assert out[P].target + out[D].target == 4, out
+        held = D if grows == P else P
+        assert out[grows].direction == "up" and (out[held].direction, out[held].code) == ("hold", "budget"), out
+
+
 def test_one_action_at_a_time():
     o = obs(queued=5000)
     for pool in (PoolState(2, 1, starting=1), PoolState(2, 2, draining=1), PoolState(2, 1)):
