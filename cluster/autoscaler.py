@@ -20,7 +20,8 @@ The rules, in order, per role:
 2. An action in progress (a worker starting, draining or changing role, or ready ≠ target), or a worker still
    warming up → hold: one step at a time, judged on the cluster that step produced.
 3. Need = the estimate's workers, at least target + 1 under pressure (the estimate alone when it is larger).
-   Up (+1) when need > target and the budget (prefill + decode targets ≤ ``max_total_workers``) allows.
+   Up (+1) when need > target and the budget (prefill + decode targets ≤ ``max_total_workers``) allows; when
+   both roles want the budget's last worker, the busier per worker takes it and the other holds (``budget``).
 4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
    direction: n workers move — the surplus role −n and the short role +n in the same tick (code
    ``rebalance``; the pool manager flips workers' roles in place when it can), n as far as every interval
