@@ -110,13 +110,13 @@ _last_ray_module: list[str] = []  # the last test module that ran with the sessi
 def ray_left_clean(request):
     """Every test module leaves the session's Ray as it found it: a worker actor or placement group an earlier
     module left alive holds CPUs that a later cluster's replacement worker then waits for (forever: Ray queues an
-    actor it cannot place). Checked when the next module starts (by then the kills Ray does asynchronously ended)."""
+    actor it cannot place). Checked when the next module starts, allowing 60 s for the kills Ray does asynchronously."""
     ray = sys.modules.get("ray")  # not imported: this process never started Ray
     if ray is not None and ray.is_initialized() and _last_ray_module:
         keys = ("CPU", "duet_worker")
         total = ray.cluster_resources()
         free = lambda: ray.available_resources()  # noqa: E731
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # Ray kills asynchronously: seconds here, more on a slower CI machine
         while any(free().get(k, 0) < total.get(k, 0) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.5)
         held = {k: total.get(k, 0) - free().get(k, 0) for k in keys}
