@@ -78,9 +78,8 @@ class Spawner:
 
     def asks(self, role: Role) -> dict[str, float]:
         """What one ``role`` worker asks of Ray, all its ranks together (for a slow start's log line)."""
-        place, ranks = self._place(role), pool_config(self.config, role).tensor_parallel_size
-        total = {"CPU": place["num_cpus"], "GPU": place["num_gpus"], **place["resources"]}
-        return {k: v * ranks for k, v in total.items() if v}
+        ranks = pool_config(self.config, role).tensor_parallel_size
+        return {k: v * ranks for k, v in _bundle(self._place(role)).items()}
 
     def __call__(self, role: Role, worker_id: str):
         pool = pool_config(self.config, role)
@@ -101,10 +100,7 @@ class Spawner:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": place["num_cpus"], **({"GPU": place["num_gpus"]} if place["num_gpus"] else {}),
-                  **place["resources"]}
-        bundle = {k: v for k, v in bundle.items() if v}
-        group = placement_group([bundle] * pool.tensor_parallel_size, strategy="STRICT_PACK",
+        group = placement_group([_bundle(place)] * pool.tensor_parallel_size, strategy="STRICT_PACK",
                                 name=f"duet-{worker_id}-{tag}")
         self.groups[worker_id] = group
         at = lambda i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)  # noqa: E731
@@ -143,3 +139,9 @@ class Spawner:
         if self.config.router.index != "memory":
             sinks.append(RedisEventSink(self.config.router.index))
         return sinks
+
+
+def _bundle(place: dict) -> dict[str, float]:
+    """One rank's Ray resources (a placement-group bundle) from its placement options; zero amounts left out."""
+    bundle = {"CPU": place["num_cpus"], "GPU": place["num_gpus"], **place["resources"]}
+    return {k: v for k, v in bundle.items() if v}

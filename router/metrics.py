@@ -278,8 +278,8 @@ class ClusterCollector:
                                       "health probe short of lifecycle.health_misses in a row), flipped, "
                                       "flip_failures, flip_fallbacks.", labels=("action",))
         counts = self.pool_counters()
-        for action in ("started", "start_failures", "start_waits_for_room", "drained", "drain_timeouts", "replaced", "probe_misses", "flipped",
-                       "flip_failures", "flip_fallbacks"):
+        for action in ("started", "start_failures", "start_waits_for_room", "drained", "drain_timeouts", "replaced",
+                       "probe_misses", "flipped", "flip_failures", "flip_fallbacks"):
             actions.add_metric((action,), float(counts.get(action, 0)))
         yield actions
         feed = self.feed_counters()

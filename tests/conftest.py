@@ -103,7 +103,7 @@ def smollm2_reference(smollm2_gguf):
     return Reference.load(smollm2_gguf, greedy_horizon=SMOLLM2_GREEDY_HORIZON)
 
 
-_last_ray_module: list[str] = []  # the last test module that ran with the session's Ray up
+_last_ray_module: list[str] = []  # [the last test module that ran with the session's Ray up]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,7 +115,7 @@ def ray_left_clean(request):
     if ray is not None and ray.is_initialized() and _last_ray_module:
         keys = ("CPU", "duet_worker")
         total = ray.cluster_resources()
-        free = lambda: ray.available_resources()  # noqa: E731
+        free = ray.available_resources
         deadline = time.monotonic() + 60  # Ray kills asynchronously: seconds here, more on a slower CI machine
         while any(free().get(k, 0) < total.get(k, 0) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -124,4 +124,4 @@ def ray_left_clean(request):
     yield
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        _last_ray_module.append(request.module.__name__)
+        _last_ray_module[:] = [request.module.__name__]
