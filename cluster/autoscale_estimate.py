@@ -26,17 +26,12 @@ Two capacities per decode worker, the tighter one binds:
   ``decode_kv_usage_high`` (0.8, the reactive threshold): KV is room, not throughput — a cache at 0.9 serves as
   fast as one at 0.5 — and sized at 0.8 a decode worker at 91 % read as 1.14 workers of load, so the H100 model
   at budget 4 moved 3P+1D → 2P+2D on a short KV peak and starved prefill (docs/simulator.md e).
-The split comparison at the budget weighs a KV load past the pool's room by what it costs (``weighed``,
-``kv_overload_weighed``): the sequences that do not fit wait after their first token, which stretches TPOT, so it
-counts only as far as TPOT would pass the ITL target.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from cluster.autoscale_signals import percentile
 
 MIN_FIT_POINTS = 4
 LEARN_INTERVALS = 32  # capacities are learned from the last this many observations
@@ -57,11 +52,6 @@ class RoleNeed:
     capacity: float | None
     basis: str  # what bound it ("prefill_tokens", "decode_seqs", "decode_kv_blocks", "unknown")
     signals: dict[str, float | None] = field(default_factory=dict)
-    weighed: float | None = None  # the load as the split comparison weighs it (None: ``load``): kv_overload_weighed
-
-    @property
-    def split_load(self) -> float | None:
-        return self.load if self.weighed is None else self.weighed
 
     @property
     def workers(self) -> int | None:
@@ -76,9 +66,7 @@ class RoleNeed:
         learned = {"prefill_tokens": "prefill_capacity_learned"}.get(self.basis, "decode_seq_capacity_learned")
         prior = "" if self.basis == "decode_kv_blocks" or self.signals.get(learned) else " (the prior)"
         derated = " x prefill_target_utilization" if self.basis == "prefill_tokens" else ""
-        weighed = (f"; weighed {self.weighed:.2f} workers at the ITL's headroom (decode_load_weighed_workers)"
-                   if self.weighed is not None and self.load is not None and self.weighed < self.load - 1e-9 else "")
-        return f"{demand} {self.demand:.3g} over {capacity} {self.capacity:.3g}{prior}{derated}{weighed}"
+        return f"{demand} {self.demand:.3g} over {capacity} {self.capacity:.3g}{prior}{derated}"
 
 
 @dataclass(frozen=True)
@@ -140,28 +128,13 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
         seq_cap = max(1.0, (target - fit[0]) / fit[1])
     by_seqs = seqs / seq_cap
     by_kv = blocks / kv_cap if kv_cap else 0.0
-    itl = max((percentile(o.itl_s, 90) for o in window if o.itl_s), default=None)
-    weighed = max(by_seqs, kv_overload_weighed(by_kv, len(hist[-1].decode), itl, target))
     signals = {"decode_backlog_seqs": float(seqs), "decode_seq_capacity": seq_cap,
                "decode_seq_capacity_learned": float(fit is not None and fit[1] > 0),
                "decode_kv_blocks_needed": float(blocks), "decode_kv_capacity_blocks": kv_cap,
-               "decode_load_workers": max(by_seqs, by_kv), "decode_load_weighed_workers": weighed}
+               "decode_load_workers": max(by_seqs, by_kv)}
     if by_kv > by_seqs:
-        return RoleNeed(by_kv, float(blocks), kv_cap, "decode_kv_blocks", signals, weighed)
-    return RoleNeed(by_seqs, float(seqs), seq_cap, "decode_seqs", signals, weighed)
-
-
-def kv_overload_weighed(by_kv: float, workers: int, itl_p90_s: float | None, itl_target_s: float) -> float:
-    """A KV-bound decode load past the pool's room, weighed by what it costs: the sequences that do not fit wait
-    for blocks after their first token (it came from prefill), so the overload stretches TPOT — by about the
-    overload times the ITL — and breaks no SLO while the ITL has that much headroom under its target. Past
-    ``workers``, the load counts only as far as it would stretch TPOT past the target (never below ``workers``:
-    the pool is full). The split comparison (autoscaler rule 4) weighs loads this way: read whole, a one-interval
-    KV peak on the H100 model (1,174 blocks needed on 734, ITL 30 ms against a 40-ms target) moved 3P+1D → 2P+2D
-    and starved prefill, where 3P+1D fixed met the window (docs/simulator.md e)."""
-    if by_kv <= workers or itl_p90_s is None or workers < 1:
-        return by_kv
-    return max(float(workers), by_kv * min(1.0, itl_p90_s / itl_target_s))
+        return RoleNeed(by_kv, float(blocks), kv_cap, "decode_kv_blocks", signals)
+    return RoleNeed(by_seqs, float(seqs), seq_cap, "decode_seqs", signals)
 
 
 def kv_blocks_needed(obs, cfg) -> int:

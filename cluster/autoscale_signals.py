@@ -44,9 +44,6 @@ def signals(role: Role, obs, cfg) -> dict[str, float | None]:
             "itl_p90_s": percentile(obs.itl_s, 90), "tokens": len(obs.itl_s)}
 
 
-SLO_BREACHES = ("ttft_slo", "prefill_queue_slo", "itl_slo")  # pressure codes that are a latency SLO broken
-
-
 def decode_backs_up(sig: Mapping[str, float | None], cfg) -> tuple[str, str] | None:
     """(code, reason) when the decode pool's backlog shows: blocks held for it on prefill, handoffs waiting."""
     held = sig.get("prefill_blocks_held_for_decode") or 0.0

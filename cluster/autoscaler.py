@@ -19,9 +19,7 @@ The rules, in order, per role:
 1. Pinned by the operator → hold. Target outside [min, max] → move it inside.
 2. An action in progress (a worker starting, draining or changing role, or ready ≠ target), or a worker still
    warming up → hold: one step at a time, judged on the cluster that step produced.
-3. Need = the estimate's workers, at least target + 1 under pressure (the estimate alone when it is larger). The
-   load compared between roles is the estimate's, raised to target + 1 only by an SLO breach (``SLO_BREACHES``):
-   a threshold's pressure asks for one more worker but says nothing of how much load there is.
+3. Need = the estimate's workers, at least target + 1 under pressure (the estimate alone when it is larger).
    Up (+1) when need > target and the budget (prefill + decode targets ≤ ``max_total_workers``) allows; when
    both roles want the budget's last worker, the busier per worker takes it and the other holds (``budget``).
 4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
@@ -34,9 +32,7 @@ The rules, in order, per role:
    when the needs exceed the budget and the split that minimises the busier role's load per worker lowers it
    by more than ``rebalance_margin`` (n = the distance to that split) — by more than ``overload_margin`` when
    that takes a role that was not short past its capacity (it mostly moves the bottleneck: a KV-bound decode
-   pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin in the simulator). That comparison weighs a
-   KV-bound decode load past the pool's room by its cost — a longer TPOT, harmless while the ITL has headroom
-   (``kv_overload_weighed`` in cluster/autoscale_estimate.py). Within ``rebalance_cooldown_intervals``
+   pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin in the simulator). Within ``rebalance_cooldown_intervals``
    of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
    n − 1, a one-worker move not at all (no flapping). A move from this split in this direction that was undone
    within ``failed_move_intervals`` is not made again for ``failed_move_hold_intervals`` (code
@@ -57,7 +53,7 @@ from dataclasses import dataclass, field
 from cluster.autoscale_config import AutoscalerConfig, history_kept
 from cluster.autoscale_estimate import Estimate, estimate
 from cluster.autoscale_moves import best_split, failed_move_held, per_worker, recent_move_undone
-from cluster.autoscale_signals import SLO_BREACHES, misfit, percentile, pressure, signals
+from cluster.autoscale_signals import misfit, percentile, pressure, signals
 from router.policy import Role
 
 __all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "history_kept",
@@ -193,13 +189,8 @@ def _guard(role: Role, history, pool: PoolState, sig, cfg: AutoscalerConfig, dec
 
 def _need(role: Role, history: Sequence[Observation], i: int, target: int, cfg: AutoscalerConfig,
           memo: dict[int, Estimate]) -> tuple[float, int, tuple[str, str] | None]:
-    """(load in workers, workers needed, pressure) as of observation ``i``: the estimate; under pressure the role
-    needs at least target + 1 workers, and its load reads at least target + 1 only when the pressure is an SLO
-    breach or the estimate is not measured. A threshold (KV use, queued tokens, blocks held for decode) is a proxy
-    for what the estimate measures itself — decode's KV need counts the blocks held for it once decode backs up —
-    and read as a whole worker of load it moved a worker at the budget on a KV peak that one decode worker
-    carried (the H100 model, budget 4: 3P+1D → 2P+2D at decode KV use 0.82, estimate 0.96 workers; docs/simulator.md
-    e). An unmeasurable estimate counts as the current target. Not capped at the role's maximum
+    """(load in workers, workers needed, pressure) as of observation ``i``: the estimate, raised to target + 1
+    under pressure; an unmeasurable estimate counts as the current target. Not capped at the role's maximum
     (the caller says "at_max"). ``memo``: the estimates of this decide() call, by observation index."""
     if i not in memo:
         memo[i] = estimate(history, cfg, upto=i)
@@ -208,7 +199,7 @@ def _need(role: Role, history: Sequence[Observation], i: int, target: int, cfg: 
     learned = bool(need.signals.get("decode_seq_capacity_learned"))
     push = pressure(role, signals(role, history[i], cfg), cfg, seq_capacity_learned=learned)
     load = need.load if need.load is not None else float(target)
-    if push is not None and (need.load is None or push[0] in SLO_BREACHES):
+    if push is not None:
         load = max(load, target + 1.0)
     return load, max(cfg.bounds(role)[0], need.workers if need.load is not None else target,
                      target + 1 if push else 0), push
@@ -263,7 +254,6 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     for i in range(len(history) - cfg.rebalance_intervals, len(history)):
         needs = {role: _need(role, history, i, targets[role], cfg, memo) for role in Role}
         loads = {role: needs[role][0] for role in Role}
-        split_loads = {role: _split_load(role, memo[i], needs[role], targets[role]) for role in Role}
         short = [role for role in Role if needs[role][1] > targets[role]]
         if not short:
             return None  # nobody needs more: rule 5 may scale down
@@ -282,13 +272,13 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
                 moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p),
                               measured))
                 continue
-        best_p, best_rho = best_split(split_loads, budget, cfg)
-        now_rho = per_worker(split_loads, p, d)
+        best_p, best_rho = best_split(loads, budget, cfg)
+        now_rho = per_worker(loads, p, d)
         # a move that takes a role that is not short past its capacity must gain more: the bottleneck only moves
         margin = cfg.overload_margin if len(short) == 1 else cfg.rebalance_margin
         if best_p == p or now_rho <= (1 + margin) * best_rho:
             return None
-        moves.append((best_p, split_loads, now_rho, best_rho, measured))
+        moves.append((best_p, loads, now_rho, best_rho, measured))
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
     best_p, loads, now_rho, best_rho, _ = moves[-1]
@@ -317,17 +307,6 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             return src, dst, k, why if k == n else f"{why}; {k} move: {n} was held ({held})"
         held = held or failed.reason(history[-1].t_s, hold_s)
     return f"{why}; held: {held}"
-
-
-def _split_load(role: Role, est: Estimate, need, target: int) -> float:
-    """A role's load as the split comparison weighs it: the estimate's ``split_load`` (a KV overload weighed by
-    its cost in TPOT: autoscale_estimate.kv_overload_weighed), raised to target + 1 by an SLO breach as in
-    ``_need``."""
-    weighed = _estimate_of(role, est).split_load
-    if weighed is None:
-        return need[0]
-    push = need[2]
-    return max(weighed, target + 1.0) if push is not None and push[0] in SLO_BREACHES else weighed
 
 
 def _peak_load(role: Role, history: Sequence[Observation], i: int, target: int, cfg: AutoscalerConfig,
