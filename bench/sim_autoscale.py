@@ -38,6 +38,7 @@ class Autoscaling:
         self._queue_seen: dict[str, int] = {}
         self._work_seen: dict[str, dict] = {}  # per worker: its work counters at the last observation
         self._arrived_seen = 0
+        self._demand_seen = dict.fromkeys(sim.demand.counters(), 0)
         self.decisions: list[dict] = []
         self.timeline: list[dict] = []  # per tick: ready/starting/draining per role, targets
         self.t0_s = 0.0
@@ -88,10 +89,12 @@ class Autoscaling:
         taken, self._samples = self._samples, []
         warm = [(k, v) for k, t, name, v in taken if t - workers[name].ready_s >= warmup]
         arrived, self._arrived_seen = self.sim.prefill_tokens_arrived - self._arrived_seen, self.sim.prefill_tokens_arrived
+        demand, self._demand_seen = {k: v - self._demand_seen[k] for k, v in self.sim.demand.counters().items()}, \
+            self.sim.demand.counters()
         return Observation(now, samples(Role.PREFILL), samples(Role.DECODE),
                            ttft_s=tuple(v for k, v in warm if k == "ttft"),
                            prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v in warm if k == "itl"),
-                           prefill_tokens_arrived=arrived)
+                           prefill_tokens_arrived=arrived, **demand)
 
     def _queue_times(self, now: float) -> tuple[float, ...]:
         bounds = LATENCY_BUCKETS_S

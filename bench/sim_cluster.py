@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from cluster.autoscaler import AutoscalerConfig
 from engine.hashing import BlockHasher
+from router.demand import DecodeDemand
 from router.index import PrefixIndex
 from router.load import LoadTracker
 from router.policy import DEFAULT_ALPHA, NO_PEER_FETCH, Role, TierWeights, make_policy, route
@@ -112,6 +113,7 @@ class ClusterSim(HandoffMixin):
         self._seq = itertools.count()
         self.itl_s: list[float] = []
         self.prefill_tokens_arrived = 0  # uncached prompt tokens of requests that needed a prefill (the autoscaler's)
+        self.demand = DecodeDemand(hardware.block_size)  # what requests ask of decode (the autoscaler's forecast)
         self.counters = {"disaggregated": 0, "local_prefill": 0, "lease_expired": 0, "handoff_waits": 0,
                          "transferred_blocks": 0, "decode_hit_blocks": 0, "preemptions": 0}
         hasher = BlockHasher(hardware.block_size)  # the router's: the engine's exact hash chain
@@ -279,6 +281,7 @@ class ClusterSim(HandoffMixin):
         if not prefill and uncached_d > self.dep.local_prefill_max_tokens:
             self.prefill_tokens_arrived += uncached_d  # what a prefill pool would have computed
         f.decode_worker = d.worker
+        self.demand.placed(n, f.output_len)  # a simulated request's max_tokens is its output length
         wd = self.workers[d.worker]
         if not prefill or uncached_d <= self.dep.local_prefill_max_tokens:
             self.inflight[d.worker] += 1
@@ -367,3 +370,5 @@ class ClusterSim(HandoffMixin):
 
     def _close(self, now: float, f: Flight) -> None:
         self._open -= 1
+        if f.error is None and f.done_s is not None:  # it generated what it asked for
+            self.demand.finished(f.output_len, f.output_len)

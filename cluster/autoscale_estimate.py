@@ -26,12 +26,18 @@ Two capacities per decode worker, the tighter one binds:
   ``decode_kv_usage_high`` (0.8, the reactive threshold): KV is room, not throughput — a cache at 0.9 serves as
   fast as one at 0.5 — and sized at 0.8 a decode worker at 91 % read as 1.14 workers of load, so the H100 model
   at budget 4 moved 3P+1D → 2P+2D on a short KV peak and starved prefill (docs/simulator.md e).
+Both loads are weighed with the forecast from the arrivals (cluster/autoscale_forecast.py) when the observer
+reports them: the steady state the arrivals ask for, plus the measured backlog beyond it only as far as it must
+be worked off within ``backlog_horizon_s`` — the forecast leads the backlog when outputs grow, and a KV peak
+that decode works off in seconds no longer reads as a worker of load.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from cluster.autoscale_forecast import decode_forecast
 
 MIN_FIT_POINTS = 4
 LEARN_INTERVALS = 32  # capacities are learned from the last this many observations
@@ -41,6 +47,8 @@ MIN_FIT_SPAN = 2.0  # the fitted batches must span at least this factor (max/min
 BASIS_SIGNALS = {"prefill_tokens": ("prefill_demand_tokens_per_s", "prefill_capacity_tokens_per_s"),
                  "decode_seqs": ("decode_backlog_seqs", "decode_seq_capacity"),
                  "decode_kv_blocks": ("decode_kv_blocks_needed", "decode_kv_capacity_blocks")}
+WEIGHED = {"decode_seqs": ("decode_seqs_load", "decode_forecast_seqs"),  # the backlog with the forecast
+           "decode_kv_blocks": ("decode_kv_blocks_load", "decode_forecast_blocks")}  # (autoscale_forecast.py)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,12 @@ class RoleNeed:
         learned = {"prefill_tokens": "prefill_capacity_learned"}.get(self.basis, "decode_seq_capacity_learned")
         prior = "" if self.basis == "decode_kv_blocks" or self.signals.get(learned) else " (the prior)"
         derated = " x prefill_target_utilization" if self.basis == "prefill_tokens" else ""
+        measured = self.signals.get(demand, self.demand)
+        if self.basis in WEIGHED and self.signals.get(WEIGHED[self.basis][1]) is not None:
+            load, steady = WEIGHED[self.basis]
+            return (f"{load} {self.demand:.3g} ({demand} {measured:.3g}, {steady} {self.signals[steady]:.3g}, "
+                    f"decode_backlog_share {self.signals['decode_backlog_share']:.2f}) over {capacity} "
+                    f"{self.capacity:.3g}{prior}")
         return f"{demand} {self.demand:.3g} over {capacity} {self.capacity:.3g}{prior}{derated}"
 
 
@@ -126,15 +140,21 @@ def _decode(hist: Sequence, cfg) -> RoleNeed:
     seq_cap = float(cfg.decode_running_high)
     if fit is not None and fit[1] > 0:
         seq_cap = max(1.0, (target - fit[0]) / fit[1])
-    by_seqs = seqs / seq_cap
-    by_kv = blocks / kv_cap if kv_cap else 0.0
+    fc = decode_forecast(hist, cfg, backlog_horizon_s(cfg), lambda i: interval_of(hist, i, cfg.interval_s))
+    if fc is not None:  # the steady state from the arrivals, and the backlog beyond it as work to be done once
+        seqs_load, blocks_load = fc.weigh(seqs, fc.seqs), fc.weigh(blocks, fc.blocks)
+    else:
+        seqs_load, blocks_load = float(seqs), float(blocks)
+    by_seqs = seqs_load / seq_cap
+    by_kv = blocks_load / kv_cap if kv_cap else 0.0
     signals = {"decode_backlog_seqs": float(seqs), "decode_seq_capacity": seq_cap,
                "decode_seq_capacity_learned": float(fit is not None and fit[1] > 0),
                "decode_kv_blocks_needed": float(blocks), "decode_kv_capacity_blocks": kv_cap,
-               "decode_load_workers": max(by_seqs, by_kv)}
+               "decode_seqs_load": seqs_load, "decode_kv_blocks_load": blocks_load,
+               "decode_load_workers": max(by_seqs, by_kv), **(fc.signals() if fc is not None else {})}
     if by_kv > by_seqs:
-        return RoleNeed(by_kv, float(blocks), kv_cap, "decode_kv_blocks", signals)
-    return RoleNeed(by_seqs, float(seqs), seq_cap, "decode_seqs", signals)
+        return RoleNeed(by_kv, blocks_load, kv_cap, "decode_kv_blocks", signals)
+    return RoleNeed(by_seqs, seqs_load, seq_cap, "decode_seqs", signals)
 
 
 def kv_blocks_needed(obs, cfg) -> int:
@@ -177,3 +197,4 @@ def fit_step_time(hist: Sequence) -> tuple[float, float] | None:
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in pts) / sxx
     return my - b * mx, b
+

@@ -24,7 +24,7 @@ Two memories, two failure modes:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.policy import Role
@@ -78,7 +78,8 @@ class FailedMove:
                 f"({self.back_t_s + hold_s - now_t_s:g} s from now)")
 
 
-def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: float) -> FailedMove | None:
+def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: float,
+                     distressed: Callable[[Role, object], object] | None = None) -> FailedMove | None:
     """The latest move from the current split (or past it, the other way) whose far end ``target`` (``P - D``
     after the proposed move) reaches or passes, that came back within ``fail_s``, less than ``hold_s`` ago; None
     when there is none.
@@ -102,8 +103,10 @@ def failed_move_held(history: Sequence, target: int, fail_s: float, hold_s: floa
                 # went above now at left+1, at most as far as the target, and came back at i
                 t_left, t_back = history[left + 1].t_s, history[i].t_s
                 far = history[max(range(left + 1, i), key=sizes.__getitem__)]
+                donor = Role.DECODE if sign > 0 else Role.PREFILL
                 if t_back - t_left <= fail_s and t_now - t_back < hold_s \
-                        and traded(history[left], far, to_prefill=sign > 0):  # a scale-down and regrow is no move
+                        and traded(history[left], far, to_prefill=sign > 0) \
+                        and (distressed is None or any(distressed(donor, o) for o in history[left + 2:i + 1])):
                     found = FailedMove(t_left, t_back, f"{len(far.prefill)}P+{len(far.decode)}D")
             left = i
     return found

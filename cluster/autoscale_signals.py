@@ -15,6 +15,10 @@ from collections.abc import Mapping, Sequence
 from router.policy import Role
 
 
+# pressure codes that are an SLO broken in the interval, not a threshold standing in for load the estimate measures
+SLO_BREACHES = frozenset({"ttft_slo", "prefill_queue_slo", "itl_slo"})
+
+
 def percentile(samples: Sequence[float], q: float) -> float:
     """Nearest-rank percentile; 0.0 for no samples (an idle interval has no latency to complain about)."""
     if not samples:
@@ -80,6 +84,25 @@ def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_l
                      if code == "ttft_slo" and sig.get(f"ttft_{p}_p90_s")]
             return code, f"{label}: {value:.3g} > {limit:.3g}" + (f" (p90 s: {', '.join(parts)})" if parts else "")
     return backlog if role == Role.DECODE else None
+
+
+def distress(role: Role, obs, cfg) -> str | None:
+    """What one interval measured that the role's requests suffered from (None: nothing): an SLO broken by the
+    role itself, or, for decode, its backlog stalling handoffs. A load estimate or a full KV cache is no distress:
+    a decode worker at 91 % of its blocks serves as fast as one at 50 %."""
+    sig = signals(role, obs, cfg)
+    backlog = decode_backs_up(sig, cfg)
+    if role == Role.DECODE:
+        itl = sig.get("itl_p90_s") or 0.0
+        if itl > cfg.itl_slo_s:
+            return f"inter-token latency p90 {itl:.3g} s > {cfg.itl_slo_s:.3g} s at t={obs.t_s:g}"
+        return f"{backlog[1]} at t={obs.t_s:g}" if backlog is not None else None
+    if backlog is not None:
+        return None  # prefill's latency is decode's backlog
+    for key, label in (("ttft_p90_s", "TTFT p90"), ("prefill_queue_p90_s", "prefill queue time p90")):
+        if (sig.get(key) or 0.0) > cfg.ttft_slo_s:
+            return f"{label} {sig[key]:.3g} s > {cfg.ttft_slo_s:.3g} s at t={obs.t_s:g}"
+    return None
 
 
 def misfit(role: Role, obs, n: int, cfg) -> str | None:

@@ -9,7 +9,9 @@ cluster and act on the targets; tests replay signal series. Two halves:
 capacity learned online — prefill: uncached prompt tokens arriving per second over prompt tokens a worker
 computes per busy second (at ``prefill_target_utilization``); decode: every sequence decoding or waiting to
 (including the prompts prefill workers hold for decode) over the sequences a worker runs at the ITL target
-(a fitted step-time line) or over its KV blocks, whichever binds.
+(a fitted step-time line) or over its KV blocks, whichever binds — weighed with the steady state the arriving
+requests ask for (cluster/autoscale_forecast.py): that leads a growing load, and a backlog beyond it counts
+only as far as it must be worked off within ``backlog_horizon_s``.
 
 **Reactive guards** (cluster/autoscale_signals.py): a load threshold or a latency p90 over its SLO in the
 latest interval, on warm workers only, asks for one more worker of the role that causes it — prefill latency
@@ -20,6 +22,10 @@ The rules, in order, per role:
 2. An action in progress (a worker starting, draining or changing role, or ready ≠ target), or a worker still
    warming up → hold: one step at a time, judged on the cluster that step produced.
 3. Need = the estimate's workers, at least target + 1 under pressure (the estimate alone when it is larger).
+   The load the roles are compared by is the estimate's, raised to target + 1 only by an SLO breach
+   (``SLO_BREACHES``) or when the estimate is not measured: a threshold (KV use, queued tokens, blocks held for
+   decode) stands in for what the estimate measures, and read as a whole worker of load it moved a prefill
+   worker to decode on a KV peak that 3P+1D fixed rode out (the H100 model, budget 4).
    Up (+1) when need > target and the budget (prefill + decode targets ≤ ``max_total_workers``) allows; when
    both roles want the budget's last worker, the busier per worker takes it and the other holds (``budget``).
 4. **Rebalance** at the budget, when every one of the last ``rebalance_intervals`` intervals agrees on the
@@ -36,7 +42,10 @@ The rules, in order, per role:
    of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
    n − 1, a one-worker move not at all (no flapping). A move from this split in this direction that was undone
    within ``failed_move_intervals`` is not made again for ``failed_move_hold_intervals`` (code
-   ``failed_move_held``: a role's load read at n workers can understate what n − 1 meet; cluster/autoscale_moves.py).
+   ``failed_move_held``: a role's load read at n workers can understate what n − 1 meet; cluster/autoscale_moves.py)
+   — when the role it shrank showed distress there (``autoscale_signals.distress``: its SLO broken, or handoffs
+   waiting for decode); undone without any, the undo was the mistake, and holding it kept 2P+2D for ten minutes
+   of prefill TTFT breaches on the H100 model.
    This is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
    ``scale_down_load_fraction`` of its capacity and the whole load would fit N−1 under ``scale_down_fraction``
@@ -53,7 +62,7 @@ from dataclasses import dataclass, field
 from cluster.autoscale_config import AutoscalerConfig, history_kept
 from cluster.autoscale_estimate import Estimate, estimate
 from cluster.autoscale_moves import best_split, failed_move_held, per_worker, recent_move_undone
-from cluster.autoscale_signals import misfit, percentile, pressure, signals
+from cluster.autoscale_signals import SLO_BREACHES, distress, misfit, percentile, pressure, signals
 from router.policy import Role
 
 __all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "history_kept",
@@ -97,6 +106,13 @@ class Observation:
     # live only: the router's requests committed to decode workers (placed, not done). An upper bound on the
     # decode backlog, whose parts are snapshots of different ages (None: no bound; the simulator's are exact)
     decode_requests_inflight: int | None = None
+    # what the interval's requests ask of decode, as the router placed them (cluster/autoscale_forecast.py) ...
+    decode_requests_arrived: int = 0
+    output_tokens_requested: int = 0  # their max_tokens
+    kv_block_tokens_requested: int = 0  # their KV blocks at mid-output x max_tokens (autoscale_forecast.kv_block_tokens)
+    # ... and what the requests that finished in the interval generated, of the max_tokens they asked
+    output_tokens_finished: int = 0
+    output_tokens_finished_requested: int = 0
 
 
 @dataclass(frozen=True)
@@ -199,7 +215,7 @@ def _need(role: Role, history: Sequence[Observation], i: int, target: int, cfg: 
     learned = bool(need.signals.get("decode_seq_capacity_learned"))
     push = pressure(role, signals(role, history[i], cfg), cfg, seq_capacity_learned=learned)
     load = need.load if need.load is not None else float(target)
-    if push is not None:
+    if push is not None and (need.load is None or push[0] in SLO_BREACHES):
         load = max(load, target + 1.0)
     return load, max(cfg.bounds(role)[0], need.workers if need.load is not None else target,
                      target + 1 if push else 0), push
@@ -302,7 +318,7 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
     held = ""  # why the whole move is held, once it is
     for k in range(n, 0, -1):
         failed = failed_move_held(history, 2 * (p + step * k) - budget, cfg.failed_move_intervals * cfg.interval_s,
-                                  hold_s)
+                                  hold_s, lambda role, o: distress(role, o, cfg))
         if failed is None:
             return src, dst, k, why if k == n else f"{why}; {k} move: {n} was held ({held})"
         held = held or failed.reason(history[-1].t_s, hold_s)

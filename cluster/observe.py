@@ -8,7 +8,8 @@ long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); 
 busy seconds, prompt tokens computed, decode steps and tokens — a worker's first observation counts zero);
 the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease; decode: handoffs
 waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
-prefill queue times from warm prefill workers' histograms, the uncached prompt tokens routed to prefill, and
+prefill queue times from warm prefill workers' histograms, the uncached prompt tokens routed to prefill, what
+the placed requests asked of decode and what the finished ones generated (router/demand.py), and
 the router's count of requests committed to decode workers (a bound on the decode backlog, whose parts are
 snapshots of different ages: prefill's ``stats()`` polled each second, decode's load as events arrive).
 """
@@ -30,6 +31,7 @@ class PoolObserver:
         self._queue_time_seen: dict[str, dict] = {}
         self._work_seen: dict[str, dict] = {}
         self._routed_seen = 0
+        self._demand_seen: dict[str, int] | None = None
 
     def observe(self, now_s: float) -> Observation:
         """The interval since the last call, as the autoscaler reads it (cluster/autoscaler.py)."""
@@ -72,7 +74,18 @@ class PoolObserver:
         return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
                            prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
                            prefill_tokens_arrived=arrived, decode_requests_inflight=self._decode_inflight(),
-                           ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")})
+                           ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")},
+                           **self._demand())
+
+    def _demand(self) -> dict[str, int]:
+        """What the interval's requests asked of decode and what the finished ones generated (differences of the
+        router's counters, router/demand.py); nothing when the backend does not count them."""
+        demand = getattr(self.backend, "demand", None)
+        if demand is None:
+            return {}
+        now = demand.counters()
+        before, self._demand_seen = self._demand_seen or dict.fromkeys(now, 0), now
+        return {k: v - before[k] for k, v in now.items()}
 
     def _decode_inflight(self) -> int | None:
         """Requests the router placed on decode workers (ready or draining) and not done: from arrival — the

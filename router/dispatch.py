@@ -49,6 +49,7 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
+from router.demand import DecodeDemand
 from router.index import PrefixIndex
 from router.load import LoadTracker
 from router.metrics import RequestTiming, RouterMetrics
@@ -104,6 +105,7 @@ class ClusterBackend(Backend):
         # blocks borrowed from a peer for a prefill: lent, not held any more, asking failed (computed instead)
         self.peer_fetches = {"lent": 0, "gone": 0, "failed": 0}
         self.prefill_tokens_routed = 0  # uncached prompt tokens of requests that needed a prefill (cumulative)
+        self.demand = DecodeDemand(hasher.block_size)  # what the requests ask of decode (cumulative)
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
@@ -154,7 +156,9 @@ class ClusterBackend(Backend):
         params = with_seed(params)
         sent = SentSoFar(list(prompt_token_ids))
         timing = self.metrics.request(len(sent.prompt_token_ids)) if self.metrics is not None else None
+        self.demand.placed(len(prompt_token_ids), params.max_tokens)
         placements = migrations = 0
+        ended = None  # the finish reason the client got
         try:
             for attempt in itertools.count():
                 n_prior = len(sent.token_ids)
@@ -177,6 +181,7 @@ class ClusterBackend(Backend):
                             break
                         out = sent.as_original(out, n_prior)
                         sent.record(out)
+                        ended = out.finish_reason if out.finished else None
                         yield out
                 if lost is None:
                     return
@@ -197,6 +202,8 @@ class ClusterBackend(Backend):
             yield self._timed(timing, None, self._error_output(request_id, None, RuntimeError(
                 f"workers kept failing ({placements} placements, {migrations} migrations)")))
         finally:
+            if ended in ("stop", "length"):  # how long its output ran, of what it asked (the autoscaler's forecast)
+                self.demand.finished(len(sent.token_ids), params.max_tokens)
             if timing is not None:
                 timing.finish("abort")  # no-op when the request already finished
 

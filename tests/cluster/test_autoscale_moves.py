@@ -91,20 +91,23 @@ BUDGET8 = AutoscalerConfig(enabled=True, interval_s=2, min_prefill=1, max_prefil
                            failed_move_hold_intervals=60)
 
 
-def interval(t: float, p: int, d: int) -> Observation:
+def interval(t: float, p: int, d: int, waiting: int = 0) -> Observation:
     """Prefill needs 9 workers (500 tok/s learned, at 0.7 utilisation); decode holds 40 KV blocks: 0.5 workers of
-    its 80-block capacity — 7P+1D is what the estimates ask for from 6P+2D."""
+    its 80-block capacity — 7P+1D is what the estimates ask for from 6P+2D. ``waiting``: handoffs waiting for
+    decode blocks (decode's distress)."""
     pre = tuple(WorkerSample(f"prefill-{i}", True, busy_s=12.0 / p, prefill_tokens=6000 // p, kv_blocks_total=100)
                 for i in range(p))
-    dec = tuple(WorkerSample(f"decode-{i}", True, kv_blocks_used=40 // d, kv_blocks_total=100) for i in range(d))
+    dec = tuple(WorkerSample(f"decode-{i}", True, kv_blocks_used=40 // d, kv_blocks_total=100,
+                             handoffs_waiting=waiting if i == 0 else 0) for i in range(d))
     return Observation(t, pre, dec, prefill_tokens_arrived=round(9 * 500 * 0.7 * 2))
 
 
-def history(*stays: tuple[int, int, int]) -> list[Observation]:
+def history(*stays: tuple) -> list[Observation]:
+    """Stays of (prefill, decode, intervals[, handoffs waiting for decode blocks])."""
     out, t = [], 0.0
-    for p, d, n in stays:
+    for p, d, n, *waiting in stays:
         for _ in range(n):
-            out.append(interval(t, p, d))
+            out.append(interval(t, p, d, *waiting))
             t += BUDGET8.interval_s
     return out
 
@@ -114,14 +117,18 @@ def test_the_policy_holds_a_move_that_was_undone_and_says_why():
     fresh = history((6, 2, 10))
     out = decide(fresh, steady, BUDGET8)
     assert (out[P].code, out[P].target, out[D].target) == ("rebalance", 7, 1), out[P].reason
-    # the same estimates after 7P+1D was tried for 10 s and undone (beyond the cooldown's reach now)
-    undone = history((6, 2, 10), (7, 1, 5), (6, 2, 10))
+    # the same estimates after 7P+1D was tried for 10 s, decode's handoffs waited for blocks there, and it was
+    # undone (beyond the cooldown's reach now)
+    undone = history((6, 2, 10), (7, 1, 5, 3), (6, 2, 10))
     out = decide(undone, steady, BUDGET8)
     assert out[P].direction == out[D].direction == "hold" and out[P].code == out[D].code == "failed_move_held"
     assert "7P+1D" in out[P].reason and "undone" in out[P].reason and "prefill_demand_tokens_per_s" in out[P].reason
     # tried for longer than failed_move_intervals (24 s) before it came back: a move like any other
-    kept = history((6, 2, 10), (7, 1, 15), (6, 2, 10))
+    kept = history((6, 2, 10), (7, 1, 15, 3), (6, 2, 10))
     assert decide(kept, steady, BUDGET8)[P].code == "rebalance"
+    # undone although decode met its SLOs and nothing waited for it at 7P+1D: the undo was the mistake, not the move
+    unharmed = history((6, 2, 10), (7, 1, 5), (6, 2, 10))
+    assert decide(unharmed, steady, BUDGET8)[P].code == "rebalance"
 
 
 def test_the_history_kept_covers_a_failed_move_and_its_hold():

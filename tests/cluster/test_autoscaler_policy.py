@@ -295,12 +295,15 @@ BUDGET8 = dataclasses.replace(CFG, max_prefill=7, max_decode=7, max_total_worker
 
 
 def test_one_worker_moves_in_a_big_pool_when_both_roles_are_over():
-    """5P+3D at the budget, both short: prefill 12 workers of load (2.4 per worker), decode 4 (KV at 88 %: one
-    more than its 3). 6P+2D runs the bottleneck at 2.0 (17 % lower) and one worker moves — a 25 % margin never
-    let one worker move in a pool of 4 or more. At 10.5 workers of prefill load the gain is 5 %: no move."""
+    """5P+3D at the budget, both short: prefill 12 workers of load (2.4 per worker), decode 4 (its caches 95 % full
+    and 95 blocks held for it on prefill while it backs up: 380 blocks at 95 per worker). 6P+2D runs the
+    bottleneck at 2.0 (17 % lower) and one worker moves — a 25 % margin never let one worker move in a pool of 4
+    or more. At 10.5 workers of prefill load the gain is 5 %: no move. (KV use over its threshold alone asks for
+    a worker but is no load: the estimate measures what it stands in for.)"""
     def hist(prefill_workers):  # 500 tok/s per worker learned; arrivals make prefill_workers at 0.7
         arrived = round(prefill_workers * 500 * 0.7 * 2)
-        return [loaded(t * 2, p=5, d=3, arrived=arrived, busy=10.0, computed=5000, used=264) for t in range(2)]
+        return [loaded(t * 2, p=5, d=3, arrived=arrived, busy=10.0, computed=5000, used=285, held_blocks=95)
+                for t in range(2)]
     out = decide(hist(12), steady(5, 3), BUDGET8)
     assert (out[P].direction, out[P].target, out[P].code) == ("up", 6, "rebalance"), out[P].reason
     assert (out[D].direction, out[D].target) == ("down", 2)

@@ -105,6 +105,10 @@ async def test_disaggregated_request_streams_first_token_then_decode_and_clears_
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert backend.tracker.num_inflight() == 0
     assert ("release", "r") not in p0.calls + p1.calls  # finished normally: the lease ended by the pull
+    # what it asked of decode and what it generated: the autoscaler's forecast (router/demand.py)
+    assert backend.demand.counters() == {"decode_requests_arrived": 1, "output_tokens_requested": 3,
+                                         "kv_block_tokens_requested": -(-(2 * 19 + 3) // (2 * B)) * 3,
+                                         "output_tokens_finished": 4, "output_tokens_finished_requested": 3}
 
 
 async def test_short_uncached_prompt_is_prefilled_on_the_decode_worker():
@@ -122,6 +126,7 @@ async def test_leaving_early_aborts_on_decode_and_releases_the_lease():
     await stream.aclose()
     await asyncio.sleep(0.01)
     assert ("abort", "x") in d0.calls
+    assert backend.demand.requests == 1 and backend.demand.finished_requested == 0  # left early: no output length
     assert any(("release", "x") in p.calls for p in ps)
     assert backend.tracker.num_inflight() == 0
 
