@@ -197,4 +197,3 @@ def fit_step_time(hist: Sequence) -> tuple[float, float] | None:
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in pts) / sxx
     return my - b * mx, b
-

@@ -1,14 +1,14 @@
 """Decode's load from what arrives (Little's law), and how much of a measured backlog beyond it counts.
 
-    f = decode_forecast(history, config)        # DecodeForecast, or None before any arrival was reported
-    load = f.weigh(measured, steady)            # what the policy sizes decode for
+    f = decode_forecast(history, config, horizon_s, interval_s)   # DecodeForecast; None: no arrival reported
+    load = f.weigh(measured, f.blocks)                           # what the policy sizes decode for
 
 Pure, like the rest of the policy (cluster/autoscaler.py calls it through cluster/autoscale_estimate.py).
 
 **The steady state.** The router counts, per interval, the requests it places and what they ask of decode: their
-``max_tokens`` and their KV block-tokens (blocks held at mid-output × ``max_tokens``: router/demand.py). Over the requests that
-finished lately, tokens generated / ``max_tokens`` asked scales the asks (a client asking 4,096 and stopping at
-100 is not 40× the load; 1.0 until a request has finished: the bound). Then, at the largest of
+``max_tokens`` and their KV block-tokens (blocks held at mid-output × ``max_tokens``: router/demand.py). Over the
+requests that finished lately, tokens generated / ``max_tokens`` asked scales the asks (a client asking 4,096
+and stopping at 100 is not 40× the load; 1.0 until a request has finished: the bound). Then, at the largest of
 ``estimate_window`` intervals:
 - sequences at the ITL target = output tokens arriving per second × the ITL target (s per token);
 - KV blocks held = block-tokens arriving per second × the decode step time measured on warm workers.
@@ -21,8 +21,9 @@ it needs capacity only to be worked off within ``backlog_horizon_s``, as prefill
 waiting request decodes for ``residence_s`` (its output × the step time), so the excess counts by
 min(1, residence / horizon). On the H100 model a request decodes for ~4 s against a 30-s horizon: a KV peak of
 1.6 workers at a steady 0.94 read 1.04, and 3P+1D rode it out as the fixed split does, where moving a prefill
-worker to decode broke TTFT for a minute. On the CPU a request decodes for longer than the horizon: the
-backlog counts in full, as before. No arrivals in the window (or none reported): the backlog counts in full.
+worker to decode broke TTFT for a minute. On the CPU model (SmolLM2's outputs scaled to ~20 tokens) a request
+decodes for 1–3 s and a backlog counts 4–13 %; a decode whose outputs outlast the horizon counts it in full.
+No arrivals in the window (or none reported): the backlog counts in full.
 """
 from __future__ import annotations
 
@@ -70,4 +71,3 @@ def decode_forecast(hist: Sequence, cfg, horizon_s: float, interval_s: Callable[
     residence = (sum(hist[i].output_tokens_requested for i in window) * ratio / arrived * step_s) if arrived else None
     share = 1.0 if residence is None else min(1.0, residence / horizon_s)
     return DecodeForecast(seqs, blocks, residence, step_s, ratio, share)
-

@@ -109,7 +109,7 @@ class Observation:
     # what the interval's requests ask of decode, as the router placed them (cluster/autoscale_forecast.py) ...
     decode_requests_arrived: int = 0
     output_tokens_requested: int = 0  # their max_tokens
-    kv_block_tokens_requested: int = 0  # their KV blocks at mid-output x max_tokens (autoscale_forecast.kv_block_tokens)
+    kv_block_tokens_requested: int = 0  # their KV blocks at mid-output x max_tokens (router/demand.kv_block_tokens)
     # ... and what the requests that finished in the interval generated, of the max_tokens they asked
     output_tokens_finished: int = 0
     output_tokens_finished_requested: int = 0
