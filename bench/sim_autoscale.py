@@ -89,8 +89,8 @@ class Autoscaling:
         taken, self._samples = self._samples, []
         warm = [(k, v) for k, t, name, v in taken if t - workers[name].ready_s >= warmup]
         arrived, self._arrived_seen = self.sim.prefill_tokens_arrived - self._arrived_seen, self.sim.prefill_tokens_arrived
-        demand, self._demand_seen = {k: v - self._demand_seen[k] for k, v in self.sim.demand.counters().items()}, \
-            self.sim.demand.counters()
+        now_demand = self.sim.demand.counters()
+        demand, self._demand_seen = {k: v - self._demand_seen[k] for k, v in now_demand.items()}, now_demand
         return Observation(now, samples(Role.PREFILL), samples(Role.DECODE),
                            ttft_s=tuple(v for k, v in warm if k == "ttft"),
                            prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v in warm if k == "itl"),

@@ -60,24 +60,28 @@ def decode_backs_up(sig: Mapping[str, float | None], cfg) -> tuple[str, str] | N
     return None
 
 
+def _checks(role: Role, cfg, seq_capacity_learned: bool) -> list[tuple[str, float, str, str]]:
+    """(signal, limit, code, label) of the role's pressure checks, in the order they are reported."""
+    if role == Role.PREFILL:
+        return [("queued_prefill_tokens_per_worker", cfg.prefill_queued_tokens_high, "queued_prefill_tokens",
+                 "queued prefill tokens per worker"),
+                ("ttft_p90_s", cfg.ttft_slo_s, "ttft_slo", "TTFT p90 (s) over the SLO"),
+                ("prefill_queue_p90_s", cfg.ttft_slo_s, "prefill_queue_slo",
+                 "prefill queue time p90 (s) over the TTFT SLO")]
+    checks = [("kv_usage", cfg.decode_kv_usage_high, "kv_usage", "KV-cache use")]
+    if not seq_capacity_learned:  # the learned ITL capacity replaces the fixed sequence threshold
+        checks.append(("running_per_worker", cfg.decode_running_high, "running_seqs", "running sequences per worker"))
+    checks.append(("itl_p90_s", cfg.itl_slo_s, "itl_slo", "inter-token latency p90 (s) over the SLO"))
+    return checks
+
+
 def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_learned: bool = False
              ) -> tuple[str, str] | None:
     """(code, reason) when the latest interval asks for one more worker of ``role``, else None."""
     backlog = decode_backs_up(sig, cfg)
-    if role == Role.PREFILL:
-        if backlog is not None:  # prefill's latency is decode's backlog: not a reason for more prefill
-            return None
-        checks = [("queued_prefill_tokens_per_worker", cfg.prefill_queued_tokens_high, "queued_prefill_tokens",
-                   "queued prefill tokens per worker"),
-                  ("ttft_p90_s", cfg.ttft_slo_s, "ttft_slo", "TTFT p90 (s) over the SLO"),
-                  ("prefill_queue_p90_s", cfg.ttft_slo_s, "prefill_queue_slo",
-                   "prefill queue time p90 (s) over the TTFT SLO")]
-    else:
-        checks = [("kv_usage", cfg.decode_kv_usage_high, "kv_usage", "KV-cache use")]
-        if not seq_capacity_learned:  # the learned ITL capacity replaces the fixed sequence threshold
-            checks.append(("running_per_worker", cfg.decode_running_high, "running_seqs", "running sequences per worker"))
-        checks.append(("itl_p90_s", cfg.itl_slo_s, "itl_slo", "inter-token latency p90 (s) over the SLO"))
-    for key, limit, code, label in checks:
+    if role == Role.PREFILL and backlog is not None:  # prefill's latency is decode's backlog: not more prefill
+        return None
+    for key, limit, code, label in _checks(role, cfg, seq_capacity_learned):
         value = sig.get(key)
         if value is not None and value > limit:
             parts = [f"{p} {sig[f'ttft_{p}_p90_s']:.3g}" for p in ("queue", "compute", "router")
@@ -88,21 +92,17 @@ def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_l
 
 def distress(role: Role, obs, cfg) -> str | None:
     """What one interval measured that the role's requests suffered from (None: nothing): an SLO broken by the
-    role itself, or, for decode, its backlog stalling handoffs. A load estimate or a full KV cache is no distress:
-    a decode worker at 91 % of its blocks serves as fast as one at 50 %."""
+    role itself (``pressure``'s checks in ``SLO_BREACHES``), or, for decode, its backlog stalling handoffs. A load
+    estimate or a full KV cache is no distress: a decode worker at 91 % of its blocks serves as fast as one at 50 %."""
     sig = signals(role, obs, cfg)
     backlog = decode_backs_up(sig, cfg)
-    if role == Role.DECODE:
-        itl = sig.get("itl_p90_s") or 0.0
-        if itl > cfg.itl_slo_s:
-            return f"inter-token latency p90 {itl:.3g} s > {cfg.itl_slo_s:.3g} s at t={obs.t_s:g}"
-        return f"{backlog[1]} at t={obs.t_s:g}" if backlog is not None else None
-    if backlog is not None:
+    if role == Role.PREFILL and backlog is not None:
         return None  # prefill's latency is decode's backlog
-    for key, label in (("ttft_p90_s", "TTFT p90"), ("prefill_queue_p90_s", "prefill queue time p90")):
-        if (sig.get(key) or 0.0) > cfg.ttft_slo_s:
-            return f"{label} {sig[key]:.3g} s > {cfg.ttft_slo_s:.3g} s at t={obs.t_s:g}"
-    return None
+    for key, limit, code, label in _checks(role, cfg, seq_capacity_learned=True):
+        value = sig.get(key)
+        if code in SLO_BREACHES and value is not None and value > limit:
+            return f"{label}: {value:.3g} > {limit:.3g} at t={obs.t_s:g}"
+    return f"{backlog[1]} at t={obs.t_s:g}" if role == Role.DECODE and backlog is not None else None
 
 
 def misfit(role: Role, obs, n: int, cfg) -> str | None:
