@@ -34,7 +34,8 @@ class Autoscaling:
         self.sim, self.cfg = sim, config
         self.targets = {Role.PREFILL: sim.dep.prefill, Role.DECODE: sim.dep.decode}
         self.history: deque[Observation] = deque(maxlen=history_kept(config))
-        self._samples: list[tuple[str, float, str, float]] = []  # (kind, t_s, worker, value) since the last tick
+        # (kind, t_s, worker, value, prompt tokens: a TTFT's target) since the last tick
+        self._samples: list[tuple[str, float, str, float, int]] = []
         self._queue_seen: dict[str, int] = {}
         self._work_seen: dict[str, dict] = {}  # per worker: its work counters at the last observation
         self._arrived_seen = 0
@@ -47,8 +48,8 @@ class Autoscaling:
         self.t0_s = t0_s
         self.sim.at(t0_s + self.cfg.interval_s, self._tick)
 
-    def sample(self, kind: str, t_s: float, worker: str, value_s: float) -> None:
-        self._samples.append((kind, t_s, worker, value_s))
+    def sample(self, kind: str, t_s: float, worker: str, value_s: float, prompt_tokens: int = 0) -> None:
+        self._samples.append((kind, t_s, worker, value_s, prompt_tokens))
 
     # ---- observe + decide ------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -87,13 +88,14 @@ class Autoscaling:
             return tuple(out)
 
         taken, self._samples = self._samples, []
-        warm = [(k, v) for k, t, name, v in taken if t - workers[name].ready_s >= warmup]
+        warm = [(k, v, n) for k, t, name, v, n in taken if t - workers[name].ready_s >= warmup]
         arrived, self._arrived_seen = self.sim.prefill_tokens_arrived - self._arrived_seen, self.sim.prefill_tokens_arrived
         now_demand = self.sim.demand.counters()
         demand, self._demand_seen = {k: v - self._demand_seen[k] for k, v in now_demand.items()}, now_demand
         return Observation(now, samples(Role.PREFILL), samples(Role.DECODE),
-                           ttft_s=tuple(v for k, v in warm if k == "ttft"),
-                           prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v in warm if k == "itl"),
+                           ttft_s=tuple(v for k, v, _ in warm if k == "ttft"),
+                           ttft_prompt_tokens=tuple(n for k, _, n in warm if k == "ttft"),
+                           prefill_queue_s=self._queue_times(now), itl_s=tuple(v for k, v, _ in warm if k == "itl"),
                            prefill_tokens_arrived=arrived, **demand)
 
     def _queue_times(self, now: float) -> tuple[float, ...]:

@@ -335,7 +335,7 @@ class ClusterSim(HandoffMixin):
         if out.num_output_tokens == 1 and f.first_s is None:
             f.first_s = f.last_s = t
             if self.autoscaling is not None:
-                self.autoscaling.sample("ttft", t, w.name, t - f.arrival_s)
+                self.autoscaling.sample("ttft", t, w.name, t - f.arrival_s, len(f.prompt))
             if w.name == f.prefill_worker:  # the prefill call returned
                 self.tracker.finish(f.rid, w.name)
                 self._leave(now, w)

@@ -194,14 +194,13 @@ class Search:
         return 0.0 if k is None else round(self.rate(k), 4)
 
 
-def autoscaler_config(sc: Scenario, budget: int, reqs: list):
-    """The scenario's autoscaler at this budget; its flat TTFT target is the study's at the p90 prompt."""
+def autoscaler_config(sc: Scenario, budget: int):
+    """The scenario's autoscaler at this budget, given the SLOs the study judges by: a TTFT target per request
+    (a base and a term per prompt token) and the TPOT target as its ITL SLO."""
     slo = GOODPUT_SLO[sc.name]
-    lengths = sorted(len(r.prompt) for r in reqs)
-    ttft = slo["ttft_s"] + slo["ttft_per_token_s"] * lengths[int(0.9 * (len(lengths) - 1))]
     return dataclasses.replace(sc.autoscaler, min_prefill=1, max_prefill=budget - 1, min_decode=1,
-                               max_decode=budget - 1, max_total_workers=budget, ttft_slo_s=ttft,
-                               itl_slo_s=slo["tpot_s"])
+                               max_decode=budget - 1, max_total_workers=budget, ttft_slo_s=slo["ttft_s"],
+                               ttft_slo_per_token_s=slo["ttft_per_token_s"], itl_slo_s=slo["tpot_s"])
 
 
 def configs(sc: Scenario, budget: int, reqs: list) -> list[tuple[Deployment, object]]:
@@ -210,7 +209,7 @@ def configs(sc: Scenario, budget: int, reqs: list) -> list[tuple[Deployment, obj
            for p in range(1, budget)]
     half = budget // 2
     out.append((Deployment(f"autoscaler ({half}P+{budget - half}D start)", half, budget - half,
-                           local_prefill_max_tokens=lp), autoscaler_config(sc, budget, reqs)))
+                           local_prefill_max_tokens=lp), autoscaler_config(sc, budget)))
     out.append((Deployment(f"colocated-{budget}", 0, budget, local_prefill_max_tokens=lp), None))
     return out
 

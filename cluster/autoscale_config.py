@@ -6,6 +6,7 @@ The policy that reads them is cluster/autoscaler.py; docs/operating.md explains 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.autoscale_estimate import LEARN_INTERVALS
@@ -22,6 +23,9 @@ class AutoscalerConfig:
     max_decode: int = 3
     max_total_workers: int | None = None  # budget for prefill + decode targets (None: max_prefill + max_decode)
     ttft_slo_s: float = 2.0  # CPU demo defaults (SmolLM2 on 2 vCPUs); set real SLOs on GPUs
+    # a request's TTFT target is ttft_slo_s + this x its prompt tokens (0: one target for every prompt). A long
+    # prompt's own compute can outlast a flat target at any pool size; judged by one, it reads as prefill pressure
+    ttft_slo_per_token_s: float = 0.0
     itl_slo_s: float = 0.25
     prefill_queued_tokens_high: int = 2048  # per warm prefill worker
     decode_kv_usage_high: float = 0.8  # fraction of the warm decode workers' KV blocks in use
@@ -63,6 +67,8 @@ class AutoscalerConfig:
         if min(self.ttft_slo_s, self.itl_slo_s, self.decode_kv_usage_high) <= 0 or \
                 min(self.prefill_queued_tokens_high, self.decode_running_high) < 1:
             raise ConfigError("autoscaler: SLOs and thresholds must be positive")
+        if not isinstance(self.ttft_slo_per_token_s, (int, float)) or not 0 <= self.ttft_slo_per_token_s < math.inf:
+            raise ConfigError(f"autoscaler.ttft_slo_per_token_s must be >= 0, got {self.ttft_slo_per_token_s!r}")
         if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
             raise ConfigError("autoscaler.prefill_tokens_per_s must be > 0 (or null: learned)")
         for name in ("prefill_target_utilization", "itl_target_fraction", "decode_kv_target_usage", "held_blocks_high",

@@ -99,6 +99,7 @@ class Observation:
     prefill: tuple[WorkerSample, ...] = ()
     decode: tuple[WorkerSample, ...] = ()
     ttft_s: tuple[float, ...] = ()
+    ttft_prompt_tokens: tuple[int, ...] = ()  # each TTFT sample's prompt tokens (its target; empty: not known)
     prefill_queue_s: tuple[float, ...] = ()
     itl_s: tuple[float, ...] = ()
     prefill_tokens_arrived: int = 0  # uncached prompt tokens of the interval's requests that needed a prefill
@@ -113,6 +114,10 @@ class Observation:
     # ... and what the requests that finished in the interval generated, of the max_tokens they asked
     output_tokens_finished: int = 0
     output_tokens_finished_requested: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ttft_prompt_tokens and len(self.ttft_prompt_tokens) != len(self.ttft_s):
+            raise ValueError(f"{len(self.ttft_prompt_tokens)} prompt lengths for {len(self.ttft_s)} TTFT samples")
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "autoscaler.min_prefill": args.min_prefill, "autoscaler.max_prefill": args.max_prefill,
         "autoscaler.min_decode": args.min_decode, "autoscaler.max_decode": args.max_decode,
         "autoscaler.ttft_slo_s": args.ttft_slo_s, "autoscaler.itl_slo_s": args.itl_slo_s,
+        "autoscaler.ttft_slo_per_token_s": args.ttft_slo_per_token_s,
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
         "engine.max_model_len": args.max_model_len,
@@ -183,6 +184,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode", type=int, help="autoscaler bound (default 3)")
     p.add_argument("--autoscale-interval-s", type=float, help="seconds between autoscaler decisions (default 10)")
     p.add_argument("--ttft-slo-s", type=float, help="time-to-first-token SLO the prefill pool is sized for (default 2)")
+    p.add_argument("--ttft-slo-per-token-s", type=float, help="added to a request's TTFT target per prompt token "
+                   "(default 0: one target for every prompt)")
     p.add_argument("--itl-slo-s", type=float, help="inter-token latency SLO the decode pool is sized for (default 0.25)")
     p.add_argument("--device", help="cpu | cuda")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])

@@ -65,13 +65,16 @@ class PoolObserver:
             return ready[worker] is not None and t_s - ready[worker] >= warmup
 
         latencies = self.metrics.take_samples() if self.metrics is not None else []
-        warm = collections.defaultdict(list)
+        warm, ttft_tokens = collections.defaultdict(list), []
         for s in latencies:
             if warm_at(s.worker, s.t_s):
                 warm[s.kind].append(s.value_s)
+                if s.kind == "ttft":
+                    ttft_tokens.append(s.prompt_tokens)
         routed = self.backend.prefill_tokens_routed
         arrived, self._routed_seen = routed - self._routed_seen, routed
         return Observation(now_s, samples(Role.PREFILL), samples(Role.DECODE), ttft_s=tuple(warm["ttft"]),
+                           ttft_prompt_tokens=tuple(ttft_tokens),
                            prefill_queue_s=self._queue_time_samples(now_s), itl_s=tuple(warm["itl"]),
                            prefill_tokens_arrived=arrived, decode_requests_inflight=self._decode_inflight(),
                            ttft_parts={p: tuple(warm[f"ttft_{p}"]) for p in ("queue", "compute", "router")},

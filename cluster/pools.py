@@ -367,14 +367,14 @@ class PoolManager(RoleFlips, Operator):
         return self.timeline_series.since(since_s) if self.timeline_series is not None else []
 
     def autoscaler_view(self) -> dict[str, Any]:
+        a = self.auto
         return {
-            "enabled": self.auto.enabled, "interval_s": self.auto.interval_s, "budget": self.auto.budget,
-            "slo": {"ttft_s": self.auto.ttft_slo_s, "itl_s": self.auto.itl_slo_s},
+            "enabled": a.enabled, "interval_s": a.interval_s, "budget": a.budget, "role_flip": self.flips_view(),
+            "slo": {"ttft_s": a.ttft_slo_s, "ttft_per_token_s": a.ttft_slo_per_token_s, "itl_s": a.itl_slo_s},
             "pools": {role.value: self.pool_view(role) for role in (Role.PREFILL, Role.DECODE)},
             "last": {role.value: _decision_view(at, d) for role, (at, d) in self.last_decision.items()},
             "decisions": [_decision_view(at, d) for at, d in reversed(self.decisions)],
             "counters": dict(self.counters),
-            "role_flip": self.flips_view(),
         }
 
 

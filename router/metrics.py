@@ -46,6 +46,7 @@ class LatencySample:
     kind: str  # "ttft" | "itl" | "ttft_queue" | "ttft_compute" | "ttft_router" (TTFT's parts)
     worker: str
     value_s: float
+    prompt_tokens: int = 0  # the request's (a TTFT's target grows with it: autoscaler.ttft_slo_per_token_s)
 
 
 class RouterMetrics:
@@ -141,7 +142,7 @@ class RequestTiming:
         if n:
             if self.last_s is None:
                 m.ttft.labels(*labels).observe(now - self.start_s)
-                m._sample(LatencySample(now, "ttft", worker, now - self.start_s))
+                m._sample(LatencySample(now, "ttft", worker, now - self.start_s, self.num_prompt_tokens))
                 if out.ttft_parts:
                     queue, compute = out.ttft_parts.get("queue_s", 0.0), out.ttft_parts.get("compute_s", 0.0)
                     for part, value in (("queue", queue), ("compute", compute),

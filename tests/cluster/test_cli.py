@@ -44,12 +44,12 @@ def test_serve_flags_reach_the_cluster_config():
 
     args = build_parser().parse_args([
         "serve", "--model", "m.gguf", "--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--min-decode", "2",
-        "--max-decode", "4", "--autoscale-interval-s", "2.5", "--ttft-slo-s", "0.4", "--itl-slo-s", "0.03",
-        "--admin-key", "adm", "--api-key", "k1", "--api-key", "k2"])
+        "--max-decode", "4", "--autoscale-interval-s", "2.5", "--ttft-slo-s", "0.4", "--ttft-slo-per-token-s", "0.001",
+        "--itl-slo-s", "0.03",        "--admin-key", "adm", "--api-key", "k1", "--api-key", "k2"])
     config = serve_config_from_args(args)
     auto = config.autoscaler
     assert (auto.enabled, auto.min_prefill, auto.max_prefill, auto.min_decode, auto.max_decode) == (True, 1, 2, 2, 4)
-    assert (auto.interval_s, auto.ttft_slo_s, auto.itl_slo_s) == (2.5, 0.4, 0.03)
+    assert (auto.interval_s, auto.ttft_slo_s, auto.ttft_slo_per_token_s, auto.itl_slo_s) == (2.5, 0.4, 0.001, 0.03)
     assert config.router.admin_key == "adm" and config.router.api_keys == ("k1", "k2")
     off = serve_config_from_args(build_parser().parse_args(["serve", "--model", "m"]))
     assert off.autoscaler.enabled is False and off.router.admin_key is None

@@ -46,6 +46,7 @@ def test_an_interval_is_the_difference_of_the_workers_counters_and_the_backlog_w
     p, d = second.prefill[0], second.decode[0]
     assert (p.busy_s, p.prefill_tokens) == (3.0, 2000) and (d.busy_s, d.decode_steps, d.decode_tokens) == (4.0, 200, 2000)
     assert second.prefill_tokens_arrived == 3000 and p.held_requests == 0 and d.handoffs_waiting == 0
+    assert second.ttft_prompt_tokens == (100,)  # its target: autoscaler.ttft_slo_per_token_s
     assert len(second.ttft_s) == 1 and second.ttft_parts["queue"] == (0.5,) and second.ttft_parts["compute"] == (0.25,)
     assert second.ttft_parts["router"][0] >= 0
     backend.prefill_tokens_routed = 3500
