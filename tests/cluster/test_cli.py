@@ -45,7 +45,7 @@ def test_serve_flags_reach_the_cluster_config():
     args = build_parser().parse_args([
         "serve", "--model", "m.gguf", "--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--min-decode", "2",
         "--max-decode", "4", "--autoscale-interval-s", "2.5", "--ttft-slo-s", "0.4", "--ttft-slo-per-token-s", "0.001",
-        "--itl-slo-s", "0.03",        "--admin-key", "adm", "--api-key", "k1", "--api-key", "k2"])
+        "--itl-slo-s", "0.03", "--admin-key", "adm", "--api-key", "k1", "--api-key", "k2"])
     config = serve_config_from_args(args)
     auto = config.autoscaler
     assert (auto.enabled, auto.min_prefill, auto.max_prefill, auto.min_decode, auto.max_decode) == (True, 1, 2, 2, 4)
