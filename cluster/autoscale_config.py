@@ -16,7 +16,7 @@ from router.policy import Role
 @dataclass(frozen=True)
 class AutoscalerConfig:
     enabled: bool = False
-    interval_s: float = 10.0
+    interval_s: float = 5.0  # 10 until 2026-11-27: a move needs two agreeing intervals and a flip (docs/simulator.md e)
     min_prefill: int = 1
     max_prefill: int = 3
     min_decode: int = 1

@@ -182,7 +182,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill", type=int, help="autoscaler bound (default 3)")
     p.add_argument("--min-decode", type=int, help="autoscaler bound (default 1)")
     p.add_argument("--max-decode", type=int, help="autoscaler bound (default 3)")
-    p.add_argument("--autoscale-interval-s", type=float, help="seconds between autoscaler decisions (default 10)")
+    p.add_argument("--autoscale-interval-s", type=float, help="seconds between autoscaler decisions (default 5)")
     p.add_argument("--ttft-slo-s", type=float, help="time-to-first-token SLO the prefill pool is sized for (default 2)")
     p.add_argument("--ttft-slo-per-token-s", type=float, help="added to a request's TTFT target per prompt token "
                    "(default 0: one target for every prompt)")

@@ -12,7 +12,7 @@
               tool_call_parser: null,       # hermes | mistral | llama3_json | generic; null: from the template
               tier_weights: {host: 1.0, disk: 1.0, peer: 0.5}}   # the defaults; {peer: 0}: no peer fetch
     transfer: {lease_timeout_s: 60, transfer_timeout_s: 30, recompute_on_failure: true}
-    autoscaler: {enabled: true, interval_s: 10, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
+    autoscaler: {enabled: true, interval_s: 5, min_prefill: 1, max_prefill: 4, min_decode: 1, max_decode: 4,
                  ttft_slo_s: 0.5, itl_slo_s: 0.05}   # cluster/autoscaler.py documents every key
     lifecycle: {health_interval_s: 1, health_misses: 2, stats_interval_s: 1, drain_timeout_s: 300,
                 start_timeout_s: 300, role_flip: true}         # flip a worker between pools in place (cluster/flip.py)
