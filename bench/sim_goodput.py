@@ -43,7 +43,7 @@ from bench.sim_scenarios import Scenario, at_rate, simulate_run, trace, workload
 GOODPUT_SLO = {"cpu": {"ttft_s": 2.0, "ttft_per_token_s": 0.010, "tpot_s": 0.25},
                "gpu": {"ttft_s": 1.0, "ttft_per_token_s": 0.0001, "tpot_s": 0.05}}
 WINDOWS = 4
-# the autoscaler's interval here (the default since 2026-11-27; the scenarios' 10 s is studies b's): the GPU model's
+# the autoscaler's interval here (the default since 2026-11-27; the scenarios' 10 s is study b's): the GPU model's
 # budget-8 windows last 11-26 s, and a move needs two agreeing intervals and a flip (docs/simulator.md e)
 INTERVAL_S = 5.0
 GRID_STEP = 1.1

@@ -30,8 +30,8 @@ def percentile(samples: Sequence[float], q: float) -> float:
 def ttft_targets(obs, cfg) -> list[float]:
     """Each TTFT sample's target: ``ttft_slo_s`` + ``ttft_slo_per_token_s`` x its prompt tokens. A prompt whose own
     compute outlasts a flat target misses it at any pool size: judged by one, the CPU model's 2,048-token prompts
-    (14 s of compute against an 11-s target) broke the "SLO" in a third of the intervals, held a decode worker
-    in the prefill pool through a burst, and cost that window a quarter of its goodput (docs/simulator.md e)."""
+    (14 s of compute against an 11-s target) broke the "SLO" in one interval of eight and, as a burst arrived,
+    kept the decode worker it needed in the prefill pool (docs/simulator.md e)."""
     if not obs.ttft_prompt_tokens:
         if cfg.ttft_slo_per_token_s and obs.ttft_s:
             raise ValueError("ttft_slo_per_token_s is set, but the observer does not report the TTFT samples' "
@@ -102,10 +102,15 @@ def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_l
     for key, limit, code, label in _checks(role, cfg, seq_capacity_learned):
         value, limit = sig.get(key), sig.get(limit) if isinstance(limit, str) else limit
         if value is not None and limit is not None and value > limit:
-            parts = [] if code != "ttft_slo" else [f"TTFT {sig['ttft_p90_s']:.3g}"] + [
-                f"{p} {sig[f'ttft_{p}_p90_s']:.3g}" for p in ("queue", "compute", "router") if sig.get(f"ttft_{p}_p90_s")]
+            parts = _ttft_parts(sig) if code == "ttft_slo" else []
             return code, f"{label}: {value:.3g} > {limit:.3g}" + (f" (p90 s: {', '.join(parts)})" if parts else "")
     return backlog if role == Role.DECODE else None
+
+
+def _ttft_parts(sig: Mapping[str, float | None]) -> list[str]:
+    """TTFT's p90 in seconds and its parts' (queue, compute, router), for a reason."""
+    parts = [p for p in ("queue", "compute", "router") if sig.get(f"ttft_{p}_p90_s")]
+    return [f"TTFT {sig['ttft_p90_s']:.3g}"] + [f"{p} {sig[f'ttft_{p}_p90_s']:.3g}" for p in parts]
 
 
 def distress(role: Role, obs, cfg) -> str | None:
