@@ -207,7 +207,7 @@ def autoscaler_config(sc: Scenario, budget: int):
                                interval_s=INTERVAL_S)
 
 
-def configs(sc: Scenario, budget: int, reqs: list) -> list[tuple[Deployment, object]]:
+def configs(sc: Scenario, budget: int) -> list[tuple[Deployment, object]]:
     lp = sc.local_prefill_max_tokens
     out = [(Deployment(f"{p}P+{budget - p}D", p, budget - p, local_prefill_max_tokens=lp), None)
            for p in range(1, budget)]
@@ -235,7 +235,7 @@ def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads
         base = sc.autoscale_rates[0]
         for budget in budgets:
             for wl in workloads:
-                for dep, auto in configs(sc, budget, make_workload(wl, sc)):
+                for dep, auto in configs(sc, budget):
                     key = (sc.name, budget, wl)
                     if reuse is not None and auto is None:
                         if (*key, dep.name) not in saved:
@@ -330,7 +330,7 @@ def trace_case(sc: Scenario, budget: int, workload: str, rate: float, names: tup
     window's result came from. ``names``: configurations whose name starts with one of these (default all)."""
     reqs, warm = make_workload(workload, sc), make_warmup(workload, sc)
     lines = []
-    for dep, auto in configs(sc, budget, reqs):
+    for dep, auto in configs(sc, budget):
         if names and not dep.name.startswith(names):
             continue
         doc, overall, per = run_at_rate(sc, dep, auto, reqs, warm, rate)

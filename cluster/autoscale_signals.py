@@ -93,17 +93,23 @@ def _checks(role: Role, cfg, seq_capacity_learned: bool) -> list[tuple[str, floa
     return checks
 
 
+def _broken(role: Role, sig: Mapping[str, float | None], cfg, seq_capacity_learned: bool):
+    """(code, label, value, limit) of each of the role's checks the signals break, in ``_checks``' order."""
+    for key, limit, code, label in _checks(role, cfg, seq_capacity_learned):
+        value, limit = sig.get(key), sig.get(limit) if isinstance(limit, str) else limit
+        if value is not None and limit is not None and value > limit:
+            yield code, label, value, limit
+
+
 def pressure(role: Role, sig: Mapping[str, float | None], cfg, *, seq_capacity_learned: bool = False
              ) -> tuple[str, str] | None:
     """(code, reason) when the latest interval asks for one more worker of ``role``, else None."""
     backlog = decode_backs_up(sig, cfg)
     if role == Role.PREFILL and backlog is not None:  # prefill's latency is decode's backlog: not more prefill
         return None
-    for key, limit, code, label in _checks(role, cfg, seq_capacity_learned):
-        value, limit = sig.get(key), sig.get(limit) if isinstance(limit, str) else limit
-        if value is not None and limit is not None and value > limit:
-            parts = _ttft_parts(sig) if code == "ttft_slo" else []
-            return code, f"{label}: {value:.3g} > {limit:.3g}" + (f" (p90 s: {', '.join(parts)})" if parts else "")
+    for code, label, value, limit in _broken(role, sig, cfg, seq_capacity_learned):
+        parts = _ttft_parts(sig) if code == "ttft_slo" else []
+        return code, f"{label}: {value:.3g} > {limit:.3g}" + (f" (p90 s: {', '.join(parts)})" if parts else "")
     return backlog if role == Role.DECODE else None
 
 
@@ -121,9 +127,8 @@ def distress(role: Role, obs, cfg) -> str | None:
     backlog = decode_backs_up(sig, cfg)
     if role == Role.PREFILL and backlog is not None:
         return None  # prefill's latency is decode's backlog
-    for key, limit, code, label in _checks(role, cfg, seq_capacity_learned=True):
-        value, limit = sig.get(key), sig.get(limit) if isinstance(limit, str) else limit
-        if code in SLO_BREACHES and value is not None and limit is not None and value > limit:
+    for code, label, value, limit in _broken(role, sig, cfg, seq_capacity_learned=True):
+        if code in SLO_BREACHES:
             return f"{label}: {value:.3g} > {limit:.3g} at t={obs.t_s:g}"
     return f"{backlog[1]} at t={obs.t_s:g}" if role == Role.DECODE and backlog is not None else None
 
