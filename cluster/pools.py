@@ -2,7 +2,7 @@
 each pool matches its target; the autoscaler (cluster/autoscaler.py, pure) and the admin API set targets.
 
 Loops (tasks on the router's event loop):
-- health, every ``lifecycle.health_interval_s``: probe every live worker; one that fails
+- health (cluster/health.py), every ``lifecycle.health_interval_s``: probe every live worker; one that fails
   ``lifecycle.health_misses`` probes in a row is dead (one slow answer on a loaded machine is not a death): it
   leaves the registry's live set, the index and the load tracker (its requests behave as router/dispatch.py
   documents), and the reconcile below replaces it.
@@ -37,6 +37,7 @@ from cluster.config import ClusterConfig
 from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
 from cluster.handshake import forget_peer, shake_hands
+from cluster.health import HealthChecks
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
 from cluster.start_wait import await_info
@@ -50,10 +51,9 @@ from router.registry import WorkerRecord, WorkerState
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
-PROBE_TIMEOUT_S = 5.0  # a worker that does not answer its liveness probe within this is dead
 
 
-class PoolManager(RoleFlips, Operator):
+class PoolManager(RoleFlips, HealthChecks, Operator):
     def __init__(self, config: ClusterConfig, backend: ClusterBackend, spawn: Spawner, *,
                  handles: dict[str, Any], start_feed: Callable[[RayWorkerClient], asyncio.Task] | None = None,
                  metrics: RouterMetrics | None = None) -> None:
@@ -297,32 +297,6 @@ class PoolManager(RoleFlips, Operator):
         loop.call_soon(self.reconcile)
 
     # ---- loops -----------------------------------------------------------------------------------
-    async def check_health(self) -> None:
-        for rec in self.registry.records(states=(WorkerState.DEAD,)):  # retired by dispatch after a fault
-            if rec.worker_id in self.feeds or rec.worker_id in self.handles:
-                self.counters["replaced"] += rec.fault
-                self._end(rec.worker_id, rec.reason, fault=rec.fault)
-        live = [r for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
-        problems = await asyncio.gather(*(probe(r.client) for r in live))
-        misses = self.config.lifecycle.health_misses
-        for rec, problem in zip(live, problems):
-            if problem is None:
-                self._probe_misses.pop(rec.worker_id, None)
-                continue
-            self._probe_misses[rec.worker_id] += 1
-            if self._probe_misses[rec.worker_id] < misses:  # one slow answer on a loaded machine is not a death
-                log.warning("worker %s failed a health probe (%d of %d before it is replaced): %s", rec.worker_id,
-                            self._probe_misses[rec.worker_id], misses, problem)
-                self.counters["probe_misses"] += 1
-                continue
-            if rec.state != WorkerState.DEAD:
-                log.error("worker %s is gone (%s): replacing it", rec.worker_id, problem)
-                self.counters["replaced"] += 1
-                self._end(rec.worker_id, f"died: {problem}", fault=True)
-        for worker_id in set(self._probe_misses) - {r.worker_id for r in live}:
-            del self._probe_misses[worker_id]
-        self.reconcile()
-
     async def poll_stats(self) -> None:
         live = self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))
         results = await asyncio.gather(*(asyncio.wait_for(r.client.stats(), 10) for r in live), return_exceptions=True)
@@ -381,20 +355,3 @@ class PoolManager(RoleFlips, Operator):
 def _decision_view(at_s: float, d: Decision) -> dict[str, Any]:
     return {"at": round(at_s, 3), "role": d.role.value, "direction": d.direction, "target": d.target,
             "reason": d.reason, "code": d.code, "signals": dict(d.signals)}
-
-
-async def probe(client, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """None if the worker answers its liveness probe in time; else what the probe found, for the record an
-    operator reads: no answer (a frozen process, or a node cut off or hung), the error Ray gave (a process or
-    node gone), or an engine thread that stopped."""
-    try:
-        ok = await asyncio.wait_for(client.alive(), timeout_s)
-    except asyncio.TimeoutError:
-        return f"no answer to its health probe within {timeout_s:g} s"
-    except Exception as e:  # noqa: BLE001 - any failure to answer is a dead worker; what it was is the reason
-        first_line = (str(e).splitlines() or [""])[0][:200]
-        return f"health probe failed: {type(e).__name__}: {first_line}"
-    if ok:
-        return None
-    why = getattr(client, "why_not", None)
-    return f"health probe: {why}" if why else "health probe: its engine thread has stopped"

@@ -22,8 +22,8 @@ The router's `LoadTracker` counts every dispatch at once (prefill tokens the rou
 uncached, sequences, KV blocks) and forgets it when the request leaves the worker, so back-to-back
 decisions do not wait for workers' load reports. Leaving early (client gone) aborts on every worker
 involved and releases a lease the decode worker never claimed, so no block stays pinned.
-Faults: a worker call that raises is followed by a liveness probe. A dead worker leaves the pools (and
-the index and load tracker); a request it held is placed again on the remaining workers if the client
+Faults (router/worker_faults.py): a worker call that raises is followed by a liveness probe. A dead worker leaves
+the pools (and the index and load tracker); a request it held is placed again on the remaining workers if the client
 has seen nothing yet (prefill failed, or a local prefill failed before its first token), otherwise it is
 continued elsewhere from where the client is (router/migration.py: the prompt plus the tokens sent, the
 engine resuming exactly), at most ``MAX_MIGRATIONS`` times; then it ends with ``finish_reason="error"``.
@@ -40,10 +40,9 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 from engine.disagg import PeerBlocks
-from engine.errors import ConfigError, InvalidRequestError
+from engine.errors import ConfigError
 from engine.hashing import BlockHasher
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
@@ -56,24 +55,16 @@ from router.metrics import RequestTiming, RouterMetrics
 from router.migration import MAX_MIGRATIONS, SentSoFar, with_seed
 from router.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
 from router.registry import WorkerRegistry, WorkerState
+from router.worker_faults import WorkerFaults, _Lost, _quietly
 from router.workers import WorkerClient, WorkerDescriptor, check_fingerprints  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 MAX_PLACEMENTS = 3  # a request whose worker died before the client saw anything is placed again
-ALIVE_TIMEOUT_S = 5.0
 PEER_EXPORT_TIMEOUT_S = 2.0  # asking a peer to lend blocks; past it the prefill worker computes them
 
 
-@dataclass(frozen=True)
-class _Lost:
-    """In a worker's stream instead of an output: that worker died (generate() places or migrates)."""
-
-    worker_id: str
-    role: str
-
-
-class ClusterBackend(Backend):
+class ClusterBackend(WorkerFaults, Backend):
     def __init__(
         self,
         card: ModelCard,
@@ -331,70 +322,3 @@ class ClusterBackend(Backend):
         self.counters["decode_redirected"] += 1
         log.info("%s: decode worker %s is draining; the handoff goes to %s", rid, d.worker_id, new.worker_id)
         return new
-
-    async def _call(self, coro, rid: str, worker: WorkerClient):
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            await _quietly(worker.abort(rid))
-            self.counters["aborted"] += 1
-            raise
-        except InvalidRequestError:
-            raise
-        except Exception as e:
-            return await self._on_fault(rid, worker, e)
-
-    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient):
-        """Yield a worker's stream; on early exit abort there; a worker fault becomes an error output
-        (or `_Lost` when the worker is gone)."""
-        finished = False
-        try:
-            async for out in stream:
-                finished = out.finished
-                yield out
-        except InvalidRequestError:
-            finished = True
-            raise
-        except Exception as e:
-            finished = True
-            yield await self._on_fault(rid, worker, e)
-        finally:
-            if not finished:
-                self.counters["aborted"] += 1
-                await _quietly(worker.abort(rid))
-            await _quietly(stream.aclose())
-
-    async def _on_fault(self, rid: str, worker: WorkerClient, e: BaseException):
-        """A worker call failed. A dead worker leaves the pools (its index entry and predicted load with it)
-        and the request goes on elsewhere (generate()); a live worker's failure is an error output."""
-        alive = await _alive(worker)
-        if not alive:
-            self._remove_worker(worker, e)
-            return _Lost(worker.worker_id, worker.descriptor.role.value)
-        return self._error_output(rid, worker, e)
-
-    def _remove_worker(self, worker: WorkerClient, e: BaseException) -> None:
-        if self.retire(worker.worker_id, f"{type(e).__name__}: {e}", fault=True):
-            log.error("worker %s is gone (%s): removed from the %s pool", worker.worker_id, e, worker.descriptor.role)
-
-    def _error_output(self, rid: str, worker: WorkerClient | None, e: BaseException) -> RequestOutput:
-        self.counters["errors"] += 1
-        where = f"worker {worker.worker_id}" if worker is not None else "the cluster"
-        log.error("request %s failed on %s: %s", rid, where, e)
-        return RequestOutput(request_id=rid, new_token_ids=[], new_text="", finished=True, finish_reason="error",
-                             error=f"{where} failed: {type(e).__name__}: {e}")
-
-
-async def _alive(worker: WorkerClient) -> bool:
-    try:
-        return bool(await asyncio.wait_for(worker.alive(), ALIVE_TIMEOUT_S))
-    except Exception:
-        return False
-
-
-async def _quietly(awaitable) -> None:
-    """Best-effort cleanup: a dead worker must not turn a cleanup into a second failure."""
-    try:
-        await asyncio.shield(asyncio.ensure_future(awaitable))
-    except BaseException as e:  # noqa: BLE001 - includes CancelledError of the shielding task
-        log.debug("cleanup call failed: %r", e)

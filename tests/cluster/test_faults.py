@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.pools import PROBE_TIMEOUT_S
+from cluster.health import PROBE_TIMEOUT_S
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.pools import probe
+from cluster.health import probe
 
 
 class Client:
