@@ -150,12 +150,15 @@ bench-serve: install
 
 # the goodput simulator (no model): real router, index, block pools, scheduler and autoscaler policy over the
 # Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)
-# studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line;
-# e searches rates for 12 cases (CPU and GPU, budgets 4 and 8, 3 workloads): ~1.5 h on 2 cores (SIM_JOBS=2)
+# studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line over
+# 12 cases (CPU and GPU, budgets 4 and 8, 3 workloads). e searches the autoscaler's rates against the fixed splits
+# saved in bench/goodput_fixed/ (they do not depend on its policy; GPU on 500 requests as saved): ~15 min on 2 cores.
+# GOODPUT_FIXED= (empty) searches every split too: hours (its README).
 SIM_JOBS ?= 2
+GOODPUT_FIXED ?= bench/goodput_fixed/cpu-b4-b8.json,bench/goodput_fixed/gpu-b4-limit500.json,bench/goodput_fixed/gpu-b8-limit500.json
 bench-sim: install
 	$(PY) -m bench.simulate all
-	$(PY) -m bench.simulate goodput --jobs $(SIM_JOBS)
+	$(PY) -m bench.simulate goodput --jobs $(SIM_JOBS) $(if $(GOODPUT_FIXED),--reuse-fixed $(GOODPUT_FIXED))
 
 # re-measure this CPU's step times for the simulator (bench/calibration/cpu-smollm2.json)
 bench-calibrate: install

@@ -29,8 +29,10 @@ Workloads, from the scenario's Mooncake window (bench/sim_scenarios.py):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from bench.goodput_search import ATTAINMENT, highest, passes
 from bench.metrics import meets_slo
@@ -223,6 +225,36 @@ def _search_task(args) -> dict:
     return Search(sc, make_workload(workload, sc), dep, auto, base, make_warmup(workload, sc)).goodput()
 
 
+def load_fixed(paths: list[str]) -> list[dict]:
+    """The cases of saved studies (``--reuse-fixed``), several files merged; a case two files both hold is an error."""
+    cases, seen = [], {}
+    for path in paths:
+        for c in json.loads(Path(path).read_text())["cases"]:
+            key = (c["scenario"], c["budget"], c["workload"])
+            if key in seen:
+                raise SystemExit(f"{path} and {seen[key]} both hold the case {key}")
+            seen[key] = path
+            cases.append(c)
+    return cases
+
+
+def reused_limit(reuse: list[dict] | None, scenario: str, limit: int | None) -> int | None:
+    """The requests a scenario measures when saved rows are reused: as many as those rows measured (a search on
+    another number of requests is not comparable with them). ``limit`` (``--limit``), if given, must agree."""
+    rows = [r for c in reuse or () if c["scenario"] == scenario for r in c["configs"]]
+    if any("requests" not in r for r in rows):
+        raise SystemExit(f"saved {scenario} rows without their number of requests: cannot tell whether they compare")
+    counts = {r["requests"] for r in rows}
+    if len(counts) > 1:
+        raise SystemExit(f"the saved {scenario} rows measured different numbers of requests: {sorted(counts)}")
+    if not counts:
+        return limit
+    (saved,) = counts
+    if limit is not None and limit != saved:
+        raise SystemExit(f"--limit {limit}, but the saved {scenario} rows measured {saved} requests")
+    return saved
+
+
 def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads: tuple[str, ...],
                   jobs: int = 1, reuse: list[dict] | None = None) -> list[dict]:
     """Every (scenario, budget, workload) case: each configuration's goodput, overall and per window, and
@@ -240,7 +272,11 @@ def study_goodput(scenarios: list[Scenario], budgets: tuple[int, ...], workloads
                     if reuse is not None and auto is None:
                         if (*key, dep.name) not in saved:
                             raise SystemExit(f"the saved study has no {dep.name} row for {key}")
-                        rows.append((key, saved[(*key, dep.name)]))
+                        row = saved[(*key, dep.name)]
+                        if row["requests"] != sc.workload["limit"]:
+                            raise SystemExit(f"the saved {dep.name} row for {key} measured {row['requests']} requests, "
+                                             f"this run {sc.workload['limit']}")
+                        rows.append((key, row))
                         continue
                     tasks.append((sc, wl, dep, auto, base * budget / 4))
                     keys.append(key)

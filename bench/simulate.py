@@ -11,7 +11,7 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
     python -m bench.simulate goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
                                  # e. DistServe goodput: the autoscaler vs the best fixed split (bench/sim_goodput.py)
-                                 [--reuse-fixed build/sim/goodput.json]  # a policy change: the autoscaler only
+                                 [--reuse-fixed build/sim/goodput.json[,...]]  # a policy change: the autoscaler only
     python -m bench.simulate goodput-trace --hardware cpu --budgets 8 --workloads mooncake --rate 3.54 \
                                  [--only 6P+2D,auto]
                                  # one run per configuration of a case at one rate: windows met, the autoscaler's moves
@@ -39,7 +39,8 @@ from bench.sim_check import calibration_check
 from bench.sim_cluster import Deployment
 from bench.sim_scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
                                  workload_desc)
-from bench.sim_goodput import SHORT_WINDOW_INTERVALS, WORKLOADS, plot, report, study_goodput, trace_case
+from bench.sim_goodput import (SHORT_WINDOW_INTERVALS, WORKLOADS, load_fixed, plot, report, reused_limit, study_goodput,
+                               trace_case)
 from bench.sim_tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
 
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "sim"
@@ -245,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="4,8", help="goodput: worker budgets")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="goodput: workloads")
     ap.add_argument("--jobs", type=int, default=1, help="goodput: searches run in this many processes")
-    ap.add_argument("--reuse-fixed", type=Path, help="goodput: a saved goodput.json whose fixed splits and colocated "
-                    "rows are reused (they do not depend on the autoscaler's policy): only the autoscaler is searched")
+    ap.add_argument("--reuse-fixed", help="goodput: saved goodput.json files (comma-separated) whose fixed splits and "
+                    "colocated rows are reused (they do not depend on the autoscaler's policy): only the autoscaler is "
+                    "searched, on as many requests as the saved rows measured")
     ap.add_argument("--only", help="goodput-trace: configurations whose names start with these (comma-separated; "
                     "e.g. 6P+2D,autoscaler)")
     ap.add_argument("--out", type=Path, help="run: write the benchmark JSON here")
@@ -272,8 +274,11 @@ def main(argv: list[str] | None = None) -> None:
                                      tuple(filter(None, (args.only or "").split(",")))))
         return
     if args.study == "goodput":
-        reuse = json.loads(args.reuse_fixed.read_text())["cases"] if args.reuse_fixed else None
-        cases = study_goodput(scenarios(hw, args), tuple(int(b) for b in args.budgets.split(",")),
+        reuse = load_fixed(args.reuse_fixed.split(",")) if args.reuse_fixed else None
+        scs = [sc for name in hw.split(",")
+               for sc in scenarios(name, argparse.Namespace(**{**vars(args), "limit": reused_limit(reuse, name,
+                                                                                                  args.limit)}))]
+        cases = study_goodput(scs, tuple(int(b) for b in args.budgets.split(",")),
                               tuple(args.workloads.split(",")), args.jobs, reuse)
         text = report(cases)
         print(f"\n## e. DistServe goodput (>= 90 % of requests meet both SLOs): autoscaler vs the best fixed split\n{text}")

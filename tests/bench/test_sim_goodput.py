@@ -164,12 +164,79 @@ def test_a_restudy_searches_only_the_autoscaler_and_reuses_the_saved_fixed_split
 
     monkeypatch.setattr(sg, "_search_task", fake_search)
     sc = cpu_scenario()
-    fixed = [{"config": f"{p}P+{4 - p}D", "goodput": float(p), "windows": [float(p)] * WINDOWS} for p in (1, 2, 3)]
+    n = sc.workload["limit"]
+    fixed = [{"config": f"{p}P+{4 - p}D", "goodput": float(p), "windows": [float(p)] * WINDOWS, "requests": n}
+             for p in (1, 2, 3)]
     saved = [{"scenario": sc.name, "budget": 4, "workload": "mooncake",
-              "configs": [*fixed, {"config": "colocated-4", "goodput": 1.5, "windows": [1.5] * WINDOWS}]}]
+              "configs": [*fixed, {"config": "colocated-4", "goodput": 1.5, "windows": [1.5] * WINDOWS, "requests": n}]}]
     (case,) = sg.study_goodput([sc], (4,), ("mooncake",), reuse=saved)
     assert len(searched) == 1 and searched[0].startswith("autoscaler")
     assert case["best_fixed"] == "3P+1D" and case["colocated_goodput"] == 1.5
     assert case["window_ratios"] == pytest.approx([2 / 3, 1 / 3, 2 / 3, 2 / 3])
     with pytest.raises(SystemExit, match="2P\\+2D"):
         sg.study_goodput([sc], (4,), ("mooncake",), reuse=[{**saved[0], "configs": [fixed[0], fixed[2]]}])
+    other = [{**saved[0], "configs": [{**r, "requests": n // 2} for r in saved[0]["configs"]]}]
+    with pytest.raises(SystemExit, match="measured"):  # rows of another number of requests do not compare
+        sg.study_goodput([sc], (4,), ("mooncake",), reuse=other)
+
+
+def test_saved_studies_merge_and_set_how_many_requests_a_restudy_measures(tmp_path):
+    """`--reuse-fixed a.json,b.json`: the cases of several saved studies (one file per hardware and budget); the
+    scenario then measures as many requests as its saved rows did, and a --limit that disagrees is an error."""
+    import json
+
+    import bench.sim_goodput as sg
+
+    def study(scenario, budget, n):
+        rows = [{"config": f"{p}P+{budget - p}D", "goodput": 1.0, "windows": [1.0] * WINDOWS, "requests": n}
+                for p in range(1, budget)]
+        return {"cases": [{"scenario": scenario, "budget": budget, "workload": "burst", "configs": rows}]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(study("cpu", 4, 1000)))
+    b.write_text(json.dumps(study("gpu", 8, 500)))
+    cases = sg.load_fixed([str(a), str(b)])
+    assert [(c["scenario"], c["budget"]) for c in cases] == [("cpu", 4), ("gpu", 8)]
+    assert sg.reused_limit(cases, "gpu", None) == 500 and sg.reused_limit(cases, "cpu", None) == 1000
+    assert sg.reused_limit(cases, "gpu", 500) == 500
+    assert sg.reused_limit(None, "gpu", 300) == 300  # nothing reused: --limit as given
+    with pytest.raises(SystemExit, match="--limit 1000"):
+        sg.reused_limit(cases, "gpu", 1000)
+    with pytest.raises(SystemExit, match="both hold"):
+        sg.load_fixed([str(a), str(a)])
+    unsized = tmp_path / "c.json"
+    unsized.write_text(json.dumps({"cases": [{"scenario": "gpu", "budget": 4, "workload": "burst",
+                                              "configs": [{"config": "1P+3D", "goodput": 1.0, "windows": []}]}]}))
+    with pytest.raises(SystemExit, match="without their number of requests"):
+        sg.reused_limit(sg.load_fixed([str(unsized)]), "gpu", None)
+
+
+def test_the_goodput_command_searches_the_autoscaler_on_as_many_requests_as_the_saved_rows(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """`python -m bench.simulate goodput --reuse-fixed F` (what `make bench-sim` runs): the scenario measures the
+    saved rows' number of requests, and the run ends with the ratio line over the cases."""
+    import json
+
+    import bench.sim_goodput as sg
+    from bench.simulate import main
+
+    sizes = []
+
+    def fake_search(args):
+        sc, wl, dep, auto, base = args
+        sizes.append(len(sg.make_workload(wl, sc)))
+        return {"config": dep.name, "goodput": 1.0, "windows": [1.0, 1.0, 0.5, 1.0], "requests": sizes[-1]}
+
+    monkeypatch.setattr(sg, "_search_task", fake_search)
+    rows = [{"config": f"{p}P+{8 - p}D", "goodput": 1.0, "windows": [1.0] * WINDOWS, "requests": 300}
+            for p in range(1, 8)] + [{"config": "colocated-8", "goodput": 1.0, "windows": [1.0] * WINDOWS,
+                                      "requests": 300}]
+    saved = tmp_path / "gpu-b8.json"
+    saved.write_text(json.dumps({"cases": [{"scenario": "gpu", "budget": 8, "workload": "burst", "configs": rows}]}))
+    main(["goodput", "--hardware", "gpu", "--budgets", "8", "--workloads", "burst", "--reuse-fixed", str(saved),
+          "--out-dir", str(tmp_path / "out")])
+    assert sizes == [300]  # the autoscaler alone, on the saved rows' 300 requests (not the default 1,000)
+    assert "ratio: 0.500" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--limit 1000"):
+        main(["goodput", "--hardware", "gpu", "--budgets", "8", "--workloads", "burst", "--reuse-fixed", str(saved),
+              "--limit", "1000", "--out-dir", str(tmp_path / "out")])
