@@ -238,20 +238,23 @@ def load_fixed(paths: list[str]) -> list[dict]:
     return cases
 
 
-def reused_limit(reuse: list[dict] | None, scenario: str, limit: int | None) -> int | None:
-    """The requests a scenario measures when saved rows are reused: as many as those rows measured (a search on
-    another number of requests is not comparable with them). ``limit`` (``--limit``), if given, must agree."""
-    rows = [r for c in reuse or () if c["scenario"] == scenario for r in c["configs"]]
+def reused_limit(reuse: list[dict] | None, scenario: str, budget: int, limit: int | None) -> int | None:
+    """The requests a case measures when saved rows are reused: as many as that scenario and budget's rows measured
+    (a search on another number of requests is not comparable with them; budgets may differ: the H100 model's
+    budget-8 windows need 1,000 requests to last 5-6 intervals). ``limit`` (``--limit``), if given, must agree."""
+    rows = [r for c in reuse or () if c["scenario"] == scenario and c["budget"] == budget for r in c["configs"]]
     if any("requests" not in r for r in rows):
-        raise SystemExit(f"saved {scenario} rows without their number of requests: cannot tell whether they compare")
+        raise SystemExit(f"saved {scenario} budget {budget} rows without their number of requests: cannot tell "
+                         "whether they compare")
     counts = {r["requests"] for r in rows}
     if len(counts) > 1:
-        raise SystemExit(f"the saved {scenario} rows measured different numbers of requests: {sorted(counts)}")
+        raise SystemExit(f"the saved {scenario} budget {budget} rows measured different numbers of requests: "
+                         f"{sorted(counts)}")
     if not counts:
         return limit
     (saved,) = counts
     if limit is not None and limit != saved:
-        raise SystemExit(f"--limit {limit}, but the saved {scenario} rows measured {saved} requests")
+        raise SystemExit(f"--limit {limit}, but the saved {scenario} budget {budget} rows measured {saved} requests")
     return saved
 
 

@@ -275,11 +275,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.study == "goodput":
         reuse = load_fixed(args.reuse_fixed.split(",")) if args.reuse_fixed else None
-        scs = [sc for name in hw.split(",")
-               for sc in scenarios(name, argparse.Namespace(**{**vars(args), "limit": reused_limit(reuse, name,
-                                                                                                  args.limit)}))]
-        cases = study_goodput(scs, tuple(int(b) for b in args.budgets.split(",")),
-                              tuple(args.workloads.split(",")), args.jobs, reuse)
+        cases = []
+        for name in hw.split(","):  # one study per number of requests: the saved rows' may differ by budget
+            limits: dict[int | None, list[int]] = {}
+            for b in (int(b) for b in args.budgets.split(",")):
+                limits.setdefault(reused_limit(reuse, name, b, args.limit), []).append(b)
+            for limit, budgets in limits.items():
+                scs = scenarios(name, argparse.Namespace(**{**vars(args), "limit": limit}))
+                cases += study_goodput(scs, tuple(budgets), tuple(args.workloads.split(",")), args.jobs, reuse)
         text = report(cases)
         print(f"\n## e. DistServe goodput (>= 90 % of requests meet both SLOs): autoscaler vs the best fixed split\n{text}")
         save("goodput", {"study": "goodput", "cases": cases, "table": text}, args.out_dir)

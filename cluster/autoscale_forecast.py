@@ -11,7 +11,15 @@ requests that finished lately, tokens generated / ``max_tokens`` asked scales th
 and stopping at 100 is not 40× the load; 1.0 until a request has finished: the bound). Then, at the largest of
 ``estimate_window`` intervals:
 - sequences at the ITL target = output tokens arriving per second × the ITL target (s per token);
-- KV blocks held = block-tokens arriving per second × the decode step time measured on warm workers.
+- KV blocks held = block-tokens arriving per second (the window's mean: a request's KV builds up over its whole
+  residence, so one interval's peak does not fill the cache) × the step time of a decode worker whose cache is at
+  ``decode_kv_target_usage`` (``full_step_s``: a line ``step = a + c × blocks used`` fitted to the warm decode
+  workers' intervals; the measured step time until the blocks span enough to fit it), capped at the ITL target.
+  A step reads the KV cache, so it slows as the cache fills and a request holds its blocks longer: the pool is
+  sized for what it holds once each worker is that full (with d workers at the fixed point B = r × (a + c B / d),
+  the smallest d at which B / d fits ``kv`` is r × (a + c kv) / kv). Judged at a light load's step time, the
+  H100 model at budget 8 read 1.1 workers of KV at 11-ms steps where the pool then filled 5 at 38 ms, and moved
+  4P+4D → 7P+1D into a burst (docs/simulator.md e).
 This leads the measured backlog: when the input/output mix turns decode-heavy, the long outputs arrive at once
 but their KV grows for a minute (the H100 model, budget 8: the backlog read 1.6 workers, the forecast 2.7, and
 the move waited for the backlog; docs/simulator.md e).
@@ -39,6 +47,7 @@ class DecodeForecast:
     step_s: float  # decode step time it is judged at (measured; the ITL target before any step)
     output_ratio: float  # tokens generated / max_tokens asked, of the requests that finished lately
     backlog_share: float  # how much of a backlog beyond the steady state counts: min(1, residence / horizon)
+    kv_step_s: float | None = None  # the step time the KV blocks are judged at (a full worker's, when fitted)
 
     def weigh(self, measured: float, steady: float) -> float:
         """A measured load with its excess over the steady state counted by ``backlog_share``."""
@@ -47,7 +56,8 @@ class DecodeForecast:
     def signals(self) -> dict[str, float | None]:
         return {"decode_forecast_seqs": self.seqs, "decode_forecast_blocks": self.blocks,
                 "decode_forecast_residence_s": self.residence_s, "decode_forecast_step_s": self.step_s,
-                "decode_output_ratio": self.output_ratio, "decode_backlog_share": self.backlog_share}
+                "decode_output_ratio": self.output_ratio, "decode_backlog_share": self.backlog_share,
+                "decode_forecast_kv_step_s": self.kv_step_s}
 
 
 def decode_forecast(hist: Sequence, cfg, horizon_s: float, interval_s: Callable[[int], float]) -> DecodeForecast | None:
@@ -64,10 +74,37 @@ def decode_forecast(hist: Sequence, cfg, horizon_s: float, interval_s: Callable[
     busy = sum(s.busy_s for i in window for s in hist[i].decode if s.warm)
     target = cfg.itl_slo_s * cfg.itl_target_fraction
     step_s = busy / steps if steps > 0 and busy > 0 else target
+    full = full_step_s(hist, cfg)
+    kv_step_s = step_s if full is None else min(max(step_s, full), max(step_s, target))
     seqs = max(hist[i].output_tokens_requested * ratio / interval_s(i) for i in window) * target
-    blocks = max(hist[i].kv_block_tokens_requested * ratio / interval_s(i)
-                 for i in window) * step_s
+    # KV builds up over a request's residence, seconds to a minute: the window's mean rate fills it, not its peak
+    blocks = sum(hist[i].kv_block_tokens_requested * ratio for i in window) / sum(interval_s(i) for i in window) \
+        * kv_step_s
     arrived = sum(hist[i].decode_requests_arrived for i in window)
     residence = (sum(hist[i].output_tokens_requested for i in window) * ratio / arrived * step_s) if arrived else None
     share = 1.0 if residence is None else min(1.0, residence / horizon_s)
-    return DecodeForecast(seqs, blocks, residence, step_s, ratio, share)
+    return DecodeForecast(seqs, blocks, residence, step_s, ratio, share, kv_step_s)
+
+
+MIN_FIT_POINTS = 4
+MIN_FIT_SPAN = 2.0
+
+
+def full_step_s(hist: Sequence, cfg) -> float | None:
+    """The decode step time of a worker whose KV cache is at ``decode_kv_target_usage``: a line ``step_s = a + c *
+    blocks used`` fitted to the warm decode workers' intervals (None: too few points, or blocks that span too little)."""
+    pts = [(s.kv_blocks_used, s.busy_s / s.decode_steps, s.kv_blocks_total) for o in hist for s in o.decode
+           if s.warm and s.decode_steps > 0 and s.busy_s > 0 and s.kv_blocks_total]
+    if len(pts) < MIN_FIT_POINTS:
+        return None
+    xs = [x for x, _, _ in pts]
+    if max(xs) < MIN_FIT_SPAN * max(1, min(xs)):
+        return None
+    n = len(pts)
+    mx, my = sum(xs) / n, sum(y for _, y, _ in pts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    c = sum((x - mx) * (y - my) for x, y, _ in pts) / sxx
+    if c <= 0:
+        return None
+    cap = cfg.decode_kv_target_usage * sum(t for _, _, t in pts) / n
+    return my + c * (cap - mx)

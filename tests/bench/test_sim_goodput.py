@@ -197,18 +197,19 @@ def test_saved_studies_merge_and_set_how_many_requests_a_restudy_measures(tmp_pa
     b.write_text(json.dumps(study("gpu", 8, 500)))
     cases = sg.load_fixed([str(a), str(b)])
     assert [(c["scenario"], c["budget"]) for c in cases] == [("cpu", 4), ("gpu", 8)]
-    assert sg.reused_limit(cases, "gpu", None) == 500 and sg.reused_limit(cases, "cpu", None) == 1000
-    assert sg.reused_limit(cases, "gpu", 500) == 500
-    assert sg.reused_limit(None, "gpu", 300) == 300  # nothing reused: --limit as given
+    assert sg.reused_limit(cases, "gpu", 8, None) == 500 and sg.reused_limit(cases, "cpu", 4, None) == 1000
+    assert sg.reused_limit(cases, "gpu", 8, 500) == 500
+    assert sg.reused_limit(None, "gpu", 8, 300) == 300  # nothing reused: --limit as given
+    assert sg.reused_limit(cases, "gpu", 4, 300) == 300  # nor for a budget the files do not hold
     with pytest.raises(SystemExit, match="--limit 1000"):
-        sg.reused_limit(cases, "gpu", 1000)
+        sg.reused_limit(cases, "gpu", 8, 1000)
     with pytest.raises(SystemExit, match="both hold"):
         sg.load_fixed([str(a), str(a)])
     unsized = tmp_path / "c.json"
     unsized.write_text(json.dumps({"cases": [{"scenario": "gpu", "budget": 4, "workload": "burst",
                                               "configs": [{"config": "1P+3D", "goodput": 1.0, "windows": []}]}]}))
     with pytest.raises(SystemExit, match="without their number of requests"):
-        sg.reused_limit(sg.load_fixed([str(unsized)]), "gpu", None)
+        sg.reused_limit(sg.load_fixed([str(unsized)]), "gpu", 4, None)
 
 
 def test_the_goodput_command_searches_the_autoscaler_on_as_many_requests_as_the_saved_rows(tmp_path, monkeypatch,
@@ -228,15 +229,26 @@ def test_the_goodput_command_searches_the_autoscaler_on_as_many_requests_as_the_
         return {"config": dep.name, "goodput": 1.0, "windows": [1.0, 1.0, 0.5, 1.0], "requests": sizes[-1]}
 
     monkeypatch.setattr(sg, "_search_task", fake_search)
-    rows = [{"config": f"{p}P+{8 - p}D", "goodput": 1.0, "windows": [1.0] * WINDOWS, "requests": 300}
-            for p in range(1, 8)] + [{"config": "colocated-8", "goodput": 1.0, "windows": [1.0] * WINDOWS,
-                                      "requests": 300}]
-    saved = tmp_path / "gpu-b8.json"
-    saved.write_text(json.dumps({"cases": [{"scenario": "gpu", "budget": 8, "workload": "burst", "configs": rows}]}))
+
+    def case(budget, n):
+        rows = [{"config": f"{p}P+{budget - p}D", "goodput": 1.0, "windows": [1.0] * WINDOWS, "requests": n}
+                for p in range(1, budget)] + [{"config": f"colocated-{budget}", "goodput": 1.0,
+                                               "windows": [1.0] * WINDOWS, "requests": n}]
+        return {"scenario": "gpu", "budget": budget, "workload": "burst", "configs": rows}
+
+    saved, both = tmp_path / "gpu-b8.json", tmp_path / "gpu-b4.json"
+    saved.write_text(json.dumps({"cases": [case(8, 300)]}))
+    both.write_text(json.dumps({"cases": [case(4, 200)]}))
     main(["goodput", "--hardware", "gpu", "--budgets", "8", "--workloads", "burst", "--reuse-fixed", str(saved),
           "--out-dir", str(tmp_path / "out")])
     assert sizes == [300]  # the autoscaler alone, on the saved rows' 300 requests (not the default 1,000)
     assert "ratio: 0.500" in capsys.readouterr().out
+    # budgets whose saved rows measured different numbers: each budget's autoscaler on its own rows' number
+    sizes.clear()
+    main(["goodput", "--hardware", "gpu", "--budgets", "4,8", "--workloads", "burst", "--reuse-fixed",
+          f"{both},{saved}", "--out-dir", str(tmp_path / "out")])
+    assert sizes == [200, 300]
+    assert "over 2 cases" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--limit 1000"):
         main(["goodput", "--hardware", "gpu", "--budgets", "8", "--workloads", "burst", "--reuse-fixed", str(saved),
               "--limit", "1000", "--out-dir", str(tmp_path / "out")])

@@ -49,6 +49,34 @@ def test_the_forecast_is_littles_law_over_the_arrivals():
     assert sig["decode_forecast_seqs"] == pytest.approx(4)
 
 
+
+def test_kv_blocks_are_forecast_at_the_step_time_of_a_full_worker():
+    """A decode step reads the KV cache: it slows as the cache fills, a request holds its blocks for longer, and
+    the forecast made at a light load's step time understates the blocks a steady state holds (the H100 model,
+    budget 8 burst: 11-ms steps at a tenth full read 1.1 workers of KV, where the pool filled 5 at 38 ms). Steps
+    of 10 ms at 10 blocks and 20 ms at 50 (one worker of 100 blocks): a line 7.5 ms + 0.25 ms a block, 31.25 ms at
+    the 95-block target — capped at the ITL target (80 ms here: a worker that full would break it first)."""
+    bt = 4 * kv_block_tokens(100, 50, 16)  # 800 block-tokens per second
+    light = [asked(loaded(t * 2, p=1, d=1, used=10 if t % 2 else 50, steps=100, dbusy=1.0 if t % 2 else 2.0,
+                          tokens=400), 4, 50, bt) for t in range(4)]
+    sig = estimate(light, CFG).decode.signals
+    assert sig["decode_forecast_kv_step_s"] == pytest.approx(0.03125)
+    assert sig["decode_forecast_blocks"] == pytest.approx(800 * 0.03125)
+    assert sig["decode_forecast_step_s"] == pytest.approx(4 / 300)  # the last 3 intervals: residence, backlog share
+    steep = [asked(loaded(t * 2, p=1, d=1, used=10 if t % 2 else 50, steps=100, dbusy=1.0 if t % 2 else 5.0,
+                          tokens=400), 4, 50, bt) for t in range(4)]
+    assert estimate(steep, CFG).decode.signals["decode_forecast_kv_step_s"] == pytest.approx(0.08)
+    # a burst in one interval of three: KV is sized for the window's mean arrivals, not its peak
+    burst = light[:-1] + [asked(dataclasses.replace(light[-1]), 4, 50, 3 * bt)]
+    assert estimate(burst, CFG).decode.signals["decode_forecast_blocks"] == pytest.approx(5 / 3 * 800 * 0.03125)
+    # blocks that span too little to fit a slope: the measured step time, as before
+    flat = [asked(loaded(t * 2, p=1, d=1, used=40 if t % 2 else 50, steps=100, dbusy=2.0, tokens=400), 4, 50, bt)
+            for t in range(4)]
+    sig = estimate(flat, CFG).decode.signals
+    assert sig["decode_forecast_kv_step_s"] == pytest.approx(0.02)
+    assert sig["decode_forecast_blocks"] == pytest.approx(16)
+
+
 def kv_peak(output: int):
     """3P+1D: prefill 2.9 workers of load; the decode worker's cache 95 % full and 96 blocks held for it on
     prefill (191 blocks against 95 a worker holds: 2.01 workers measured), while the arrivals ask 85.5 blocks
