@@ -37,11 +37,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.autoscale_forecast import decode_forecast
+from cluster.autoscale_forecast import decode_forecast, fit_line
 
-MIN_FIT_POINTS = 4
 LEARN_INTERVALS = 32  # capacities are learned from the last this many observations
-MIN_FIT_SPAN = 2.0  # the fitted batches must span at least this factor (max/min) to trust the slope
 
 
 BASIS_SIGNALS = {"prefill_tokens": ("prefill_demand_tokens_per_s", "prefill_capacity_tokens_per_s"),
@@ -185,15 +183,5 @@ def decode_backlog(obs) -> int:
 
 def fit_step_time(hist: Sequence) -> tuple[float, float] | None:
     """Least-squares ``step_s = a + b * batch`` over warm decode workers' intervals with decode steps."""
-    pts = [(s.decode_tokens / s.decode_steps, s.busy_s / s.decode_steps)
-           for o in hist for s in o.decode if s.warm and s.decode_steps > 0 and s.busy_s > 0]
-    if len(pts) < MIN_FIT_POINTS:
-        return None
-    xs = [x for x, _ in pts]
-    if max(xs) < MIN_FIT_SPAN * min(xs):
-        return None
-    n = len(pts)
-    mx, my = sum(xs) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    return my - b * mx, b
+    return fit_line([(s.decode_tokens / s.decode_steps, s.busy_s / s.decode_steps)
+                     for o in hist for s in o.decode if s.warm and s.decode_steps > 0 and s.busy_s > 0])

@@ -8,9 +8,9 @@ Pure, like the rest of the policy (cluster/autoscaler.py calls it through cluste
 **The steady state.** The router counts, per interval, the requests it places and what they ask of decode: their
 ``max_tokens`` and their KV block-tokens (blocks held at mid-output × ``max_tokens``: router/demand.py). Over the
 requests that finished lately, tokens generated / ``max_tokens`` asked scales the asks (a client asking 4,096
-and stopping at 100 is not 40× the load; 1.0 until a request has finished: the bound). Then, at the largest of
+and stopping at 100 is not 40× the load; 1.0 until a request has finished: the bound). Then, over the last
 ``estimate_window`` intervals:
-- sequences at the ITL target = output tokens arriving per second × the ITL target (s per token);
+- sequences at the ITL target = output tokens arriving per second (the largest interval's) × the ITL target;
 - KV blocks held = block-tokens arriving per second (the window's mean: a request's KV builds up over its whole
   residence, so one interval's peak does not fill the cache) × the step time of a decode worker whose cache is at
   ``decode_kv_target_usage`` (``full_step_s``: a line ``step = a + c × blocks used`` fitted to the warm decode
@@ -87,24 +87,28 @@ def decode_forecast(hist: Sequence, cfg, horizon_s: float, interval_s: Callable[
 
 
 MIN_FIT_POINTS = 4
-MIN_FIT_SPAN = 2.0
+MIN_FIT_SPAN = 2.0  # the fitted x must span at least this factor (max/min) to trust the slope
+
+
+def fit_line(pts: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``y = a + b * x`` over ``pts`` (None: fewer than ``MIN_FIT_POINTS``, or x spanning less than
+    ``MIN_FIT_SPAN``)."""
+    if len(pts) < MIN_FIT_POINTS:
+        return None
+    xs = [x for x, _ in pts]
+    if max(xs) < MIN_FIT_SPAN * max(min(xs), 1e-9):
+        return None
+    n = len(pts)
+    mx, my = sum(xs) / n, sum(y for _, y in pts) / n
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
 
 
 def full_step_s(hist: Sequence, cfg) -> float | None:
     """The decode step time of a worker whose KV cache is at ``decode_kv_target_usage``: a line ``step_s = a + c *
-    blocks used`` fitted to the warm decode workers' intervals (None: too few points, or blocks that span too little)."""
-    pts = [(s.kv_blocks_used, s.busy_s / s.decode_steps, s.kv_blocks_total) for o in hist for s in o.decode
-           if s.warm and s.decode_steps > 0 and s.busy_s > 0 and s.kv_blocks_total]
-    if len(pts) < MIN_FIT_POINTS:
+    blocks used`` fitted to the warm decode workers' intervals (None: no fit, or no slope)."""
+    samples = [s for o in hist for s in o.decode if s.warm and s.decode_steps > 0 and s.busy_s > 0 and s.kv_blocks_total]
+    fit = fit_line([(max(1, s.kv_blocks_used), s.busy_s / s.decode_steps) for s in samples])
+    if fit is None or fit[1] <= 0:
         return None
-    xs = [x for x, _, _ in pts]
-    if max(xs) < MIN_FIT_SPAN * max(1, min(xs)):
-        return None
-    n = len(pts)
-    mx, my = sum(xs) / n, sum(y for _, y, _ in pts) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    c = sum((x - mx) * (y - my) for x, y, _ in pts) / sxx
-    if c <= 0:
-        return None
-    cap = cfg.decode_kv_target_usage * sum(t for _, _, t in pts) / n
-    return my + c * (cap - mx)
+    return fit[0] + fit[1] * cfg.decode_kv_target_usage * sum(s.kv_blocks_total for s in samples) / len(samples)
