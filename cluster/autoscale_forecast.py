@@ -47,7 +47,7 @@ class DecodeForecast:
     step_s: float  # decode step time it is judged at (measured; the ITL target before any step)
     output_ratio: float  # tokens generated / max_tokens asked, of the requests that finished lately
     backlog_share: float  # how much of a backlog beyond the steady state counts: min(1, residence / horizon)
-    kv_step_s: float | None = None  # the step time the KV blocks are judged at (a full worker's, when fitted)
+    kv_step_s: float  # the step time the KV blocks are judged at (a full worker's, when fitted)
 
     def weigh(self, measured: float, steady: float) -> float:
         """A measured load with its excess over the steady state counted by ``backlog_share``."""
