@@ -195,8 +195,12 @@ class ClusterSim(HandoffMixin):
             fn(now)
         if w.waiting_handoffs and w.handoff_retry_sig != self._pool_sig(w):
             waiting, w.waiting_handoffs = w.waiting_handoffs, []
-            for f in waiting:
+            waiting.sort(key=lambda f: not self.drains(f))  # a draining prefill worker's first (decode_worker/)
+            for i, f in enumerate(waiting):
                 self._admit(now, w, f)
+                if self.drains(f) and w.waiting_handoffs and w.waiting_handoffs[-1] is f:
+                    w.waiting_handoffs += waiting[i + 1:]  # it waits for room: the rest wait behind it
+                    break
             w.handoff_retry_sig = self._pool_sig(w) if w.waiting_handoffs else None
         engine = w.engine
         engine.sync_tiers(now)

@@ -1,7 +1,9 @@
 """The simulated cluster's KV handoff (a mixin of bench/sim_cluster.py's ``ClusterSim``, split by responsibility):
 the decode engine thread reserves blocks for a handed-off prompt (or waits for them), its transfer thread pulls
 what it lacks, the prefill worker's lease is released — or expires first, and the decode worker recomputes. A
-handoff aimed at a decode worker that began draining meanwhile goes to a ready one, as router/dispatch.py does."""
+handoff aimed at a decode worker that began draining meanwhile goes to a ready one, as router/dispatch.py does; a
+draining prefill worker's handoffs are admitted first, and nothing overtakes one that waits for room (as
+decode_worker/worker.py: its drain, a scale-down or a flip, ends when they are read)."""
 from __future__ import annotations
 
 from router.policy import Role, route
@@ -22,8 +24,16 @@ class HandoffMixin:
                               num_kv_blocks=-(-(len(f.prompt) + f.output_len) // self.hw.block_size))
         self.counters["decode_redirected"] = self.counters.get("decode_redirected", 0) + 1
 
+    def drains(self, f: Flight) -> bool:
+        """The handoff's prefill worker is draining: decode admits its handoffs first (decode_worker/worker.py)."""
+        return self.workers[f.prefill_worker].state == "draining"
+
     def _admit(self, now: float, wd: SimWorker, f: Flight) -> None:
-        """Decode engine thread: reserve blocks for the handoff (or wait for them), then start the pull."""
+        """Decode engine thread: reserve blocks for the handoff (or wait for them), then start the pull — behind
+        a draining prefill worker's handoff that waits for room, whatever room there is."""
+        if not self.drains(f) and any(self.drains(g) for g in wd.waiting_handoffs):
+            wd.waiting_handoffs.append(f)
+            return
         try:
             plan = wd.engine.reserve_remote(f.rid, f.prompt, f.output_len, f.hashes)
         except ValueError as e:

@@ -190,6 +190,7 @@ class RoleFlips:
         or None when it ended otherwise (stopped: the reconcile starts what is missing)."""
         rec = self.registry.mark_draining(worker_id, f"flipping to {to_role.value}")
         log.info("flipping %s to %s", worker_id, to_role.value)
+        self._pull_first_soon(worker_id)
         try:
             return await self._flip_drained(rec, to_role, time.monotonic())
         finally:

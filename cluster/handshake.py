@@ -1,6 +1,7 @@
-"""Which workers exchange NIXL metadata: the handshake of a worker joining its pool, and forgetting a prefill
-worker that left (its agent, on every worker that could read from it). Used by cluster/pools.py for started,
-drained and dead workers and by cluster/flip.py for a worker that changed pools."""
+"""Which workers exchange NIXL metadata: the handshake of a worker joining its pool, telling the decode workers
+that a prefill worker is draining (its handoffs are admitted first: decode_worker/worker.py), and forgetting a
+prefill worker that left (its agent, on every worker that could read from it). Used by cluster/pools.py for
+started, draining, drained and dead workers and by cluster/flip.py for a worker that changes pools."""
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,29 @@ async def shake_hands(registry: WorkerRegistry, client: RayWorkerClient) -> None
         if others:
             await client.handle.add_import_peers.remote([o.info.peer for o in others])
             await asyncio.gather(*(o.handle.add_import_peers.remote([client.info.peer]) for o in others))
+
+
+async def pull_first(registry: WorkerRegistry, worker_id: str) -> int:
+    """Every live decode worker admits the draining prefill worker ``worker_id``'s handoffs before others' (its
+    drain ends when its leases are read); returns how many were told. Best effort: a decode worker that does not
+    answer is logged, and the drain goes on at its own pace there."""
+    rec = registry.get(worker_id)
+    peer = getattr(getattr(rec.client, "info", None), "peer", None)
+    if rec.role != Role.PREFILL or peer is None:
+        return 0
+    decoders = registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))
+
+    async def tell(d) -> None:
+        await asyncio.wait_for(d.client.handle.pull_first.remote([peer.agent_name]), 30)
+
+    results = await asyncio.gather(*(tell(d) for d in decoders), return_exceptions=True)
+    told = 0
+    for d, result in zip(decoders, results):
+        if isinstance(result, BaseException):
+            log.warning("decode worker %s was not told that %s drains: %r", d.worker_id, worker_id, result)
+        else:
+            told += 1
+    return told
 
 
 async def forget_peer(registry: WorkerRegistry, worker_id: str, agent_name: str) -> int:

@@ -36,7 +36,7 @@ from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolStat
 from cluster.config import ClusterConfig
 from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
-from cluster.handshake import forget_peer, shake_hands
+from cluster.handshake import forget_peer, pull_first, shake_hands
 from cluster.health import HealthChecks
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
@@ -73,7 +73,8 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISIONS_KEPT)
         self.last_decision: dict[Role, tuple[float, Decision]] = {}
         self.history: collections.deque[Observation] = collections.deque(maxlen=history_kept(self.auto))
-        self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced, flip*
+        self.counters = collections.Counter()  # started, start_failures, drained, drain_timeouts, replaced, flip*,
+        # drain_pull_first (decode workers told to admit a draining prefill worker's handoffs first)
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
         self._forgets: set[asyncio.Task] = set()  # decode workers dropping a gone prefill worker's NIXL peer
@@ -202,6 +203,7 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         rec = self.registry.mark_draining(worker_id, reason)
         log.info("draining %s (%s)", worker_id, reason)
         t0 = time.monotonic()
+        self._pull_first_soon(worker_id)
         self._drain_into[worker_id] = None
         try:
             idle = await self._wait_idle(rec, t0 + self.config.lifecycle.drain_timeout_s, t0 + self._flip_grace_s())
@@ -285,6 +287,15 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
             except Exception as e:
                 log.debug("kill %s: %r", worker_id, e)
             self._release(worker_id)
+
+    def _pull_first_soon(self, worker_id: str) -> None:
+        """A draining prefill worker's handoffs go first on every decode worker (cluster/handshake.py)."""
+        async def tell() -> None:
+            self.counters["drain_pull_first"] += await pull_first(self.registry, worker_id)
+
+        task = asyncio.get_running_loop().create_task(tell())
+        self._forgets.add(task)
+        task.add_done_callback(self._forgets.discard)
 
     async def _forget(self, worker_id: str, agent_name: str) -> None:
         self.counters["peers_forgotten"] += await forget_peer(self.registry, worker_id, agent_name)

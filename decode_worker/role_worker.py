@@ -67,3 +67,12 @@ class Worker(WorkerBase):
     async def decode(self, handoff: KVHandoff):
         async for out in self._as(DecodeRole).decode(handoff):
             yield out
+
+    async def pull_first(self, agent_names: Sequence[str]) -> None:
+        await self._as(DecodeRole).pull_first(agent_names)
+
+    async def remove_peers(self, peer_names: Sequence[str]) -> list[str]:
+        known = await super().remove_peers(peer_names)
+        if isinstance(self.role, DecodeRole):  # a forgotten prefill worker's drain is over
+            self.role.forget_first(peer_names)
+        return known

@@ -15,6 +15,13 @@ Path of one handoff (engine thread unless said otherwise):
    `recompute_on_transfer_failure=False`, ends the request with the error (`num_remote_failures`).
    Never silent: both are counted and logged.
 
+**A draining prefill worker's handoffs go first** (``pull_first``, told by the pool manager when a prefill worker
+starts draining for a scale-down or a role flip: cluster/handshake.py). Its drain ends only when every lease it
+holds is read, and on a full decode pool those handoffs wait for free blocks behind everyone else's, and new,
+smaller handoffs take the blocks that free first: the simulator's flips into decode waited 40-60 s (docs/simulator.md
+e). Its waiting handoffs are admitted before the others, and while one of them waits for room nothing overtakes
+it, neither a waiting handoff nor a new one: the next blocks that free are its.
+
 Leaving the stream early aborts the request; if its KV is in flight the blocks are freed when the
 transfer settles (the engine's abort_pending rule), so landing bytes never hit a reused block.
 The transfer thread (prefill_worker/puller.py) is the only user of this worker's NIXL agent: the worker's
@@ -23,6 +30,7 @@ reading agent, which it keeps across a role flip (decode_worker/role_worker.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.disagg import KVHandoff, RemoteKVPlan
@@ -42,6 +50,8 @@ class DecodeRole(WorkerRole):
     def __init__(self, worker: WorkerBase) -> None:
         super().__init__(worker)
         self._waiting: list[KVHandoff] = []  # engine thread: handoffs waiting for free blocks
+        self._first: frozenset[str] = frozenset()  # draining prefill agents: their handoffs are admitted first
+        self.handoffs_first = 0  # handoffs of a draining prefill worker admitted ahead of others (cumulative)
         self.transfers_skipped_full_hit = 0
         # made at start-up or by a flip into decode (engine thread, or before it runs): every CUDA-graph bucket
         # now, not on the first batch of each size (CUDA only; a no-op on a CPU)
@@ -58,18 +68,32 @@ class DecodeRole(WorkerRole):
             await self.worker.ranks.add_peers(peers)
         return names
 
+    async def pull_first(self, agent_names: Sequence[str]) -> None:
+        """The handoffs of these prefill agents (draining) are admitted first from now on, until they are forgotten."""
+        self._first = self._first | frozenset(agent_names)  # replaced, never mutated: the engine thread reads it
+
+    def forget_first(self, agent_names: Sequence[str]) -> None:
+        self._first = self._first - frozenset(agent_names)
+
     async def decode(self, handoff: KVHandoff):
         """Stream the request's outputs after its first token. InvalidRequestError if it can never fit."""
         async for out in self.worker.aengine.stream(handoff.request_id, lambda engine: self._admit(handoff, engine)):
             yield out
 
     # ---- engine thread ----------------------------------------------------------------------------------
-    def _admit(self, handoff: KVHandoff, engine: Engine) -> None:
+    def _admit(self, handoff: KVHandoff, engine: Engine) -> bool:
+        """Reserve the handoff's blocks and start its pull; False: it waits for free blocks (behind a draining
+        prefill worker's handoff that waits, whatever room there is)."""
+        first = self._first
+        if handoff.source not in first and any(h.source in first for h in self._waiting):
+            self._waiting.append(handoff)
+            return False
         plan = engine.reserve_remote(handoff)
         if plan is None:
             self._waiting.append(handoff)
-        else:
-            self._start_transfer(handoff, plan, engine)
+            return False
+        self._start_transfer(handoff, plan, engine)
+        return True
 
     def _start_transfer(self, handoff: KVHandoff, plan: RemoteKVPlan, engine: Engine) -> None:
         if not plan.remote_block_ids:
@@ -88,16 +112,24 @@ class DecodeRole(WorkerRole):
     def on_tick(self) -> None:
         if not self._waiting:
             return
-        w = self.worker
+        w, first = self.worker, self._first
         waiting, self._waiting = self._waiting, []
-        for handoff in waiting:
+        if first:  # a draining prefill worker's handoffs first (stable: in arrival order within each group)
+            waiting.sort(key=lambda h: h.source not in first)
+        for i, handoff in enumerate(waiting):
             if not w.aengine.has_stream(handoff.request_id):  # the caller left while it waited
                 w.puller.notify(handoff.source, ReleaseNotice(handoff.lease_id, ok=False).encode())
                 continue
             try:
-                self._admit(handoff, w.engine)
+                admitted = self._admit(handoff, w.engine)
             except Exception as e:
                 w.aengine.deliver(handoff.request_id, e)
+                continue
+            if handoff.source in first:
+                if not admitted:  # it waits for room: the rest wait behind it
+                    self._waiting += waiting[i + 1:]
+                    return
+                self.handoffs_first += 1
 
     def _settle(self, request_id: str, error: str | None) -> None:
         engine = self.worker.engine
@@ -112,7 +144,8 @@ class DecodeRole(WorkerRole):
         p = self.worker.puller
         with p.lock:
             return {**p.stats, "transfers_skipped_full_hit": self.transfers_skipped_full_hit,
-                    "waiting_for_blocks": len(self._waiting), "peers": p.num_peers,
+                    "waiting_for_blocks": len(self._waiting), "handoffs_first": self.handoffs_first,
+                    "draining_sources": len(self._first), "peers": p.num_peers,
                     "remote_pending": len(self.worker.engine.remote_pending),
                     "transfer_time_s": p.xfer_time.snapshot(), "transfer_size_bytes": p.xfer_bytes.snapshot()}
 

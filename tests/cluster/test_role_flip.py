@@ -133,6 +133,8 @@ def test_the_admin_api_flips_workers_both_ways_under_load(cluster_factory, loop_
     counters = pools.counters
     assert (counters["flipped"], counters["flip_failures"], counters["flip_fallbacks"]) == (2, 0, 0)
     assert counting.spawned == [] and counters["started"] == 0  # no new actor: both moves were flips
+    # the prefill worker's drain told the decode worker to admit its handoffs first; its flip ended that
+    assert counters["drain_pull_first"] == 1
     view = pools.autoscaler_view()["role_flip"]
     assert len(view["flip_s"]) == 2 and all(0 < s < 60 for s in view["flip_s"])
     flips = {(s.labels["from_role"], s.labels["to_role"], s.labels["outcome"]): s.value
@@ -143,6 +145,7 @@ def test_the_admin_api_flips_workers_both_ways_under_load(cluster_factory, loop_
     (decoder,) = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
     assert serve_through(loop_thread, client(cluster, back_new), client(cluster, decoder), "after") == reference
     assert wait_for(lambda: all_blocks_free(loop_thread, cluster), timeout_s=20)
+    assert loop_thread.run(client(cluster, decoder).stats())["draining_sources"] == 0
 
 
 def test_pools_with_different_engine_configs_drain_and_start_instead(cluster_factory, loop_thread):
@@ -159,6 +162,7 @@ def test_pools_with_different_engine_configs_drain_and_start_instead(cluster_fac
     assert wait_for(lambda: settled(cluster, 1, 2), timeout_s=90), pools.autoscaler_view()
     counters = pools.counters
     assert (counters["flip_fallbacks"], counters["flipped"], counters["drained"], counters["started"]) == (1, 0, 1, 1)
+    assert counters["drain_pull_first"] == 1  # decode-0 was told the drained prefill worker's handoffs go first
     assert cluster.registry.get("decode-1").state == WorkerState.READY  # a fresh actor
     assert pools.autoscaler_view()["role_flip"]["cold_starts"][-1]["worker"] == "decode-1"
     fallbacks = [s for s in cluster.metrics.role_flips.collect()[0].samples if s.name.endswith("_total")]
