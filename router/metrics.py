@@ -277,10 +277,11 @@ class ClusterCollector:
                                       "start_waits_for_room (a start Ray had not placed after 20 s), "
                                       "drained, drain_timeouts, replaced (a dead worker), probe_misses (a failed "
                                       "health probe short of lifecycle.health_misses in a row), flipped, "
-                                      "flip_failures, flip_fallbacks.", labels=("action",))
+                                      "flip_failures, flip_fallbacks, drain_pull_first (decode workers told to "
+                                      "admit a draining prefill worker's handoffs first).", labels=("action",))
         counts = self.pool_counters()
         for action in ("started", "start_failures", "start_waits_for_room", "drained", "drain_timeouts", "replaced",
-                       "probe_misses", "flipped", "flip_failures", "flip_fallbacks"):
+                       "probe_misses", "flipped", "flip_failures", "flip_fallbacks", "drain_pull_first"):
             actions.add_metric((action,), float(counts.get(action, 0)))
         yield actions
         feed = self.feed_counters()
