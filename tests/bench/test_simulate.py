@@ -26,6 +26,7 @@ from engine.hashing import BlockHasher
 from engine.kv_events import BlockRemoved, BlockStored, Tier
 from engine.kv_tiers import Job, Op
 from router.index import PrefixIndex
+from router.policy import Role
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.25}
 B = 16
@@ -335,3 +336,36 @@ def test_global_lru_reference_counts_token_hits_like_the_scheduler():
     # capacity 6: the second `a` finds its blocks; only 2 of 3 count (the last prompt token's block is computed)
     assert global_lru_hit_rate(prompts, 6, B) == pytest.approx(2 * B / 36)
     assert global_lru_hit_rate(prompts, 3, B) == 0.0  # `b` evicted all of `a`
+
+
+def test_a_draining_prefill_workers_handoffs_go_first_on_a_full_decode_worker():
+    """As decode_worker/worker.py's ``pull_first``: the decode worker holds one request at a time (5 blocks) and the
+    handoffs of both prefill workers wait for it. By default they are admitted in the order they came to wait;
+    once a prefill worker drains, every handoff of it — those still queued on it included — goes before the other
+    worker's, which came earlier. Every request completes."""
+    reqs = [BenchRequest(prompt(40, 1000 * (i + 1)), 30, 0.01 * i) for i in range(8)]
+
+    def run_sim(drain: bool) -> tuple[list[str], list[str], dict[str, str]]:
+        sim = ClusterSim(parse_config("2P+1D", 0), hardware(num_blocks=5, net_s=0.001), reqs)
+        waiting: list[str] = []
+
+        def look(now):  # the handoffs waiting at decode now; the last one's prefill worker (maybe) drains
+            (d,) = [w for w in sim.workers.values() if w.role == Role.DECODE]
+            waiting.extend(f.rid for f in d.waiting_handoffs)
+            if drain:
+                sim.workers[sim.by_rid[waiting[-1]].prefill_worker].state = "draining"
+
+        sim.at(2.0, look)
+        res = sim.run()
+        assert all(f.done_s is not None for f in res.flights)
+        done = [f.rid for f in sorted(res.flights, key=lambda f: f.done_s)]
+        return waiting, done, {f.rid: f.prefill_worker for f in res.flights}
+
+    waiting, done, source = run_sim(drain=False)
+    assert len({source[r] for r in waiting}) == 2  # both prefill workers' handoffs wait
+    assert done == [f"r{i}" for i in range(len(reqs))]  # one at a time, in arrival order
+
+    waiting, done, source = run_sim(drain=True)
+    drained = source[waiting[-1]]
+    (other, *_) = [r for r in waiting if source[r] != drained]  # waited before the drain began
+    assert max(done.index(r) for r in source if source[r] == drained) < done.index(other)
