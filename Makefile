@@ -152,10 +152,11 @@ bench-serve: install
 # Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)
 # studies a-c, then e (DistServe goodput: the autoscaler vs the best fixed split) ending with its ratio line over
 # 12 cases (CPU and GPU, budgets 4 and 8, 3 workloads). e searches the autoscaler's rates against the fixed splits
-# saved in bench/goodput_fixed/ (they do not depend on its policy; GPU on 500 requests as saved): ~15 min on 2 cores.
+# saved in bench/goodput_fixed/ (they do not depend on its policy; the H100 model on as many requests as saved: 500
+# at budget 4, 1,000 at budget 8, whose windows last 2-3 intervals on 500): ~20 min on 2 cores.
 # GOODPUT_FIXED= (empty) searches every split too: hours (its README).
 SIM_JOBS ?= 2
-GOODPUT_FIXED ?= bench/goodput_fixed/cpu-b4-b8.json,bench/goodput_fixed/gpu-b4-limit500.json,bench/goodput_fixed/gpu-b8-limit500.json
+GOODPUT_FIXED ?= bench/goodput_fixed/cpu-b4-b8.json,bench/goodput_fixed/gpu-b4-limit500.json,bench/goodput_fixed/gpu-b8-limit1000.json
 bench-sim: install
 	$(PY) -m bench.simulate all
 	$(PY) -m bench.simulate goodput --jobs $(SIM_JOBS) $(if $(GOODPUT_FIXED),--reuse-fixed $(GOODPUT_FIXED))

@@ -36,10 +36,11 @@ The rules, in order, per role:
    it spares is judged on its peak load over the last ``donor_peak_intervals`` estimates, since a worker given
    away does not come back within the cooldown), or
    when the needs exceed the budget and the split that minimises the busier role's load per worker lowers it
-   by more than ``rebalance_margin`` (n = the distance to that split) — by more than ``overload_margin`` when
-   that takes a role that was not short past its capacity (it mostly moves the bottleneck: a KV-bound decode
-   pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin in the simulator). Within ``rebalance_cooldown_intervals``
-   of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
+   by more than ``rebalance_margin`` (n = the distance to that split; with both roles short, the loads at full
+   capacity: prefill's without ``prefill_target_utilization``, headroom a pool past its capacity does not have)
+   — by more than ``overload_margin`` when that takes a role that was not short past its capacity (it mostly
+   moves the bottleneck: a KV-bound decode pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin
+   in the simulator). Within ``rebalance_cooldown_intervals`` of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
    n − 1, a one-worker move not at all (no flapping). A move from this split in this direction that was undone
    within ``failed_move_intervals`` is not made again for ``failed_move_hold_intervals`` (code
    ``failed_move_held``: a role's load read at n workers can understate what n − 1 meet; cluster/autoscale_moves.py)
@@ -291,18 +292,23 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
             if n >= 1:  # the donor keeps headroom: its peak load at most scale_down_load_fraction of what stays
                 best_p = p + n if dst == Role.PREFILL else p - n
                 moves.append((best_p, loads, per_worker(loads, p, d), per_worker(loads, best_p, budget - best_p),
-                              measured))
+                              measured, loads))
                 continue
-        best_p, best_rho = best_split(loads, budget, cfg)
-        now_rho = per_worker(loads, p, d)
+        # both short (the budget is too small for the load): the split is judged on the loads at full capacity
+        # (``at_capacity``): prefill's target utilization is headroom kept for TTFT bursts, which a pool past its
+        # capacity no longer has, and with it a prefill pool at 90 % busy read as 1.28 workers per worker against
+        # a decode worker at 148 %: the CPU burst held 7P+1D where 6P+2D met 90 % of it (docs/simulator.md e)
+        judged = loads if len(short) == 1 else at_capacity(loads, cfg)
+        best_p, best_rho = best_split(judged, budget, cfg)
+        now_rho = per_worker(judged, p, d)
         # a move that takes a role that is not short past its capacity must gain more: the bottleneck only moves
         margin = cfg.overload_margin if len(short) == 1 else cfg.rebalance_margin
         if best_p == p or now_rho <= (1 + margin) * best_rho:
             return None
-        moves.append((best_p, loads, now_rho, best_rho, measured))
+        moves.append((best_p, loads, now_rho, best_rho, measured, judged))
     if len({m[0] > p for m in moves}) != 1:
         return None  # the intervals disagree on the direction
-    best_p, loads, now_rho, best_rho, _ = moves[-1]
+    best_p, loads, now_rho, best_rho, _, judged = moves[-1]
     loads_why = {role: _load_why(role, memo[len(history) - 1], needs[role][2]) for role in Role}  # the latest
     # as far as every interval agrees (the measured ones; one worker when none is measured)
     n = min((abs(m[0] - p) for m in moves if m[4]), default=1)
@@ -312,10 +318,13 @@ def _rebalance(history: Sequence[Observation], targets: Mapping[Role, int], cfg:
         if n < 1:
             return None
         best_p = p + n if best_p > p else p - n
-        best_rho = per_worker(loads, best_p, budget - best_p)
+        best_rho = per_worker(judged, best_p, budget - best_p)
     src, dst = (Role.DECODE, Role.PREFILL) if best_p > p else (Role.PREFILL, Role.DECODE)
     why = (f"at the budget of {budget}: load prefill {loads[Role.PREFILL]:.2f} workers ({loads_why[Role.PREFILL]}) "
-           f"/ decode {loads[Role.DECODE]:.2f} workers ({loads_why[Role.DECODE]}); {p}P+{d}D runs the bottleneck at "
+           f"/ decode {loads[Role.DECODE]:.2f} workers ({loads_why[Role.DECODE]}); "
+           + ("" if judged is loads else f"both short, judged at full capacity: prefill {judged[Role.PREFILL]:.2f} "
+                                          f"workers (x prefill_target_utilization {cfg.prefill_target_utilization:g}); ")
+           + f"{p}P+{d}D runs the bottleneck at "
            f"{now_rho:.2f} per worker, {best_p}P+{budget - best_p}D at {best_rho:.2f}: {n} worker(s) move "
            f"{src.value} → {dst.value}")
     # rule 4's last word: what the cluster measured after a move as far beats the estimate; a shorter one may do
@@ -340,6 +349,12 @@ def _peak_load(role: Role, history: Sequence[Observation], i: int, target: int, 
     away, and the one left filled its KV cache within a minute (docs/simulator.md e)."""
     lo = max(0, i - cfg.donor_peak_intervals + 1)
     return max(_need(role, history, j, target, cfg, memo)[0] for j in range(lo, i + 1))
+
+
+def at_capacity(loads: Mapping[Role, float], cfg: AutoscalerConfig) -> dict[Role, float]:
+    """The roles' loads in workers at full capacity: prefill's without its ``prefill_target_utilization`` (decode's
+    targets are its limits: the ITL target and a nearly full KV cache)."""
+    return {Role.PREFILL: loads[Role.PREFILL] * cfg.prefill_target_utilization, Role.DECODE: loads[Role.DECODE]}
 
 
 def _estimate_of(role: Role, est: Estimate):

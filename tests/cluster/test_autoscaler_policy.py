@@ -295,20 +295,36 @@ BUDGET8 = dataclasses.replace(CFG, max_prefill=7, max_decode=7, max_total_worker
 
 
 def test_one_worker_moves_in_a_big_pool_when_both_roles_are_over():
-    """5P+3D at the budget, both short: prefill 12 workers of load (2.4 per worker), decode 4 (its caches 95 % full
-    and 95 blocks held for it on prefill while it backs up: 380 blocks at 95 per worker). 6P+2D runs the
-    bottleneck at 2.0 (17 % lower) and one worker moves — a 25 % margin never let one worker move in a pool of 4
-    or more. At 10.5 workers of prefill load the gain is 5 %: no move. (KV use over its threshold alone asks for
-    a worker but is no load: the estimate measures what it stands in for.)"""
+    """5P+3D at the budget, both short: prefill 17 workers of load at its target utilization (11.9 at full
+    capacity: 2.38 per worker), decode 4 (its caches 95 % full and 95 blocks held for it on prefill while it backs
+    up: 380 blocks at 95 per worker). 6P+2D runs the bottleneck at 2.0 (16 % lower) and one worker moves — a 25 %
+    margin never let one worker move in a pool of 4 or more. At 14 workers (9.8 at full capacity) 6P+2D would run
+    decode at 2.0 against prefill's 1.96 now: no move. (KV use over its threshold alone asks for a worker but is
+    no load: the estimate measures what it stands in for.)"""
     def hist(prefill_workers):  # 500 tok/s per worker learned; arrivals make prefill_workers at 0.7
         arrived = round(prefill_workers * 500 * 0.7 * 2)
         return [loaded(t * 2, p=5, d=3, arrived=arrived, busy=10.0, computed=5000, used=285, held_blocks=95)
                 for t in range(2)]
-    out = decide(hist(12), steady(5, 3), BUDGET8)
+    out = decide(hist(17), steady(5, 3), BUDGET8)
     assert (out[P].direction, out[P].target, out[P].code) == ("up", 6, "rebalance"), out[P].reason
     assert (out[D].direction, out[D].target) == ("down", 2)
-    out = decide(hist(10.5), steady(5, 3), BUDGET8)
+    assert "both short, judged at full capacity: prefill 11.90 workers" in out[P].reason
+    out = decide(hist(14), steady(5, 3), BUDGET8)
     assert out[P].code != "rebalance" and out[P].target == 5
+
+
+def test_both_short_the_split_is_judged_at_full_capacity():
+    """7P+1D in a burst: prefill reads 9 workers of load at its 0.7 target utilization (6.3 busy workers: 90 %
+    each), decode 1.52 (its one cache 95 % full, 49 blocks held for it on prefill). At the target utilization
+    7P+1D and 6P+2D look alike (1.52 vs 1.50 per worker) and the split held where the CPU model's 6P+2D met 90 % of
+    the burst and 7P+1D 78 %; judged at full capacity 6P+2D runs the bottleneck at 1.05: one worker moves to
+    decode."""
+    arrived = round(9 * 500 * 0.7 * 2)
+    hist = [loaded(t * 2, p=7, d=1, arrived=arrived, busy=14.0, computed=7000, used=95, held_blocks=49)
+            for t in range(2)]
+    out = decide(hist, steady(7, 1), BUDGET8)
+    assert out[D].signals["decode_load_workers"] == pytest.approx(144 / 95)
+    assert (out[D].code, out[D].target, out[P].target) == ("rebalance", 2, 6), out[D].reason
 
 
 def test_an_interval_without_a_measured_capacity_does_not_cap_the_move():
