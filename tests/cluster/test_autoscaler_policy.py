@@ -283,6 +283,27 @@ def test_steady_predicted_loads_keep_a_constant_split_for_40_intervals(arrived, 
             assert targets == settled, (t, targets, settled)
 
 
+@pytest.mark.parametrize("prefill_workers, used, held_blocks", [(9, 95, 49), (12, 150, 60), (17, 285, 95),
+                                                                 (10.5, 190, 0)])
+def test_steady_loads_past_the_budget_keep_a_constant_split_for_40_intervals(prefill_workers, used, held_blocks):
+    """Must-show 3 past the budget (both roles short, judged at full capacity): from whatever split they start
+    (7P+1D, 4P+4D, 2P+6D), steady loads settle within 20 intervals on a split and keep it."""
+    for start in ((7, 1), (4, 4), (2, 6)):
+        targets = {P: start[0], D: start[1]}
+        seen = []
+        for t in range(40):
+            o = loaded(t * 2, p=targets[P], d=targets[D], arrived=round(prefill_workers * 500 * 0.7 * 2),
+                       busy=2.0 * targets[P], computed=1000 * targets[P], used=used, held_blocks=held_blocks)
+            for role, dec in decide([*(seen[-31:]), o], {r: PoolState(targets[r], targets[r]) for r in (P, D)},
+                                    BUDGET8).items():
+                targets[role] = dec.target
+            seen.append(o)
+            if t == 20:
+                settled = dict(targets)
+            if t > 20:
+                assert targets == settled, (start, t, targets, settled)
+
+
 def test_a_ttft_decision_names_its_parts():
     o = dataclasses.replace(obs(ttft=[3.0] * 10), ttft_parts={"queue": (2.5,) * 10, "compute": (0.4,) * 10,
                                                              "router": (0.1,) * 10})
