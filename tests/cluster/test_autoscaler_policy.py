@@ -261,26 +261,31 @@ def test_a_rebalance_names_the_signals_each_load_was_estimated_from():
     assert all(key in d.reason for key in ("decode_backlog_seqs", "decode_seq_capacity", "prefill_demand_tokens_per_s"))
 
 
+def splits_over(intervals: int, targets: dict, cfg, observe) -> list[dict]:
+    """The targets after each of ``intervals`` decisions, each interval observed by ``observe(t, targets)`` at the
+    split the last decision set (a steady load: the same totals whatever the split)."""
+    seen, out = [], []
+    for t in range(intervals):
+        o = observe(t, targets)
+        for role, dec in decide([*(seen[-31:]), o], {r: PoolState(targets[r], targets[r]) for r in (P, D)},
+                                cfg).items():
+            targets[role] = dec.target
+        seen.append(o)
+        out.append(dict(targets))
+    return out
+
+
 @pytest.mark.parametrize("arrived, held", [(1400, 0), (1500, 0), (1700, 0), (2100, 0), (0, 19), (0, 21),
                                            (1500, 19), (2100, 21)])
 def test_steady_predicted_loads_keep_a_constant_split_for_40_intervals(arrived, held):
     """Must-show 3: steady loads at and around each threshold (prefill 1,400 tok/s per worker = 2 workers at
     500 tok/s x 0.7; decode 20 sequences per worker) never flap, rebalancing and scaling included."""
-    cfg = dataclasses.replace(BUDGET4, max_total_workers=5)
-    targets = {P: 2, D: 2}
-    seen = []
-    for t in range(40):
+    def observe(t, targets):
         p, d = targets[P], targets[D]
-        o = loaded(t * 2, p=p, d=d, arrived=arrived * 2, busy=min(2.0 * p, arrived * 2 / 500),
-                   computed=arrived * 2, held=held, running=held * 0 + 10 * d)
-        for role, dec in decide([*(seen[-31:]), o], {r: PoolState(targets[r], targets[r]) for r in (P, D)},
-                                cfg).items():
-            targets[role] = dec.target
-        seen.append(o)
-        if t == 10:
-            settled = dict(targets)
-        if t > 10:
-            assert targets == settled, (t, targets, settled)
+        return loaded(t * 2, p=p, d=d, arrived=arrived * 2, busy=min(2.0 * p, arrived * 2 / 500),
+                      computed=arrived * 2, held=held, running=10 * d)
+    splits = splits_over(40, {P: 2, D: 2}, dataclasses.replace(BUDGET4, max_total_workers=5), observe)
+    assert all(s == splits[10] for s in splits[10:]), splits
 
 
 @pytest.mark.parametrize("prefill_workers, used, held_blocks", [(9, 95, 49), (12, 150, 60), (17, 285, 95),
@@ -288,20 +293,12 @@ def test_steady_predicted_loads_keep_a_constant_split_for_40_intervals(arrived, 
 def test_steady_loads_past_the_budget_keep_a_constant_split_for_40_intervals(prefill_workers, used, held_blocks):
     """Must-show 3 past the budget (both roles short, judged at full capacity): from whatever split they start
     (7P+1D, 4P+4D, 2P+6D), steady loads settle within 20 intervals on a split and keep it."""
+    def observe(t, targets):
+        return loaded(t * 2, p=targets[P], d=targets[D], arrived=round(prefill_workers * 500 * 0.7 * 2),
+                      busy=2.0 * targets[P], computed=1000 * targets[P], used=used, held_blocks=held_blocks)
     for start in ((7, 1), (4, 4), (2, 6)):
-        targets = {P: start[0], D: start[1]}
-        seen = []
-        for t in range(40):
-            o = loaded(t * 2, p=targets[P], d=targets[D], arrived=round(prefill_workers * 500 * 0.7 * 2),
-                       busy=2.0 * targets[P], computed=1000 * targets[P], used=used, held_blocks=held_blocks)
-            for role, dec in decide([*(seen[-31:]), o], {r: PoolState(targets[r], targets[r]) for r in (P, D)},
-                                    BUDGET8).items():
-                targets[role] = dec.target
-            seen.append(o)
-            if t == 20:
-                settled = dict(targets)
-            if t > 20:
-                assert targets == settled, (start, t, targets, settled)
+        splits = splits_over(40, {P: start[0], D: start[1]}, BUDGET8, observe)
+        assert all(s == splits[20] for s in splits[20:]), (start, splits)
 
 
 def test_a_ttft_decision_names_its_parts():
