@@ -15,7 +15,7 @@ from cluster.observe import PoolObserver
 from router.demand import DecodeDemand, kv_block_tokens
 from router.policy import Role
 from router.registry import WorkerRegistry
-from tests.cluster.test_autoscaler_policy import BUDGET4, loaded, steady
+from tests.cluster.autoscale_cases import BUDGET4, loaded, steady
 
 P, D = Role.PREFILL, Role.DECODE
 # horizon: max(ttft_slo_s 1, 2-s intervals x estimate_window 3) = 6 s; ITL target 0.08 s; sequences are not
