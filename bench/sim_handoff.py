@@ -31,7 +31,7 @@ class HandoffMixin:
     def _admit(self, now: float, wd: SimWorker, f: Flight) -> None:
         """Decode engine thread: reserve blocks for the handoff (or wait for them), then start the pull — behind
         a draining prefill worker's handoff that waits for room, whatever room there is."""
-        if not self.drains(f) and any(self.drains(g) for g in wd.waiting_handoffs):
+        if wd.waiting_handoffs and not self.drains(f) and any(self.drains(g) for g in wd.waiting_handoffs):
             wd.waiting_handoffs.append(f)
             return
         try:

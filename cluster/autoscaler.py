@@ -40,13 +40,13 @@ The rules, in order, per role:
    capacity: prefill's without ``prefill_target_utilization``, headroom a pool past its capacity does not have)
    — by more than ``overload_margin`` when that takes a role that was not short past its capacity (it mostly
    moves the bottleneck: a KV-bound decode pool at its limit flapped between 6P+2D and 7P+1D at a 10 % margin
-   in the simulator). Within ``rebalance_cooldown_intervals`` of the last change of split, a move back is damped: an overshoot of n workers is corrected by at most
-   n − 1, a one-worker move not at all (no flapping). A move from this split in this direction that was undone
-   within ``failed_move_intervals`` is not made again for ``failed_move_hold_intervals`` (code
-   ``failed_move_held``: a role's load read at n workers can understate what n − 1 meet; cluster/autoscale_moves.py)
-   — when the role it shrank showed distress there (``autoscale_signals.distress``: its SLO broken, or handoffs
-   waiting for decode); undone without any, the undo was the mistake, and holding it kept 2P+2D for ten minutes
-   of prefill TTFT breaches on the H100 model.
+   in the simulator). Within ``rebalance_cooldown_intervals`` of the last change of split, a move back is damped:
+   an overshoot of n workers is corrected by at most n − 1, a one-worker move not at all (no flapping). A move
+   from this split in this direction that was undone within ``failed_move_intervals`` is not made again for
+   ``failed_move_hold_intervals`` (code ``failed_move_held``: a role's load read at n workers can understate
+   what n − 1 meet; cluster/autoscale_moves.py) — when the role it shrank showed distress there
+   (``autoscale_signals.distress``: its SLO broken, or handoffs waiting for decode); undone without any, the undo
+   was the mistake, and holding it kept 2P+2D for ten minutes of prefill TTFT breaches on the H100 model.
    This is the predictive half acting: it jumps to the split the estimates ask for, where the reactive rules step ±1.
 5. Down (−1) only when, for each of the last ``scale_down_intervals`` intervals, the estimate fits N−1 at
    ``scale_down_load_fraction`` of its capacity and the whole load would fit N−1 under ``scale_down_fraction``

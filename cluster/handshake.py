@@ -33,42 +33,47 @@ async def shake_hands(registry: WorkerRegistry, client: RayWorkerClient) -> None
             await asyncio.gather(*(o.handle.add_import_peers.remote([client.info.peer]) for o in others))
 
 
+def peer_of(rec):
+    """A worker record's NIXL peer info (None: a client that reports none)."""
+    return getattr(getattr(rec.client, "info", None), "peer", None)
+
+
+async def _on_each(records, call, failed: str) -> list:
+    """``call(record)`` on every record at once, 30 s each; the answers of those that answered. One that did not is
+    logged (``failed`` says what it did not do) and left out: it is itself gone or stuck, its own problem."""
+    async def one(rec):
+        return await asyncio.wait_for(call(rec), 30)
+
+    results = await asyncio.gather(*(one(rec) for rec in records), return_exceptions=True)
+    answers = []
+    for rec, result in zip(records, results):
+        if isinstance(result, BaseException):
+            log.warning("worker %s %s: %r", rec.worker_id, failed, result)
+        else:
+            answers.append(result)
+    return answers
+
+
 async def pull_first(registry: WorkerRegistry, worker_id: str) -> int:
     """Every live decode worker admits the draining prefill worker ``worker_id``'s handoffs before others' (its
     drain ends when its leases are read); returns how many were told. Best effort: a decode worker that does not
     answer is logged, and the drain goes on at its own pace there."""
     rec = registry.get(worker_id)
-    peer = getattr(getattr(rec.client, "info", None), "peer", None)
+    peer = peer_of(rec)
     if rec.role != Role.PREFILL or peer is None:
         return 0
     decoders = registry.records(Role.DECODE, (WorkerState.READY, WorkerState.DRAINING))
-
-    async def tell(d) -> None:
-        await asyncio.wait_for(d.client.handle.pull_first.remote([peer.agent_name]), 30)
-
-    results = await asyncio.gather(*(tell(d) for d in decoders), return_exceptions=True)
-    told = 0
-    for d, result in zip(decoders, results):
-        if isinstance(result, BaseException):
-            log.warning("decode worker %s was not told that %s drains: %r", d.worker_id, worker_id, result)
-        else:
-            told += 1
-    return told
+    told = await _on_each(decoders, lambda d: d.client.handle.pull_first.remote([peer.agent_name]),
+                          f"was not told that {worker_id} drains")
+    return len(told)
 
 
 async def forget_peer(registry: WorkerRegistry, worker_id: str, agent_name: str) -> int:
     """Every live decode worker, and every other prefill worker (which read its lent blocks), drops the
     ended prefill worker's NIXL metadata and connection; returns how many knew it."""
-    forgotten = 0
     live = (WorkerState.READY, WorkerState.DRAINING)
-    decoders = registry.records(Role.DECODE, live) + [
+    readers = registry.records(Role.DECODE, live) + [
         r for r in registry.records(Role.PREFILL, live) if r.worker_id != worker_id]
-    results = await asyncio.gather(
-        *(asyncio.wait_for(d.client.handle.remove_peers.remote([agent_name]), 30) for d in decoders),
-        return_exceptions=True)
-    for rec, result in zip(decoders, results):
-        if isinstance(result, BaseException):  # that decode worker is itself gone or stuck: its own problem
-            log.warning("worker %s could not forget %s: %r", rec.worker_id, worker_id, result)
-        else:
-            forgotten += len(result)
-    return forgotten
+    known = await _on_each(readers, lambda r: r.client.handle.remove_peers.remote([agent_name]),
+                           f"could not forget {worker_id}")
+    return sum(len(names) for names in known)

@@ -36,7 +36,7 @@ from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolStat
 from cluster.config import ClusterConfig
 from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
-from cluster.handshake import forget_peer, pull_first, shake_hands
+from cluster.handshake import forget_peer, peer_of, pull_first, shake_hands
 from cluster.health import HealthChecks
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
@@ -77,7 +77,7 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         # drain_pull_first (decode workers told to admit a draining prefill worker's handoffs first)
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
-        self._forgets: set[asyncio.Task] = set()  # decode workers dropping a gone prefill worker's NIXL peer
+        self._forgets: set[asyncio.Task] = set()  # workers told of a prefill worker that drains or is gone
         self._probe_misses: collections.Counter[str] = collections.Counter()  # consecutive failed probes
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
@@ -273,11 +273,9 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         its actor (and a tensor-parallel worker's ranks) is killed if ``kill`` (default: if it is a fault)."""
         self._cancel_feed(worker_id)
         rec = self.registry.get(worker_id) if worker_id in self.registry else None
-        peer = getattr(getattr(rec.client, "info", None), "peer", None) if rec is not None else None
+        peer = peer_of(rec) if rec is not None else None
         if rec is not None and rec.role == Role.PREFILL and peer is not None:
-            task = asyncio.get_running_loop().create_task(self._forget(worker_id, peer.agent_name))
-            self._forgets.add(task)
-            task.add_done_callback(self._forgets.discard)
+            self._in_background(self._forget(worker_id, peer.agent_name))
         if worker_id in self.registry and self.registry.get(worker_id).state != WorkerState.DEAD:
             self.backend.retire(worker_id, reason, fault=fault)
         handle = self.handles.pop(worker_id, None)
@@ -293,7 +291,11 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         async def tell() -> None:
             self.counters["drain_pull_first"] += await pull_first(self.registry, worker_id)
 
-        task = asyncio.get_running_loop().create_task(tell())
+        self._in_background(tell())
+
+    def _in_background(self, coro) -> None:
+        """Run ``coro`` on the event loop, kept (and cancelled at close) with the others."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._forgets.add(task)
         task.add_done_callback(self._forgets.discard)
 

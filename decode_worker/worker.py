@@ -85,7 +85,7 @@ class DecodeRole(WorkerRole):
         """Reserve the handoff's blocks and start its pull; False: it waits for free blocks (behind a draining
         prefill worker's handoff that waits, whatever room there is)."""
         first = self._first
-        if handoff.source not in first and any(h.source in first for h in self._waiting):
+        if first and handoff.source not in first and any(h.source in first for h in self._waiting):
             self._waiting.append(handoff)
             return False
         plan = engine.reserve_remote(handoff)
