@@ -191,8 +191,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="device KV blocks per worker (overrides the byte sizes)")
-    p.add_argument("--max-model-len", type=int, help="the served context (default: the model's; LongRoPE models "
-                   "use their long factors when it exceeds the pre-training length)")
+    p.add_argument("--max-model-len", type=int, help="the served context (default: the model's; a LongRoPE "
+                   "request takes the long factors when its prompt + max_tokens exceed the pre-training length)")
     _add_kv_size_args(p)
     p.add_argument("--kv-host-bytes", type=int, help="host-memory KV tier per worker (default 0: none)")
     p.add_argument("--kv-disk-bytes", type=int, help="disk KV tier per worker, under --kv-disk-dir (default 0: none)")

@@ -158,7 +158,8 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
                   metrics: RouterMetrics) -> ClusterBackend:
     model_config = ModelConfig.from_checkpoint(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
-                     vocab_size=model_config.vocab_size, created=int(time.time()))
+                     vocab_size=model_config.vocab_size, created=int(time.time()),
+                     longrope_original_len=model_config.longrope_original_len)
     for i in infos:  # each worker sized its KV cache (engine/kv_sizing.py; the reason is in its own log)
         log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
                  i.max_model_len)

@@ -172,6 +172,14 @@ class ModelConfig:
         return dict(self.rope_params)
 
     @property
+    def longrope_original_len(self) -> int | None:
+        """LongRoPE's pre-training length, past which a request takes the long factors (engine/request.py
+        ``admit_rope_factors``); None for every other RoPE type."""
+        if self.rope_type != "longrope":
+            return None
+        return int(self.rope_params_dict["original_max_position_embeddings"])
+
+    @property
     def rotary_dim(self) -> int:
         """The dims of each q/k head RoPE rotates (the first ones; the rest pass through): transformers' rule."""
         return int(self.head_dim * self.partial_rotary_factor)

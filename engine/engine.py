@@ -28,7 +28,7 @@ from engine.kv_mover import build_tiers
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.parallel import TensorParallel
-from engine.request import Request, RequestStatus, SamplingParams, check_prompt
+from engine.request import Request, RequestStatus, SamplingParams, admit_rope_factors, check_prompt
 from engine.scheduler import Scheduler
 from engine.spec.decoder import SpecDecoder
 from engine.spec.draft import DraftModel
@@ -117,6 +117,7 @@ class Engine(EmitMixin, RemoteKVMixin):
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = check_prompt(prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.max_model_len)
+        params = admit_rope_factors(params, len(ids), self.model_config.longrope_original_len)  # kept if chosen
         total = len(ids) + params.max_tokens
         if self.scheduler.blocks_needed(total) > self.pool.num_blocks:
             raise InvalidRequestError(

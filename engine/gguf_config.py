@@ -10,8 +10,8 @@ Architectures (llama.cpp's name → the transformers class that runs the same ma
   qwen2moe adds the shared expert ``ffn_*_shexp`` and its gate.
 - ``phi3``: q/k/v fused in ``attn_qkv``, gate and up in ``ffn_up`` (gate first, as Phi-3's ``gate_up_proj``).
   LongRoPE as llama.cpp's converter stores it: the factor sets as the tensors ``rope_factors_short`` /
-  ``rope_factors_long``, the pre-training length ``rope.scaling.original_context_length`` (which set runs:
-  engine/layers.py ``longrope_long``, llama.cpp's rule), the cos/sin scale ``rope.scaling.attn_factor``
+  ``rope_factors_long``, the pre-training length ``rope.scaling.original_context_length`` (which set a
+  request runs: engine/request.py ``admit_rope_factors``), the cos/sin scale ``rope.scaling.attn_factor``
   (absent: 1, as in llama.cpp). ``rope.dimension_count`` below the head size is Phi-4-mini's partial rotary
   (RoPE on the first dims of each head, ``ModelConfig.partial_rotary_factor``; llama.cpp's n_rot).
   ``attention.sliding_window`` (0: none) applies to every layer, as the

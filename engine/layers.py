@@ -89,14 +89,6 @@ class Linear(nn.Module):
             self.weight = None
 
 
-def longrope_long(cfg: ModelConfig, max_positions: int) -> bool:
-    """LongRoPE's factor set, chosen once for the served context (llama.cpp's rule): the long factors when it
-    exceeds the pre-training length, else the short ones. transformers switches per forward pass on the
-    sequence's length instead, so the two agree when every sequence and the context are within the
-    pre-training length, or when the context exceeds it and a prompt alone does too (docs/ARCHITECTURE.md)."""
-    return max_positions > cfg.rope_params_dict["original_max_position_embeddings"]
-
-
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """LongRoPE's scale of cos and sin (1 for every other type): given, or sqrt(1 + ln f / ln L0) for the
     context's growth f = max_position_embeddings / L0 (transformers' default)."""
@@ -110,15 +102,16 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, factor_set: str = "short") -> torch.Tensor:
     """Inverse frequencies [rotary_dim // 2] (rotary_dim: head_dim, or its part under ``partial_rotary_factor``),
-    incl. ``linear``, ``llama3`` and ``longrope`` scaling as HF computes them, and GGUF's per-frequency
-    ``rope_freqs`` divisors."""
+    incl. ``linear``, ``llama3`` and ``longrope`` scaling as HF computes them (LongRoPE: with ``factor_set``'s
+    factors, "short" or "long"), and GGUF's per-frequency ``rope_freqs`` divisors."""
     dim = cfg.rotary_dim
     rs = cfg.rope_params_dict
     if cfg.rope_type == "longrope":
-        long = longrope_long(cfg, max_positions or cfg.max_position_embeddings)
-        ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factor_set not in ("short", "long"):
+            raise ValueError(f"LongRoPE factor set must be short or long, got {factor_set!r}")
+        ext = torch.tensor(rs[f"{factor_set}_factor"], dtype=torch.float32)
         return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if cfg.rope_type == "linear":
@@ -139,25 +132,54 @@ def rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, rotary_dim] and rotate-half RoPE on the first ``rotary_dim`` dims of each
-    head; with ``partial_rotary_factor`` < 1 (Phi-4-mini) the other dims pass through unchanged, as transformers'
-    Phi-3 ``apply_rotary_pos_emb`` does. The fused kernels (``KernelOps.rotary_``) take the same tables."""
+    """cos/sin tables [rows, rotary_dim] and rotate-half RoPE on the first ``rotary_dim`` dims of each head; with
+    ``partial_rotary_factor`` < 1 (Phi-4-mini) the other dims pass through unchanged, as transformers' Phi-3
+    ``apply_rotary_pos_emb`` does. The fused kernels (``KernelOps.rotary_``) take the same tables.
+
+    A token's row is its position plus its request's ``row_offset``. Every RoPE type has one table of
+    ``max_positions`` rows at offset 0, except LongRoPE served past its pre-training length L0: rows
+    [0, L0) hold the short factors' table and rows [L0, L0 + max_positions) the long factors', so a batch
+    mixing requests of both sets (engine/request.py ``admit_rope_factors``) rotates each token with its own
+    request's set in one kernel call, on every backend, without a kernel knowing of factor sets."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.rotary_dim = cfg.rotary_dim
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, max_positions)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        self.longrope_original_len = original = cfg.longrope_original_len
+        # the long set's first row (None: one table, a LongRoPE request's set is then always the short one)
+        self.long_offset = original if original is not None and max_positions > original else None
+        emb = _rope_angles(cfg, "short", max_positions if self.long_offset is None else original)
+        if self.long_offset is not None:
+            emb = torch.cat((emb, _rope_angles(cfg, "long", max_positions)))
         scale = rope_attention_factor(cfg)
-        if cfg.rope_type == "longrope":
-            log.info("LongRoPE: the %s factors for a context of %d positions (pre-training length %d), cos/sin x %.4f",
-                     "long" if longrope_long(cfg, max_positions) else "short", max_positions,
-                     cfg.rope_params_dict["original_max_position_embeddings"], scale)
+        if original is not None:
+            log.info("LongRoPE: short factors up to the pre-training length %d%s, cos/sin x %.4f", original,
+                     "" if self.long_offset is None else f", long ones past it (context {max_positions})", scale)
         if self.rotary_dim != cfg.head_dim:
             log.info("partial rotary: RoPE on the first %d of each head's %d dims (partial_rotary_factor %s)",
                      self.rotary_dim, cfg.head_dim, cfg.partial_rotary_factor)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, rotary_dim]
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [rows, rotary_dim]
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def row_offset(self, rope_factors: str | None) -> int:
+        """The first table row of a request with LongRoPE factor set ``rope_factors`` ("short": 0). Without
+        LongRoPE the set means nothing here (a draft model without it under a LongRoPE target): 0."""
+        if self.longrope_original_len is None:
+            return 0
+        if rope_factors != "long":
+            if rope_factors is None and self.long_offset is not None:
+                raise ValueError("a request without a LongRoPE factor set on a LongRoPE model (engine/request.py "
+                                 "admit_rope_factors chooses it at admission)")
+            return 0
+        if self.long_offset is None:
+            raise ValueError("a long-factor request on a LongRoPE table built within the pre-training length "
+                             "(its prompt + max_tokens cannot exceed the served context)")
+        return self.long_offset
+
+    def rows(self, rope_factors: str | None, start: int, end: int) -> range:
+        """The table rows of positions [start, end) of a request with factor set ``rope_factors``."""
+        offset = self.row_offset(rope_factors)
+        return range(start + offset, end + offset)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]
@@ -166,6 +188,12 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim == q.shape[-1]:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         return _rotate_part(q, cos, sin), _rotate_part(k, cos, sin)
+
+
+def _rope_angles(cfg: ModelConfig, factor_set: str, num_positions: int) -> torch.Tensor:
+    """[num_positions, rotary_dim]: position x inverse frequency, twice (rotate-half's layout)."""
+    freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, factor_set)[None, :]
+    return torch.cat((freqs, freqs), dim=-1)
 
 
 def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -163,12 +163,13 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        rope = self.model.rope
         for s in ordered:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             input_ids.extend(r.all_token_ids[start:end - s.num_draft_tokens])
             input_ids.extend(s.draft_token_ids)  # verified by this step: their logits are rows too
-            positions.extend(range(start, end))
+            positions.extend(rope.rows(r.params.rope_factors, start, end))  # RoPE table rows (engine/layers.py)
             block_ids = r.block_ids
             slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
             seq_lens.append(end)

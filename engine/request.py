@@ -7,6 +7,7 @@ resets ``num_computed_tokens`` to 0 and later recomputes prompt + outputs (outpu
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -39,6 +40,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI does not state a bound; one is needed)
 MAX_REPETITION_PENALTY = 10.0
 MAX_CACHE_SALT_CHARS = 256
+ROPE_FACTOR_SETS = ("short", "long")  # LongRoPE's two sets (SamplingParams.rope_factors)
+LONG_ROPE_SALT = "longrope:long"  # the block-hash salt part of the long set
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # StructuredOutput.kind
 
 
@@ -108,6 +111,10 @@ class SamplingParams:
     # from the API key by the router (router/tenancy.py), never sent by clients. Kept out of repr (logs).
     cache_salt: str | None = field(default=None, repr=False)
     tenant_salt: str | None = field(default=None, repr=False)
+    # LongRoPE's factor set (``ROPE_FACTOR_SETS``), chosen once at admission (``admit_rope_factors``) by the
+    # router or the engine, never by clients, and kept by every worker that touches the request; None for a
+    # model without LongRoPE. The long set enters the block-hash salt (``hash_salt``).
+    rope_factors: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -176,6 +183,8 @@ class SamplingParams:
                                   and r.num_output_tokens >= 1 and isinstance(r.num_emitted_chars, int)
                                   and r.num_emitted_chars >= 0):
             raise bad(f"resume must be a ResumeState with num_output_tokens >= 1, got {r!r}")
+        if self.rope_factors is not None and self.rope_factors not in ROPE_FACTOR_SETS:
+            raise bad(f"rope_factors must be one of {', '.join(ROPE_FACTOR_SETS)}, got {self.rope_factors!r}")
 
     @property
     def greedy(self) -> bool:
@@ -188,10 +197,32 @@ class SamplingParams:
     @property
     def hash_salt(self) -> tuple[str, ...]:
         """The salt of this request's block hashes (engine/hashing.py ``salted_root``): () when unsalted,
-        else (tenant salt, cache salt) with "" for the one that is absent."""
+        else (tenant salt, cache salt) with "" for the one that is absent; LongRoPE's long factor set adds a
+        third part (its blocks hold other K values for the same tokens), the short set none (so a model served
+        within its pre-training length hashes as it always did)."""
+        if self.rope_factors == "long":
+            return (self.tenant_salt or "", self.cache_salt or "", LONG_ROPE_SALT)
         if self.tenant_salt is None and self.cache_salt is None:
             return ()
         return (self.tenant_salt or "", self.cache_salt or "")
+
+
+def admit_rope_factors(params: SamplingParams, num_prompt_tokens: int,
+                       longrope_original_len: int | None) -> SamplingParams:
+    """``params`` with LongRoPE's factor set chosen, from what the request can reach: the short factors when
+    prompt + max_tokens stay within the pre-training length ``longrope_original_len``, else the long ones
+    (transformers' rule, applied to the request's whole reach instead of each forward pass: one set per
+    request is what stays consistent across a handoff, a migration, TP ranks and a draft model; see
+    docs/ARCHITECTURE.md "LongRoPE"). A set already chosen (by the router, or before a migration) is kept.
+    ``longrope_original_len`` None: the model has no LongRoPE, and a chosen set is an error."""
+    if longrope_original_len is None:
+        if params.rope_factors is not None:
+            raise InvalidRequestError(f"rope_factors={params.rope_factors!r} given for a model without LongRoPE")
+        return params
+    if params.rope_factors is not None:
+        return params
+    reach = num_prompt_tokens + params.max_tokens
+    return dataclasses.replace(params, rope_factors="long" if reach > longrope_original_len else "short")
 
 
 def check_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, max_model_len: int) -> list[int]:

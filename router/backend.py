@@ -33,6 +33,7 @@ class ModelCard:
     max_model_len: int  # prompt + max_tokens must fit
     vocab_size: int
     created: int = 0  # unix seconds
+    longrope_original_len: int | None = None  # LongRoPE's pre-training length (the factor-set boundary), or None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from engine.disagg import PeerBlocks
 from engine.errors import ConfigError
 from engine.hashing import BlockHasher
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, admit_rope_factors
 from engine.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
 from router.demand import DecodeDemand
@@ -144,7 +144,9 @@ class ClusterBackend(WorkerFaults, Backend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_token_ids, params)
-        params = with_seed(params)
+        # the seed and LongRoPE's factor set are fixed here, so every worker and a migration see the same ones,
+        # and the router hashes the blocks in the factor set's namespace as the workers do
+        params = admit_rope_factors(with_seed(params), len(prompt_token_ids), self.card.longrope_original_len)
         sent = SentSoFar(list(prompt_token_ids))
         timing = self.metrics.request(len(sent.prompt_token_ids)) if self.metrics is not None else None
         self.demand.placed(len(prompt_token_ids), params.max_tokens)

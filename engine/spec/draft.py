@@ -198,7 +198,7 @@ class DraftModel(Proposer):
             block_ids = r.block_ids
             end = start + len(ids)
             input_ids += ids
-            positions += range(start, end)
+            positions += self.runner.model.rope.rows(r.params.rope_factors, start, end)  # the request's LongRoPE set
             slots += [block_ids[p // B] * B + p % B for p in range(start, end)]
             seq_lens.append(end)
             tables.append(block_ids)
@@ -259,3 +259,7 @@ def check_draft(draft_path: str, draft: ModelConfig, draft_tokenizer: Tokenizer,
     if draft.max_position_embeddings < max_model_len:
         raise refuse(f"its max_position_embeddings {draft.max_position_embeddings} is below the engine's "
                      f"max_model_len {max_model_len} (set max_model_len <= {draft.max_position_embeddings})")
+    if draft.longrope_original_len not in (None, target.longrope_original_len):  # one factor set per request
+        raise refuse(f"its LongRoPE pre-training length {draft.longrope_original_len} differs from the target's "
+                     f"{target.longrope_original_len} (each request takes one LongRoPE factor set, chosen on the "
+                     "target's length)")

@@ -31,8 +31,10 @@ def engine(model_dir, **kw):
 
 
 def prompt_logits(e: Engine, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one prefill forward through the engine's runner and cache."""
+    """Logits at every prompt position from one prefill forward through the engine's runner and cache (a LongRoPE
+    model: with the factor set of a request reaching no further than the prompt, as transformers' forward)."""
     from engine.attention import AttentionMetadata
+    from engine.request import SamplingParams, admit_rope_factors
 
     B, dev = e.config.block_size, e.runner.device
     blocks = e.pool.allocate(-(-len(prompt) // B))
@@ -47,8 +49,10 @@ def prompt_logits(e: Engine, prompt: list[int]) -> torch.Tensor:
         decode_block_tables=torch.zeros(0, 1, **i32), decode_seq_lens=torch.zeros(0, **i32))
     try:
         with torch.inference_mode():
-            hidden = e.runner.model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
-                                    e.runner.kv_cache, meta)
+            factors = admit_rope_factors(SamplingParams(max_tokens=0), len(prompt),
+                                         e.model_config.longrope_original_len).rope_factors
+            rows = torch.tensor(e.runner.model.rope.rows(factors, 0, len(prompt)), device=dev)
+            hidden = e.runner.model(torch.tensor(prompt, device=dev), rows, e.runner.kv_cache, meta)
             return e.runner.model.compute_logits(hidden).cpu()
     finally:
         e.pool.free_blocks(blocks)

@@ -71,7 +71,7 @@ def test_factor_one_is_todays_whole_head_path():
     assert plain == parse(**whole, partial_rotary_factor=1.0) == parse(**whole, partial_rotary_factor=1)
     assert plain.rotary_dim == plain.head_dim == 16
     rope = RotaryEmbedding(plain, 128)
-    assert rope.rotary_dim == 16 and rope.cos.shape == (128, 16)
+    assert rope.rotary_dim == 16 and rope.cos.shape == (ORIGINAL + 128, 16)  # both factor sets
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -106,21 +106,24 @@ def test_other_families_keep_refusing_partial_rotary(arch):
         ModelConfig.from_hf_dict(cfg)
 
 
-@pytest.mark.parametrize("positions", [ORIGINAL, 4 * ORIGINAL])  # the short factors, then the long ones
+@pytest.mark.parametrize("positions", [ORIGINAL, 4 * ORIGINAL])  # transformers' short factors, then its long ones
 def test_rope_equals_transformers_phi3(positions):
     """Inverse frequencies, attention factor, and q/k rotated (the first 12 dims) and passed through (the last 4)
-    as transformers' Phi-3 computes them."""
+    as transformers' Phi-3 computes them; ours from the factor set's rows of one table holding both sets."""
     cfg, hf = parse(), hf_config()
+    factor_set = "short" if positions <= ORIGINAL else "long"
     want_freq, want_scale = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=positions)
-    torch.testing.assert_close(rope_inv_freq(cfg, positions), want_freq, rtol=0, atol=0)
+    torch.testing.assert_close(rope_inv_freq(cfg, factor_set), want_freq, rtol=0, atol=0)
     assert rope_attention_factor(cfg) == pytest.approx(want_scale, rel=1e-12)
-    ours, theirs = RotaryEmbedding(cfg, positions), Phi3RotaryEmbedding(hf)
+    ours, theirs = RotaryEmbedding(cfg, 4 * ORIGINAL), Phi3RotaryEmbedding(hf)
+    assert ours.cos.shape[0] == ORIGINAL + 4 * ORIGINAL and ours.row_offset(factor_set) == (positions > ORIGINAL) * ORIGINAL
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, positions, 16, generator=gen), torch.randn(1, 2, positions, 16, generator=gen)
     pos = torch.arange(positions)
     cos, sin = theirs(q, pos[None])
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    got_q, got_k = ours(pos, q[0].transpose(0, 1), k[0].transpose(0, 1))
+    rows = torch.tensor(ours.rows(factor_set, 0, positions))
+    got_q, got_k = ours(rows, q[0].transpose(0, 1), k[0].transpose(0, 1))
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     assert torch.equal(got_q[..., 12:], q[0].transpose(0, 1)[..., 12:])

@@ -278,3 +278,34 @@ def _prefer_first(choose):
     def wrapped(role, workers, *args):
         return choose(role, sorted(workers)[:1], *args)
     return wrapped
+
+
+async def test_longrope_requests_are_routed_by_their_factor_sets_hashes():
+    """A LongRoPE model (pre-training length 16 here): the router fixes each request's factor set from prompt +
+    max_tokens before it hashes, so a decode worker holding a prompt's blocks under the short set has none of
+    them for the same prompt under the long set (other K values), and vice versa."""
+    backend, ps, (d0,) = make(threshold=0)
+    backend.card = ModelCard("m", 1024, 100, longrope_original_len=16)
+    prompt = list(range(1, 13))  # 3 full blocks; reach 12 + 4 = 16: short, 12 + 5: long
+    backend.index.apply(BlockStored("d0", tuple(BlockHasher(B)(prompt)), None))  # short = the unsalted chain
+    await collect(backend.generate("short", prompt, SamplingParams(max_tokens=4)))
+    await collect(backend.generate("long", prompt, SamplingParams(max_tokens=5)))
+    assert d0.calls == [("generate", "short"), ("decode", "long")]  # long: its blocks are nowhere, so prefilled
+    (prefilled,) = [c for p in ps for c in p.calls if c[0] == "prefill"]
+    assert prefilled == ("prefill", "long")
+    backend.index.apply(BlockStored("d0", tuple(BlockHasher(B)(prompt, ("", "", "longrope:long"))), None))
+    await collect(backend.generate("long-again", prompt, SamplingParams(max_tokens=5)))
+    assert d0.calls[-1] == ("generate", "long-again")
+
+
+async def test_a_migrated_request_keeps_its_longrope_factor_set():
+    """Resumed with prompt + tokens sent and the rest of max_tokens (the same reach), and the set fixed at
+    admission (not chosen again by whoever takes the continuation)."""
+    dying, spare = Dying("d0", k=1), Recording("d1")
+    backend = ClusterBackend(ModelCard("m", 1024, 100, longrope_original_len=20), tokenizer=None,
+                             hasher=BlockHasher(B), prefill=[Script("p0", Role.PREFILL)], decode=[dying, spare],
+                             local_prefill_max_tokens=0)
+    backend.decode_policy.choose = _prefer_first(backend.decode_policy.choose)  # D = d0 first
+    await collect(backend.generate("r", list(range(1, 20)), SamplingParams(max_tokens=4, temperature=0)))
+    (_, _, asked), = spare.asked
+    assert asked.resume is not None and asked.rope_factors == "long" and asked.hash_salt[-1] == "longrope:long"

@@ -1,0 +1,125 @@
+"""LongRoPE's factor set chosen per request (issue 46): short when prompt + max_tokens stay within the
+pre-training length L0, long otherwise (engine/request.py ``admit_rope_factors``), on a model served at 4x L0.
+
+- A batch mixing both sets runs each request with its own set, in the same steps, on every kernel backend
+  (torch, C, Triton in the interpreter), token-exact with transformers on both sides of L0: a request within L0
+  (transformers: short throughout) and one whose prompt alone passes L0 (transformers: long from the first
+  forward on).
+- A request whose prompt is within L0 but whose reach is not takes the long set throughout (where duet departs
+  from transformers, which switches mid-generation): equal to transformers held to the long set.
+- The long set is part of the block-hash salt: a prompt cached under one set is a prefix hit for the same set
+  only.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.request import LONG_ROPE_SALT, SamplingParams, admit_rope_factors
+from tests.engine.hf_saved import save_with_transformers
+from tests.engine.test_kernel_backends import DEVICE
+from tests.engine.test_parity import hf_greedy, random_prompts
+
+ORIGINAL = 64  # L0; the checkpoint's context is 4x that
+NUM_TOKENS = 20
+SHORT_LENS, LONG_LENS, CROSSING_LEN = (9, 40), (ORIGINAL + 3, 100), 50  # 50 + 20 > 64: long, prompt within L0
+
+
+def phi3_longrope(original: int = ORIGINAL) -> transformers.Phi3Config:
+    """Whole-head Phi-3 LongRoPE, distinct short and long factors, the context 4x the pre-training length."""
+    half = 64 // 4 // 2
+    return transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * original,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   original_max_position_embeddings=original,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                                    "long_factor": [2.0 + 0.5 * i for i in range(half)],
+                                                    "original_max_position_embeddings": original})
+
+
+def hf_greedy_long_set(model_dir, prompts, num_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens with its Phi-3 RoPE held to the long factors from the first position on."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rope = hf.model.rotary_emb
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=rope.config.rope_parameters[
+        "original_max_position_embeddings"] + 1)
+    rope.original_inv_freq = long_inv_freq  # what its per-forward switch falls back to below the length
+    outs = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory, tiny_model):
+    return save_with_transformers(tmp_path_factory.mktemp("phi3-longrope"), phi3_longrope(), tiny_model("llama"))
+
+
+def test_the_set_is_chosen_from_the_requests_reach():
+    short = admit_rope_factors(SamplingParams(max_tokens=14), 50, 64)
+    long = admit_rope_factors(SamplingParams(max_tokens=15), 50, 64)
+    assert (short.rope_factors, long.rope_factors) == ("short", "long")  # 64 is within, 65 is not
+    assert admit_rope_factors(long, 1, 64).rope_factors == "long"  # chosen once: kept by whoever sees it next
+    assert admit_rope_factors(SamplingParams(max_tokens=15), 50, None).rope_factors is None  # no LongRoPE
+    with pytest.raises(InvalidRequestError, match="for a model without LongRoPE"):
+        admit_rope_factors(long, 50, None)
+    with pytest.raises(InvalidRequestError, match="rope_factors must be one of short, long"):
+        SamplingParams(rope_factors="medium").validate()
+    # the short set hashes as a model without LongRoPE; the long one in its own namespace, salted or not
+    assert short.hash_salt == SamplingParams().hash_salt == ()
+    assert long.hash_salt == ("", "", LONG_ROPE_SALT)
+    salted = SamplingParams(cache_salt="a", rope_factors="long")
+    assert salted.hash_salt == ("", "a", LONG_ROPE_SALT) != SamplingParams(cache_salt="a").hash_salt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["torch", "cpu", "triton"])
+def test_a_batch_mixing_both_sets_equals_transformers(phi3_dir, kernels):
+    prompts = random_prompts(512, lens=SHORT_LENS + LONG_LENS + (CROSSING_LEN,))
+    engine = Engine(EngineConfig(model=str(phi3_dir), num_blocks=128, max_num_batched_tokens=512, dtype="float32",
+                                 kernels=kernels, device=DEVICE if kernels == "triton" else "cpu"))
+    assert engine.runner.ops.name == kernels and engine.max_model_len == 4 * ORIGINAL
+    rows_per_step = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda ids, positions, *rest: (rows_per_step.append(list(positions)),
+                                                           forward(ids, positions, *rest))[1]
+    got = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+    ours = [r["token_ids"] for r in got]
+    # one step rotated rows of both tables: [0, L0) the short set's, [L0, ...) the long set's
+    assert any(min(rows) < ORIGINAL <= max(rows) for rows in rows_per_step if len(rows) == len(prompts))
+    n_short, n_long = len(SHORT_LENS), len(LONG_LENS)
+    ref = hf_greedy(phi3_dir, prompts[:n_short + n_long], num_tokens=NUM_TOKENS)
+    assert ours[:n_short + n_long] == ref
+    crossing_ref = hf_greedy_long_set(phi3_dir, prompts[-1:], NUM_TOKENS)
+    assert ours[-1] == crossing_ref[0]
+    if kernels == "torch":  # the departure is real: transformers' own switch mid-generation gives other tokens
+        assert hf_greedy(phi3_dir, prompts[-1:], num_tokens=NUM_TOKENS)[0] != crossing_ref[0]
+
+
+@pytest.mark.slow
+def test_prefix_hits_stay_within_a_factor_set(phi3_dir):
+    prompt = random_prompts(512, lens=(48,))[0]  # 3 full blocks of 16
+    engine = Engine(EngineConfig(model=str(phi3_dir), num_blocks=64, dtype="float32", kernels="cpu"))
+
+    def run(max_tokens: int) -> tuple[str, int]:
+        r = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                              ignore_eos=True))
+        cached = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if cached is None and out.new_token_ids:
+                    cached = out.num_cached_tokens
+        return r.params.rope_factors, cached
+
+    assert run(8) == ("short", 0)
+    assert run(16) == ("short", 32)  # 48 + 16 = 64: still short; the prompt's cached blocks (the last recomputed)
+    assert run(17) == ("long", 0)  # 65: long, the short set's blocks are no hit
+    assert run(40) == ("long", 32)
