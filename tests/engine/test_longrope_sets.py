@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.request import LONG_ROPE_SALT, SamplingParams, admit_rope_factors
 from tests.engine.hf_saved import save_with_transformers
 from tests.engine.test_kernel_backends import DEVICE
@@ -123,3 +123,42 @@ def test_prefix_hits_stay_within_a_factor_set(phi3_dir):
     assert run(16) == ("short", 32)  # 48 + 16 = 64: still short; the prompt's cached blocks (the last recomputed)
     assert run(17) == ("long", 0)  # 65: long, the short set's blocks are no hit
     assert run(40) == ("long", 32)
+
+
+@pytest.mark.slow
+def test_a_draft_model_runs_each_request_in_its_set(phi3_dir):
+    """Speculative decoding with a LongRoPE draft (the target itself: every draft it proposes is the target's own
+    greedy choice only if it rotates with the request's set, so the acceptance rate shows a mismatch) and a
+    batch mixing both sets: the tokens of plain greedy, and every draft accepted."""
+    prompts = random_prompts(512, lens=SHORT_LENS + LONG_LENS + (CROSSING_LEN,))
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(phi3_dir), num_blocks=128, dtype="float32", kernels="cpu"))
+    spec = Engine(EngineConfig(model=str(phi3_dir), num_blocks=128, dtype="float32", kernels="cpu",
+                               speculative_config={"method": "draft_model", "model": str(phi3_dir),
+                                                   "num_speculative_tokens": 3}))
+    assert [r["token_ids"] for r in spec.generate(prompts, params)] == \
+        [r["token_ids"] for r in plain.generate(prompts, params)]
+    stats = spec.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_draft_with_another_pre_training_length_is_refused(phi3_dir, tmp_path, tiny_model):
+    other = save_with_transformers(tmp_path / "other", phi3_longrope(original=32), tiny_model("llama"))
+    with pytest.raises(ConfigError, match="LongRoPE pre-training length 32 differs from the target's 64"):
+        Engine(EngineConfig(model=str(phi3_dir), num_blocks=64, dtype="float32", kernels="cpu", max_model_len=128,
+                            speculative_config={"method": "draft_model", "model": str(other),
+                                                "num_speculative_tokens": 2}))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_rotate_with_the_requests_sets(phi3_dir):
+    """Two ranks (heads split; rank 1 in its own process) run rank 0's table rows: the tokens of one engine on the
+    batch mixing both sets."""
+    from tests.engine.tp_engines import tp_engine
+
+    prompts = random_prompts(512, lens=SHORT_LENS + LONG_LENS + (CROSSING_LEN,))
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(phi3_dir), num_blocks=128, dtype="float32", kernels="cpu")
+    want = [r["token_ids"] for r in Engine(config).generate(prompts, params)]
+    with tp_engine(config, 2) as engine:
+        assert [r["token_ids"] for r in engine.generate(prompts, params)] == want
