@@ -10,6 +10,14 @@ On a CUDA GPU (bf16, Llama-3-8B-like heads: 32 query / 8 KV heads of 128, block 
 Each kernel's output is first checked against its reference. The last line is ``ratio: <x>``, the geometric
 mean over the GEMM shapes of triton / torch.matmul throughput.
 
+``--prefill`` runs only the prefill attention study (issue 51): bf16, 32 / 8 heads of 128, 4 x 2,048 and
+1 x 16,384 causal prompts and 4 x (1,024 cached + 1,024 new) tokens, each from a paged cache of block size 16
+(tiles gathered across blocks) and 128 (a tile inside one block): the autotuned kernel's TFLOP/s, its
+output checked against SDPA's on the same K/V, every tile config's TFLOP/s, SDPA flash on contiguous
+[batch, heads, tokens, head_dim] tensors (bottom-right causal when queries are fewer than keys, as
+FlashAttention defines it), a ``ratio:`` line per case; ``--with-v1`` also times the kernel before issue 51.
+Both count the FLOPs of the (query, key) pairs the causal mask lets through.
+
 With ``--small``, or without CUDA, every kernel runs once at a tiny size in the Triton interpreter on CPU and
 the same lines are printed (timings there mean nothing; the point is that this script cannot rot).
 """
@@ -35,6 +43,8 @@ import torch  # noqa: E402
 
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from kernels.gemm import gemm, quantize_weight_int8, w8a16_gemm, w8a16_gemm_ref  # noqa: E402
+from kernels import prefill_attention as pa  # noqa: E402
+from kernels._prefill_attention_v1 import prefill_attention_v1  # noqa: E402
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
 from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
@@ -140,6 +150,68 @@ def bench_prefill(s: Setup) -> None:
     print(f"prefill attention ratio: {ms_ref / ms:.3f} (triton / torch SDPA)")
 
 
+def _sdpa_flash(s: Setup):
+    """SDPA forced onto its flash backend on CUDA (an error rather than a silent fallback), with FlashAttention's
+    bottom-right causal mask (``causal_lower_right``: the same as is_causal when queries and keys match)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run(q, k, v, scale):  # [B, Hq, Lq, D], [B, Hkv, Lk, D]
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        if s.small:
+            return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return run
+
+
+def bench_prefill_study(s: Setup, with_v1: bool) -> None:
+    cases = ([("2 x 40", 2, 40, 0), ("1 x 96", 1, 96, 0), ("2 x (24 + 24 cached)", 2, 24, 24)] if s.small else
+             [("4 x 2048", 4, 2048, 0), ("1 x 16384", 1, 16384, 0), ("4 x (1024 + 1024 cached)", 4, 1024, 1024)])
+    block_sizes = (8, 32) if s.small else (16, 128)
+    configs = pa.configs_for(s.dtype, s.head_dim)
+    scale = s.head_dim ** -0.5
+    sdpa = _sdpa_flash(s)
+    for name, batch, new, cached in cases:
+        length = new + cached
+        pairs = batch * sum(cached + i + 1 for i in range(new))  # (query, key) pairs inside the causal mask
+        flops = 4 * pairs * s.q_heads * s.head_dim
+        cu = torch.arange(0, batch + 1, device=s.device, dtype=torch.int32) * new
+        q = s.randn(batch * new, s.q_heads, s.head_dim)
+        qs = q.view(batch, new, s.q_heads, s.head_dim).transpose(1, 2)
+        ms_by_block = {}
+        for block_size in block_sizes:
+            s.block_size = block_size
+            _, kc, vc, tables, lens = paged_inputs(s, [length] * batch, 1)
+            ks = torch.stack([pa.gather_kv(kc, t, length) for t in tables]).transpose(1, 2).contiguous()
+            vs = torch.stack([pa.gather_kv(vc, t, length) for t in tables]).transpose(1, 2).contiguous()
+            check(f"prefill {name} block {block_size} vs sdpa", prefill_attention(q, kc, vc, tables, cu, lens, scale),
+                  sdpa(qs, ks, vs, scale).transpose(1, 2).reshape_as(q), 2e-2)
+            tuned = pa.last_autotuned_config(s.dtype, s.head_dim)
+            ms = ms_by_block[block_size] = s.time_ms(lambda: prefill_attention(q, kc, vc, tables, cu, lens, scale))
+            line = f"prefill {name} tokens, block {block_size}: triton {flops / ms / 1e9:.1f} TFLOP/s"
+            if with_v1:
+                ms_v1 = s.time_ms(lambda: prefill_attention_v1(q, kc, vc, tables, cu, lens, scale))
+                line += f", before issue 51 {flops / ms_v1 / 1e9:.1f}"
+            print(f"{line} ({'autotuned: ' + _config_name(tuned) if tuned else 'untuned: ' + _config_name(configs[0])})")
+            for config in configs if len(configs) > 1 else ():
+                try:  # one config that fails to build on this GPU must not cost the other figures
+                    ms_c = s.time_ms(lambda: prefill_attention(q, kc, vc, tables, cu, lens, scale, config=config))
+                    print(f"  config {_config_name(config)}: tflops={flops / ms_c / 1e9:.1f}")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  config {_config_name(config)}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+        ms_ref = s.time_ms(lambda: sdpa(qs, ks, vs, scale))
+        print(f"prefill {name} tokens: sdpa flash {flops / ms_ref / 1e9:.1f} TFLOP/s (contiguous, bottom-right causal)")
+        for block_size, ms in ms_by_block.items():
+            print(f"prefill {name} block {block_size} ratio: {ms_ref / ms:.3f} (triton / sdpa flash)")
+
+
+def _config_name(c: pa.TileConfig) -> str:
+    return f"BLOCK_M {c.block_m} BLOCK_N {c.block_n} warps {c.num_warps} stages {c.num_stages}"
+
+
 def bench_gemm(s: Setup) -> float:
     n = k = 64 if s.small else 4096
     ms_list = (1, 16, 40) if s.small else (1, 16, 64, 4096)
@@ -175,6 +247,8 @@ def bench_w8a16(s: Setup) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny sizes in the Triton interpreter on CPU")
+    parser.add_argument("--prefill", action="store_true", help="only the prefill attention study")
+    parser.add_argument("--with-v1", action="store_true", help="--prefill: also time the kernel before issue 51")
     args = parser.parse_args()
     small = args.small or not torch.cuda.is_available()
     if small and not args.small:
@@ -182,6 +256,9 @@ def main() -> None:
     torch.manual_seed(0)
     s = Setup(small)
     print(f"mode: {'interpreter on CPU, tiny sizes' if small else torch.cuda.get_device_name()}, dtype {s.dtype}")
+    if args.prefill:
+        bench_prefill_study(s, args.with_v1)
+        return
     bench_store_kv(s)
     bench_decode(s)
     bench_prefill(s)

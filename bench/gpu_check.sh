@@ -2,7 +2,11 @@
 # duet's GPU path in one bounded call, for a lent GPU machine (no network there): the CUDA tests, then
 # make bench-kernels, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier copies.
 #
-#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm
+#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm, prefill
+#
+# prefill (issue 51, ~3 min): the prefill attention tests compiled on the GPU (every tile config, pinned), then
+# python -m bench.bench_kernels --prefill --with-v1 (the autotuned kernel, each config, the kernel before issue 51
+# and SDPA flash at 4 x 2048, 1 x 16384 and 4 x (1024 + 1024 cached) tokens, paged blocks of 16 and 128).
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md "GPU runs": gguf,
 # llguidance, jsonschema + its three, redis, nixl + a trimmed nixl_cu13); they are installed into /tmp/site.
@@ -68,6 +72,12 @@ for s in $STAGES; do
         ;;
     tiers)
         stage tiers 60 $PY -m bench.bench_tiers_copy --repeats 3
+        ;;
+    prefill)
+        xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+        stage prefill-tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
+            tests/kernels/test_prefill_attention.py
+        stage prefill 240 $PY -m bench.bench_kernels --prefill --with-v1
         ;;
     gemm)  # our GEMM's tile configs at decode shapes in CUDA graphs (~40 s)
         stage gemm 120 $PY -m bench.gemm_sweep

@@ -7,25 +7,39 @@ position ``p = seq_lens[s] - q_len_s + i`` and attends to cached positions j wit
 sliding window W, ``j > p - W``. This covers a whole prompt (prefix 0), a prefix-cache hit, a chunk of a
 chunked prefill and a decode step (q_len 1) alike.
 
-Triton path (varlen flash-attention over the paged cache, no N x N matrix):
-- rows of a program are (query token, query head) pairs of one sequence and one KV head: ``BLOCK_Q`` query
-  tokens times the ``group`` query heads sharing that KV head, ``BLOCK_Q = BLOCK_M // group`` for a power of
-  two ``BLOCK_M`` (spare rows masked). So each K/V tile is loaded once for the whole GQA group.
-- grid ``(num_q_tokens // BLOCK_Q + num_seqs, num_kv_heads)``: an upper bound on the query tiles of all
-  sequences that needs no device sync; sequence s owns tiles from ``cu_seqlens_q[s] // BLOCK_Q + s``, each
-  program finds its sequence by binary search over ``cu_seqlens_q`` and spare programs return at once.
-- K/V of positions ``[lo, max causal position of the tile]`` are read in TILE_N-token tiles through the block
-  table (a tile may span blocks, any block size), with the causal and sliding-window masks per row and an
-  fp32 online softmax; rows fully masked in a tile (sliding window) are kept NaN-free.
+Triton path: FlashAttention-2's forward over the paged cache (issue 51; the kernel before it mixed the query
+heads of a GQA group in its rows, gathered and masked every tile, and ran at 0.39 of SDPA flash on an H200):
+- a program owns ``BLOCK_M`` query tokens of one sequence and one query head, grid ``(num_q_heads,
+  num_q_tokens // BLOCK_M + num_seqs)``: an upper bound on the query tiles of all sequences that needs no
+  device sync; sequence s owns tiles from ``cu_seqlens_q[s] // BLOCK_M + s``, a program finds its sequence by
+  binary search over ``cu_seqlens_q``, spare programs return at once. The heads of a GQA group are adjacent in
+  launch order, so they read the same K/V tiles while they are in L2; the last query tiles (the longest
+  causal rows) start first.
+- K/V are read once per query tile in ``BLOCK_N``-token tiles aligned to ``BLOCK_N``, in up to three loops:
+  the window's lower edge (masked), the tiles every row sees whole (no mask, no bounds: the plain
+  FlashAttention step), and the causal diagonal (masked; bounded by the sequence end). Tiles past the
+  diagonal or below the window are never visited.
+- online softmax in the log2 domain: ``qk_scale = scale * log2(e)`` is applied in the same FMA that subtracts
+  the running max, then exp2. Masked tiles keep rows with nothing visible yet NaN-free (m stays -inf, the
+  update subtracts 0).
+- paged K/V: when the cache's block size is a multiple of ``BLOCK_N``, a tile lies inside one block: one
+  block-table read per tile and a contiguous slice; otherwise each token's block id is gathered (any block
+  size). ``BLOCK_SIZE`` is a compile-time constant, so both are shifts and masks.
+- tile configs: on CUDA the launcher autotunes a few ``TileConfig`` (below) once per head size, dtype, GQA
+  group, block size and feature set (``DUET_PREFILL_AUTOTUNE=0``: the first one, no tuning); elsewhere (the
+  interpreter, the sm_90 compile check) it runs the first config of its list.
 """
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import _triton_utils as tu
-from kernels._paged_kv import attend_kv_tile
+from kernels._paged_kv import _tanh
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -92,6 +106,40 @@ def prefill_attention_ref(
 _LOG2E = 1.4426950408889634
 
 
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch shape of the kernel: query rows and K/V tokens per tile, warps, software-pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def triton(self) -> triton.Config:
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, num_warps=self.num_warps,
+                             num_stages=self.num_stages)
+
+
+# sm_90, fp16/bf16 (compiled for an H100 by tests/kernels/sm90_compile.py's stand-in driver: registers, shared
+# memory, no spills in the first config): FlashAttention-2's 128 query rows on two warpgroups (one CTA per SM at
+# ~180 registers) or 64 rows on one (two CTAs per SM), K/V tiles of 64 or 128 tokens. The block-table read takes
+# a pipeline stage of its own, so num_stages 3 double-buffers K/V and 5 triple-buffers them. 128 x 128 tiles
+# sit at the 255-register limit (a few spills with a window or a cap): the autotuner weighs that. The first
+# config of each list is the one used untuned; head_dim > 128 halves a tile dim to keep the fp32 accumulator.
+CONFIGS_16BIT = (TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 5), TileConfig(128, 128, 8, 3),
+                 TileConfig(64, 64, 4, 3))
+CONFIGS_16BIT_WIDE = (TileConfig(64, 64, 8, 3), TileConfig(128, 32, 8, 3))
+CONFIGS_FP32 = (TileConfig(64, 32, 4, 2),)  # fp32 is the correctness path (3xTF32 dots), not a fast one
+CONFIGS_INTERPRET = (TileConfig(32, 16, 4, 1),)  # large tiles are cheap there, tiny test shapes need several
+
+
+def configs_for(dtype: torch.dtype, head_dim: int) -> tuple[TileConfig, ...]:
+    if tu.INTERPRET:
+        return CONFIGS_INTERPRET
+    if dtype == torch.float32:
+        return CONFIGS_FP32
+    return CONFIGS_16BIT if head_dim <= 128 else CONFIGS_16BIT_WIDE
+
+
 @triton.jit
 def _find_sequence(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -113,6 +161,82 @@ def _find_sequence(
 
 
 @triton.jit
+def _attend_tile(
+    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D] fp32 unnormalized output, [BLOCK_M] running max (log2), denominator
+    q,  # [BLOCK_M, BLOCK_D]
+    k_base,  # key_cache_ptr + kv_head * stride_kh
+    v_base,  # value_cache_ptr + kv_head * stride_vh
+    table,  # block_tables_ptr + seq * stride_bts: [max_blocks_per_seq] int32
+    start,  # first position of the tile, a multiple of BLOCK_N
+    q_pos,  # [BLOCK_M] absolute position of each row (read only when MASKED)
+    seq_len, window,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One K/V tile of the online softmax. Unmasked (MASKED false) only for tiles inside the sequence that every
+    row sees whole: then there are no bounds, no mask and the scale rides in the max-subtracting FMA."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = start + offs_n
+    if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: one table read, a contiguous slice
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        k_tile = k_base + block * stride_kb + (start % BLOCK_SIZE) * stride_kt
+        v_tile = v_base + block * stride_vb + (start % BLOCK_SIZE) * stride_vt
+        k_ptrs = k_tile + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_tile + offs_n[:, None] * stride_vt + offs_d[None, :]
+    else:  # the tile spans blocks: each token's block id
+        if MASKED:
+            blocks = tl.load(table + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
+        else:
+            blocks = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + (blocks * stride_kb + (pos % BLOCK_SIZE) * stride_kt)[None, :] + offs_d[:, None]
+        v_ptrs = v_base + (blocks * stride_vb + (pos % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
+    if MASKED:  # zero rows past the sequence end: the cache there may hold NaN, and 0 * NaN is NaN
+        in_seq = pos < seq_len
+        k = tl.load(k_ptrs, mask=(offs_d[:, None] < HEAD_DIM) & in_seq[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:  # Gemma 2: cap * tanh(s / cap) in log2 units (softcap is cap * log2(e))
+        qk = softcap * _tanh(qk * (qk_scale / softcap))
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
+    if MASKED:
+        allowed = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, qk * score_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
+        p = tl.math.exp2(qk * score_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr,  # [num_q_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -128,50 +252,46 @@ def _prefill_attention_kernel(
     stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
-    head_dim,
-    block_size,
+    num_q_tokens,
     window,  # sliding window in tokens (read only when USE_WINDOW)
     softcap,  # Gemma 2's attention cap * log2(e) (read only when SOFTCAP)
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    TILE_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
+    head = tl.program_id(0)
+    tile = num_q_tokens // BLOCK_M + num_seqs - 1 - tl.program_id(1)  # the longest rows first
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_M)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= q_len:
+    q_first = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query token of the tile in its sequence
+    if q_first >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, TILE_N)
-    q_idx = q_tile * BLOCK_Q + offs_m // GROUP  # query token within the sequence
-    heads = kv_head * GROUP + offs_m % GROUP
-    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
-    d_mask = offs_d < head_dim
+    q_idx = q_first + offs_m
+    row_mask = q_idx < q_len
     tokens = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = context_len + q_idx  # absolute position of each row
+    q_pos = context_len + q_idx
 
-    first_pos = context_len + q_tile * BLOCK_Q
-    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last position any row may see
-    kv_lo = 0
-    if USE_WINDOW:
-        kv_lo = (tl.maximum(first_pos - window + 1, 0) // TILE_N) * TILE_N
+    first_pos = context_len + q_first  # of the tile's first row; its last valid row is at kv_end - 1
+    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles below it lie at or before every row's position
+    kv_head = head // GROUP
     k_base = key_cache_ptr + kv_head * stride_kh
     v_base = value_cache_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
@@ -179,19 +299,51 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(kv_lo, kv_end, TILE_N):
-        pos = start + offs_n
-        in_seq = pos < kv_end
-        allowed = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, in_seq, allowed,
-                                       offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, softcap, UPCAST, DOT_PRECISION, SOFTCAP)
+    full_start = 0
+    if USE_WINDOW:  # the window's lower edge: tiles some rows see in part
+        kv_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        for start in range(kv_start, full_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
+                                         q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
+                                         qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
+                                         USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
+    for start in range(full_start, full_end, BLOCK_N):  # every row sees these tiles whole
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
+                                     q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
+                                     USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
+                                     q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
+                                     USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def _autotuned(configs: tuple[TileConfig, ...]) -> triton.runtime.Autotuner:
+    # the dtypes of the tensor arguments are part of Triton's tuning key already
+    return triton.autotune([c.triton() for c in configs],
+                           key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "USE_WINDOW", "SOFTCAP"])(_prefill_attention_kernel)
+
+
+_TUNERS: dict[tuple[TileConfig, ...], triton.runtime.Autotuner] = {}
+
+
+def last_autotuned_config(dtype: torch.dtype, head_dim: int) -> TileConfig | None:
+    """The config the autotuner ran for the latest autotuned launch of this dtype and head size (benchmarks)."""
+    tuner = _TUNERS.get(configs_for(dtype, head_dim))
+    best = getattr(tuner, "best_config", None)
+    if best is None:
+        return None
+    return TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+
+
+def _autotune_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and not tu.INTERPRET and os.environ.get("DUET_PREFILL_AUTOTUNE", "1") != "0"
 
 
 def prefill_attention(
@@ -204,8 +356,11 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
-    """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``."""
+    """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``.
+    ``config``: pin one tile config (tests, benchmarks); None autotunes on CUDA (see the module docstring)."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                            sliding_window, softcap)
     tu.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
@@ -222,34 +377,37 @@ def prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_q_tokens == 0 or num_seqs == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    fp32 = q.dtype == torch.float32
-    # GPU: 128 x 64 tiles on the tensor cores (fp32 halves both: its tiles take twice the registers)
-    block_m = max(64 if tu.INTERPRET or fp32 else 128, tu.next_pow2(group))
-    block_q = block_m // group
-    tile_n = 32 if tu.INTERPRET or fp32 else 64
-    upcast = tu.INTERPRET  # the interpreter gets bf16 arithmetic wrong: compute in fp32 after loading
-    grid = (num_q_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_attention_kernel[grid](
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        float(scale) * _LOG2E, num_seqs, head_dim, block_size, sliding_window or 0, float(softcap or 1.0) * _LOG2E,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
+    args = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+            q.stride(0), q.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            float(scale) * _LOG2E, num_seqs, num_q_tokens, sliding_window or 0, float(softcap or 1.0) * _LOG2E)
+    constants = dict(
+        HEAD_DIM=head_dim,
         BLOCK_D=max(16, tu.next_pow2(head_dim)),
-        TILE_N=tile_n,
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None,
-        UPCAST=upcast,
-        DOT_PRECISION=tu.dot_precision(q.dtype),
         SOFTCAP=softcap is not None,
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=2 if fp32 or head_dim > 128 else 3,
+        UPCAST=tu.INTERPRET,  # the interpreter gets bf16 arithmetic wrong: compute in fp32 after loading
+        DOT_PRECISION=tu.dot_precision(q.dtype),
     )
+
+    def grid(meta):
+        return (num_q_heads, num_q_tokens // meta["BLOCK_M"] + num_seqs)
+
+    configs = configs_for(q.dtype, head_dim)
+    if config is None and len(configs) > 1 and _autotune_enabled(device):
+        tuner = _TUNERS.get(configs)
+        if tuner is None:
+            tuner = _TUNERS[configs] = _autotuned(configs)
+        tuner[grid](*args, **constants)
+        return out
+    config = config or configs[0]
+    _prefill_attention_kernel[grid](*args, **constants, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                                    num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

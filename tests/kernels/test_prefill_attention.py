@@ -3,6 +3,11 @@
 K/V of every case are read from the strided layer views of a real 6-D cache through scattered block
 tables. A batch mixes a whole prompt (prefix 0), prefix-cache hits at a block boundary and off it, a
 sequence with no new tokens, a single new token, and queries long enough to span several query tiles.
+Every tile config the launcher may pick (the autotuned sm_90 sets, fp32's, the interpreter's) runs the same
+cases, pinned: the kernel's three loops (window edge, whole tiles, causal diagonal) and both ways of reading
+a tile (inside one cache block, or gathered across blocks) change with BLOCK_M, BLOCK_N and the block size.
+On CUDA the other tests pin the first config too (``DUET_PREFILL_AUTOTUNE=0``, so the suite does not tune
+every case); ``test_autotuned_launch_on_cuda`` tunes once.
 """
 from __future__ import annotations
 
@@ -10,9 +15,15 @@ import pytest
 import torch
 
 from kernels.decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels import prefill_attention as pa
+from kernels.prefill_attention import TileConfig, prefill_attention, prefill_attention_ref
 from kernels.store_kv import store_kv
 from tests.kernels.paged import DEVICE, assert_close, block_tables, kv_cache, layer_views, lens_tensor
+
+@pytest.fixture(autouse=True)
+def untuned(monkeypatch):
+    monkeypatch.setenv("DUET_PREFILL_AUTOTUNE", "0")
+
 
 # (new query tokens, cached prefix tokens) per sequence
 BATCH = [(17, 0), (9, 13), (40, 16), (0, 5), (1, 30)]
@@ -124,3 +135,58 @@ def test_rejects_bad_arguments_by_name(change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         prefill_attention(**args)
+
+
+# long enough for whole tiles at BLOCK_M 128: a prompt, prefix hits on and off a tile edge, a decode-like row
+LONG_BATCH = [(300, 0), (129, 200), (1, 77), (0, 5), (64, 64)]
+SMALL_CONFIGS = (TileConfig(16, 64, 4, 1),)  # BLOCK_N > BLOCK_M
+ALL_CONFIGS = sorted(set(pa.CONFIGS_16BIT + pa.CONFIGS_FP32 + pa.CONFIGS_INTERPRET + SMALL_CONFIGS),
+                     key=lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
+
+
+def _config_id(c: TileConfig) -> str:
+    return f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}"
+
+
+@pytest.mark.parametrize("window", [None, 5, 150], ids=["causal", "window5", "window150"])
+@pytest.mark.parametrize("block_size", [8, 64], ids=["gather8", "block64"])
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=_config_id)
+def test_every_tile_config(config, block_size, window):
+    """A window of 5 is narrower than any tile (no whole tiles: every visited tile masked), 150 spans several;
+    block 64 puts tiles of <= 64 tokens inside one block, block 8 makes every tile gather."""
+    args = _case(64, 4, 2, block_size, torch.float16, batch=LONG_BATCH, seed=1)
+    scale = 64 ** -0.5
+    assert_close(prefill_attention(*args, scale, window, config=config), prefill_attention_ref(*args, scale, window))
+
+
+@pytest.mark.parametrize("config", pa.CONFIGS_16BIT_WIDE, ids=_config_id)
+def test_wide_heads(config):
+    """head_dim > 128 (Gemma 2's 256; 160 pads to 256) with a window and a cap, in its own configs."""
+    q, kc, vc, tables, cu, lens = _case(160, 4, 2, 32, torch.bfloat16, batch=[(70, 0), (40, 33)])
+    args, scale = (q * 4, kc, vc, tables, cu, lens), 160 ** -0.5
+    want = prefill_attention_ref(*args, scale, 48, softcap=2.0)
+    assert_close(prefill_attention(*args, scale, 48, softcap=2.0, config=config), want)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_slots_past_the_sequence_end_are_never_used(block_size):
+    """The last block of a sequence is read whole on the fast path: NaN in its unused slots (what an
+    uninitialised cache may hold) must not reach the output (0 * NaN is NaN: masked V rows load as 0)."""
+    q, kc, vc, tables, cu, lens = _case(64, 4, 2, block_size, torch.float16, batch=[(37, 20), (50, 0)])
+    for s, n in enumerate(lens.tolist()):
+        for p in range(n, tables.shape[1] * block_size):
+            block = int(tables[s, p // block_size])
+            kc[block, p % block_size] = float("nan")
+            vc[block, p % block_size] = float("nan")
+    want = prefill_attention_ref(q, kc, vc, tables, cu, lens, 0.125)
+    for config in (TileConfig(32, 64, 4, 1), pa.configs_for(q.dtype, 64)[0]):
+        assert_close(prefill_attention(q, kc, vc, tables, cu, lens, 0.125, config=config), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="autotuning needs a CUDA device; elsewhere one config runs")
+def test_autotuned_launch_on_cuda(monkeypatch):
+    monkeypatch.delenv("DUET_PREFILL_AUTOTUNE")
+    args = _case(128, 8, 2, 16, torch.bfloat16, batch=LONG_BATCH)
+    assert_close(prefill_attention(*args, 128 ** -0.5), prefill_attention_ref(*args, 128 ** -0.5))
+    assert pa.last_autotuned_config(torch.bfloat16, 128) in pa.CONFIGS_16BIT
