@@ -163,7 +163,16 @@ def _sdpa_flash(s: Setup):
         if s.small:
             return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            try:
+                return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            except RuntimeError as exc:  # a torch whose flash path takes no GQA here: the same FLOPs, heads expanded
+                if not expanded:
+                    print(f"  sdpa flash: no GQA with the lower-right mask ({str(exc)[:120]}): K/V heads expanded")
+                    expanded.append(True)
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                return sdpa(q, k, v, attn_mask=mask, scale=scale)
+    expanded: list[bool] = []
     return run
 
 
