@@ -5,8 +5,8 @@
 #   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm, prefill
 #
 # prefill (issue 51, ~3 min): the prefill attention tests compiled on the GPU (every tile config, pinned), then
-# python -m bench.bench_kernels --prefill --with-v1 (the autotuned kernel, each config, the kernel before issue 51
-# and SDPA flash at 4 x 2048, 1 x 16384 and 4 x (1024 + 1024 cached) tokens, paged blocks of 16 and 128).
+# python -m bench.bench_kernels --prefill (the autotuned kernel, each config,
+# and SDPA's flash, cuDNN and default backends at 4 x 2048, 1 x 16384 and 4 x (1024 + 1024 cached) tokens, paged blocks of 16 and 128).
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md "GPU runs": gguf,
 # llguidance, jsonschema + its three, redis, nixl + a trimmed nixl_cu13); they are installed into /tmp/site.
@@ -77,7 +77,7 @@ for s in $STAGES; do
         xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
         stage prefill-tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
             tests/kernels/test_prefill_attention.py
-        stage prefill 240 $PY -m bench.bench_kernels --prefill --with-v1
+        stage prefill 240 $PY -m bench.bench_kernels --prefill
         ;;
     gemm)  # our GEMM's tile configs at decode shapes in CUDA graphs (~40 s)
         stage gemm 120 $PY -m bench.gemm_sweep

@@ -126,7 +126,7 @@ class TileConfig:
 # sit at the 255-register limit (a few spills with a window or a cap): the autotuner weighs that. The first
 # config of each list is the one used untuned; head_dim > 128 halves a tile dim to keep the fp32 accumulator.
 CONFIGS_16BIT = (TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 5), TileConfig(128, 128, 8, 3),
-                 TileConfig(64, 64, 4, 3))
+                 TileConfig(128, 128, 8, 4), TileConfig(64, 64, 4, 3), TileConfig(64, 128, 4, 3))
 CONFIGS_16BIT_WIDE = (TileConfig(64, 64, 8, 3), TileConfig(128, 32, 8, 3))
 CONFIGS_FP32 = (TileConfig(64, 32, 4, 2),)  # fp32 is the correctness path (3xTF32 dots), not a fast one
 CONFIGS_INTERPRET = (TileConfig(32, 16, 4, 1),)  # large tiles are cheap there, tiny test shapes need several
