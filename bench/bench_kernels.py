@@ -49,6 +49,7 @@ from kernels.decode_attention import paged_decode_attention, paged_decode_attent
 from kernels.gemm import gemm, quantize_weight_int8, w8a16_gemm, w8a16_gemm_ref  # noqa: E402
 from kernels import prefill_attention as pa  # noqa: E402
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
+from kernels import prefill_tiles as tiles  # noqa: E402
 from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 # HBM peak in TB/s by device name (first match wins: most specific names first)
@@ -216,7 +217,7 @@ def bench_prefill_study(s: Setup) -> None:
     cases = ([("2 x 40", 2, 40, 0), ("1 x 96", 1, 96, 0), ("2 x (24 + 24 cached)", 2, 24, 24)] if s.small else
              [("4 x 2048", 4, 2048, 0), ("1 x 16384", 1, 16384, 0), ("4 x (1024 + 1024 cached)", 4, 1024, 1024)])
     block_sizes = (8, 32) if s.small else (16, 128)
-    configs = pa.configs_for(s.dtype, s.head_dim)
+    configs = tiles.configs_for(s.dtype, s.head_dim)
     scale = s.head_dim ** -0.5
     sdpa = _sdpa_flash(s)
     for name, batch, new, cached in cases:
@@ -250,7 +251,7 @@ def bench_prefill_study(s: Setup) -> None:
             print(f"prefill {name} block {block_size} ratio: {ms_ref / ms:.3f} (triton / sdpa flash)")
 
 
-def _config_name(c: pa.TileConfig) -> str:
+def _config_name(c: tiles.TileConfig) -> str:
     return f"BLOCK_M {c.block_m} BLOCK_N {c.block_n} warps {c.num_warps} stages {c.num_stages}"
 
 

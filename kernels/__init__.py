@@ -13,6 +13,6 @@ A slot is ``block_id * block_size + offset``.
 Where Triton runs: ``_triton_utils.triton_available(device)`` is True on CUDA, and on CPU when the kernels
 were built in interpreter mode: TRITON_INTERPRET=1 must be in the environment *before* the first import of a
 kernel module (Triton 3.9 picks interpreted or compiled functions when ``@triton.jit`` runs). Launchers raise
-a ValueError naming the argument otherwise. ``_paged_kv.attend_kv_tile`` is the online-softmax step shared
-by decode and prefill attention.
+a ValueError naming the argument otherwise. ``_paged_kv.attend_kv_tile`` is decode attention's online-softmax
+step (its tanh serves prefill's soft-cap too); prefill attention's tile configs live in ``prefill_tiles``.
 """

@@ -16,7 +16,9 @@ import torch
 
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels import prefill_attention as pa
-from kernels.prefill_attention import TileConfig, prefill_attention, prefill_attention_ref
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels import prefill_tiles as tiles
+from kernels.prefill_tiles import TileConfig
 from kernels.store_kv import store_kv
 from tests.kernels.paged import DEVICE, assert_close, block_tables, kv_cache, layer_views, lens_tensor
 
@@ -140,7 +142,7 @@ def test_rejects_bad_arguments_by_name(change, error, match):
 # long enough for whole tiles at BLOCK_M 128: a prompt, prefix hits on and off a tile edge, a decode-like row
 LONG_BATCH = [(300, 0), (129, 200), (1, 77), (0, 5), (64, 64)]
 SMALL_CONFIGS = (TileConfig(16, 64, 4, 1),)  # BLOCK_N > BLOCK_M
-ALL_CONFIGS = sorted(set(pa.CONFIGS_16BIT + pa.CONFIGS_FP32 + pa.CONFIGS_INTERPRET + SMALL_CONFIGS),
+ALL_CONFIGS = sorted(set(tiles.CONFIGS_16BIT + tiles.CONFIGS_FP32 + tiles.CONFIGS_INTERPRET + SMALL_CONFIGS),
                      key=lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
 
 
@@ -159,7 +161,7 @@ def test_every_tile_config(config, block_size, window):
     assert_close(prefill_attention(*args, scale, window, config=config), prefill_attention_ref(*args, scale, window))
 
 
-@pytest.mark.parametrize("config", pa.CONFIGS_16BIT_WIDE, ids=_config_id)
+@pytest.mark.parametrize("config", tiles.CONFIGS_16BIT_WIDE, ids=_config_id)
 def test_wide_heads(config):
     """head_dim > 128 (Gemma 2's 256; 160 pads to 256) with a window and a cap, in its own configs."""
     q, kc, vc, tables, cu, lens = _case(160, 4, 2, 32, torch.bfloat16, batch=[(70, 0), (40, 33)])
@@ -179,7 +181,7 @@ def test_slots_past_the_sequence_end_are_never_used(block_size):
             kc[block, p % block_size] = float("nan")
             vc[block, p % block_size] = float("nan")
     want = prefill_attention_ref(q, kc, vc, tables, cu, lens, 0.125)
-    for config in (TileConfig(32, 64, 4, 1), pa.configs_for(q.dtype, 64)[0]):
+    for config in (TileConfig(32, 64, 4, 1), tiles.configs_for(q.dtype, 64)[0]):
         assert_close(prefill_attention(q, kc, vc, tables, cu, lens, 0.125, config=config), want)
 
 
@@ -189,4 +191,4 @@ def test_autotuned_launch_on_cuda(monkeypatch):
     monkeypatch.delenv("DUET_PREFILL_AUTOTUNE")
     args = _case(128, 8, 2, 16, torch.bfloat16, batch=LONG_BATCH)
     assert_close(prefill_attention(*args, 128 ** -0.5), prefill_attention_ref(*args, 128 ** -0.5))
-    assert pa.last_autotuned_config(torch.bfloat16, 128) in pa.CONFIGS_16BIT
+    assert pa.last_autotuned_config(torch.bfloat16, 128) in tiles.CONFIGS_16BIT
