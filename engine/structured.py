@@ -46,6 +46,7 @@ cheaper but it imports torch and compiled a pattern-heavy schema in 0.6 s (docs/
   inside long free strings, where most of the vocabulary is allowed), applying it ~19 µs (a 0 / -inf bias
   looked up per mask byte and added: constant time, unlike ``masked_fill_``), accepting 1-2 µs.
   :func:`mask_logits_batch` (what the sampler calls) does several rows at once.
+- **Tool-call lists** (``CallListOutput``) also end at their first repeated call: engine/call_lists.py.
 - **Threads**: one matcher is used by one thread at a time (the engine thread); the backend's cache is
   locked, so matchers may be created from any thread.
 """
@@ -63,6 +64,7 @@ import jsonschema
 import llguidance
 import numpy as np
 
+from engine.call_lists import CallListOutput, RepeatGuard, TokenTable
 from engine.errors import InvalidRequestError
 from engine.request import StructuredOutput
 
@@ -214,6 +216,7 @@ class GrammarBackend:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
         token_bytes = tokenizer.token_bytes()
+        self._token_bytes, self._special_ids = token_bytes, tokenizer.special_token_ids
         if vocab_size < len(token_bytes):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(token_bytes)} ids")
         self.vocab_size = vocab_size
@@ -227,6 +230,7 @@ class GrammarBackend:
         self._num_mask_words = (vocab_size + 31) // 32
         self._fresh: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._table: TokenTable | None = None  # the repeat rule's view of the vocabulary, built on first use
 
     def matcher(self, spec: StructuredOutput, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A matcher at the start of the output, or after ``output_token_ids`` (rebuilding one after a
@@ -241,10 +245,17 @@ class GrammarBackend:
             else:
                 self._fresh.move_to_end(spec)
             ll_matcher = fresh.deep_copy()
-        matcher = GrammarMatcher(ll_matcher, self._num_mask_words, self.vocab_size)
+        guard = RepeatGuard(self._token_table(), spec.list_depth) if isinstance(spec, CallListOutput) else None
+        matcher = GrammarMatcher(ll_matcher, self._num_mask_words, self.vocab_size, guard)
         for token_id in output_token_ids:
             matcher.accept(token_id)
         return matcher
+
+    def _token_table(self) -> TokenTable:
+        with self._lock:
+            if self._table is None:
+                self._table = TokenTable(self._token_bytes, self._special_ids)
+            return self._table
 
     def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         ll_matcher = llguidance.LLMatcher(self._ll_tokenizer, _grammar_of(spec), log_level=0)
@@ -257,8 +268,10 @@ class GrammarMatcher:
     """One request's grammar state. Not thread-safe, not picklable: rebuild with
     ``GrammarBackend.matcher(spec, output_token_ids)``."""
 
-    def __init__(self, ll_matcher: llguidance.LLMatcher, num_mask_words: int, vocab_size: int):
+    def __init__(self, ll_matcher: llguidance.LLMatcher, num_mask_words: int, vocab_size: int,
+                 guard: RepeatGuard | None = None):
         self._ll = ll_matcher
+        self._guard = guard  # a tool-call list's repeat rule (engine/call_lists.py), narrowing the masks
         self._bitmask = np.empty((1, num_mask_words), dtype=np.int32)  # one bit per token id, 1 = allowed
         self._vocab_size = vocab_size
 
@@ -266,6 +279,14 @@ class GrammarMatcher:
         """Advance by one sampled token; RuntimeError if the grammar did not allow it."""
         if not self._ll.consume_token(token_id):
             raise RuntimeError(f"token {token_id} is not allowed by the grammar: {self._ll.get_error()}")
+        if self._guard is not None:
+            self._guard.accept(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepts (speculative decoding's refused drafts)."""
+        self._ll.rollback(num_tokens)
+        if self._guard is not None:
+            self._guard.rollback(num_tokens)
 
     def mask_logits(self, logits_row: torch.Tensor) -> None:
         """In place: -inf on every token the grammar forbids now. ``logits_row``: [vocab_size] float."""
@@ -280,6 +301,8 @@ class GrammarMatcher:
             raise ValueError(f"bitmask_row must be contiguous int32 of shape {self._bitmask.shape[1:]}")
         self._ll.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
         self._raise_if_error()
+        if self._guard is not None:
+            self._guard.restrict(bitmask_row)
 
     @property
     def is_terminated(self) -> bool:
@@ -306,8 +329,10 @@ def mask_logits_batch(matchers: Sequence[GrammarMatcher], logits: torch.Tensor, 
     if len(matchers) > 1 and (os.cpu_count() or 1) >= _MIN_CPUS_FOR_PARALLEL_MASKS:
         _executor().unsafe_compute_mask_ptr([(m._ll, i) for i, m in enumerate(matchers)],
                                             bitmask.ctypes.data, bitmask.shape[1] * 4, len(matchers))
-        for m in matchers:
+        for m, row in zip(matchers, bitmask):
             m._raise_if_error()
+            if m._guard is not None:
+                m._guard.restrict(row)
     else:
         for m, row in zip(matchers, bitmask):
             m.fill_bitmask(row)

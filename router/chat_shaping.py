@@ -14,16 +14,26 @@ are equal by construction whatever the chunking — several tokens per delta inc
 - **Tool calls** (router/tool_formats.py parses them in the plan's format): each call gets an id unique in the
   response (``call_`` + 24 hex digits) and its index among the choice's calls. Text before the first call is
   content as written; blank text before, between or after calls is dropped (content is then null, as vLLM's).
+- **Calls not returned**, each logged and reported to ``Shaping.report`` (the HTTP front door counts them:
+  ``duet_tool_calls_dropped_total{format, reason}``): ``repeat``, a call identical (name and arguments, key order
+  aside) to an earlier call of the turn — in a grammar-held list the grammar ended the list there
+  (engine/call_lists.py); ``unfinished``, the output ended inside it (max_tokens: the complete calls before it
+  are returned, finish_reason stays ``length``); ``extra``, a second call with ``parallel_tool_calls`` false. A
+  named call's arguments cut short are returned as content: that output is no list of calls.
 """
 from __future__ import annotations
 
 import json
+import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.openai_tools import ToolPlan
 from engine.stopping import held_chars
-from router.tool_formats import Call, Text, call_of
+from router.tool_formats import Call, CallListReader, Dropped, Text
+
+log = logging.getLogger(__name__)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -58,6 +68,7 @@ class Shaping:
     thinks: bool = False
     starts_thinking: bool = False
     keep_special_tokens: bool = False  # a marker the shaper reads is a special token: the engine must write it
+    report: Callable[[str, str], None] | None = field(default=None, compare=False)  # (format, reason) per dropped call
 
     @property
     def active(self) -> bool:
@@ -72,11 +83,14 @@ class MessageShaper:
         self.shaping = shaping
         plan = shaping.plan
         calls = plan is not None and plan.parses_calls
-        # native formats: required / named outputs are vLLM's JSON calls; auto is the template's format
-        self.whole = calls and plan.fmt.native and plan.mode in ("required", "named")
-        self.calls = plan.fmt.parser() if calls and not self.whole else None  # the generic format: every mode
+        # native formats: required / named outputs are vLLM's JSON (a list of calls / the arguments); auto is the
+        # template's format; the generic format's parser reads every mode
+        native_json = calls and plan.fmt.native and plan.mode in ("required", "named")
+        self.whole = native_json and plan.mode == "named"
+        self.calls = (CallListReader(0) if native_json else plan.fmt.parser()) if calls and not self.whole else None
         self.think = _ThinkSplit(shaping.starts_thinking) if shaping.thinks else None
         self.num_calls = 0
+        self.made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls returned
         self.content_started = False
         self.pending_blank = ""
         self.buffer = ""  # required / named: the whole output
@@ -129,27 +143,37 @@ class MessageShaper:
                     self.pending_blank, self.content_started = "", True
                 else:
                     self.pending_blank = text  # blanks before, between or after calls: held
+            elif isinstance(event, Dropped):
+                self._drop(event.reason, event.text)
             elif isinstance(event, Call):
-                if self.num_calls and not self.shaping.plan.parallel:
-                    continue  # parallel_tool_calls false: at most one call (the first)
-                self.pending_blank = ""
-                part.tool_calls.append(self._call(event))
+                self._add_call(part, event)
+
+    def _add_call(self, part: MessagePart, call: Call) -> None:
+        key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+        if key in self.made:
+            self._drop("repeat", f"{call.name} {call.arguments}")
+        elif self.num_calls and not self.shaping.plan.parallel:
+            self._drop("extra", f"{call.name} {call.arguments}")  # parallel_tool_calls false: the first call only
+        else:
+            self.made.add(key)
+            self.pending_blank = ""
+            part.tool_calls.append(self._call(call))
+
+    def _drop(self, reason: str, text: str) -> None:
+        fmt = self.shaping.plan.fmt.name
+        log.info("tool call not returned (%s, %s format): %.200s", reason, fmt, text)
+        if self.shaping.report is not None:
+            self.shaping.report(fmt, reason)
 
     def _whole_calls(self, part: MessagePart) -> None:
-        """required: ``[{"name", "parameters"}, ...]``; named: the arguments object (both held by the grammar;
-        a document cut short by max_tokens is returned as content)."""
+        """named: the output is the arguments object (held by the grammar; cut short by max_tokens, it is returned
+        as content)."""
         try:
             doc = json.loads(self.buffer)
         except json.JSONDecodeError:
             part.content += self.buffer
             return
-        plan = self.shaping.plan
-        calls = [call_of(d) for d in doc] if plan.mode == "required" else [
-            Call(plan.named, json.dumps(doc, ensure_ascii=False))]
-        if not calls or any(c is None for c in calls):
-            part.content += self.buffer
-            return
-        part.tool_calls += [self._call(c) for c in calls]
+        self._add_call(part, Call(self.shaping.plan.named, json.dumps(doc, ensure_ascii=False)))
 
     def _call(self, call: Call) -> dict:
         index = self.num_calls

@@ -27,6 +27,7 @@ Errors are always OpenAI bodies ``{"error": {message, type, param, code}}`` (rou
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -43,6 +44,7 @@ from router.http_errors import (
     ApiError, ClientGone, api_key_check, error_response, health_error, install_error_handlers, parse_body,
 )
 from router.chat_format import ChatFormat
+from router.chat_shaping import Shaping
 from router.openai_base import error_body
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from router.openai_responses import ChatResponses, ChoiceState, CompletionResponses, ResponseBuilder
@@ -117,12 +119,20 @@ class _OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
         self.check_model(body.model)
-        prompt_ids, shaping = self.chat_format.prompt(body)
+        prompt_ids, shaping = self.chat_prompt(body)
         if shaping.plan is not None and self.metrics is not None:
             self.metrics.tool_requests.labels(shaping.plan.fmt.name, shaping.plan.metric_mode).inc()
         return await self._generate(request, body, [prompt_ids], functools.partial(ChatResponses, shaping=shaping),
                                     tool_constraint=shaping.plan.constraint if shaping.plan else None,
                                     keep_special_tokens=shaping.keep_special_tokens)
+
+    def chat_prompt(self, body) -> tuple[list[int], Shaping]:
+        """A chat body's prompt ids and shaping, with the tool calls its responses drop counted."""
+        prompt_ids, shaping = self.chat_format.prompt(body)
+        if shaping.plan is not None and self.metrics is not None:
+            dropped = self.metrics.tool_calls_dropped
+            shaping = dataclasses.replace(shaping, report=lambda fmt, reason: dropped.labels(fmt, reason).inc())
+        return prompt_ids, shaping
 
     async def responses(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest, self.max_request_bytes)

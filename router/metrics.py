@@ -90,6 +90,11 @@ class RouterMetrics:
                                      "tools enforced by a grammar; auto_strict_parsed: a format duet cannot enforce "
                                      "them in, parsed only, a fallback).", ("format", "mode"),
                                      registry=r)
+        self.tool_calls_dropped = Counter("duet_tool_calls_dropped", "Tool calls a chat response did not return, by "
+                                          "format and reason: repeat (identical to an earlier call of the turn; in a "
+                                          "grammar-held list the grammar ended the list there), unfinished (the output "
+                                          "ended inside it, e.g. max_tokens), extra (parallel_tool_calls false).",
+                                          ("format", "reason"), registry=r)
         self.cold_start_time = Histogram("duet_worker_cold_start_seconds", "Workers started, from the actor spawned "
                                          "to it ready (model loaded, handshakes done).", ("role",),
                                          buckets=LIFECYCLE_BUCKETS_S, registry=r)

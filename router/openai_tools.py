@@ -11,7 +11,8 @@ Modes, as OpenAI defines them and vLLM enforces them:
   When a tool is ``strict`` and the format has a start marker (hermes), its calls are enforced by a lazy
   grammar: free text until ``<tool_call>``, then that tool's arguments schema (llguidance structural tags).
 - ``required``: at least one call, enforced: the output is a JSON array of ``{"name", "parameters"}`` objects,
-  each valid against its tool (exactly one when ``parallel_tool_calls`` is false) — vLLM's schema.
+  each valid against its tool (exactly one when ``parallel_tool_calls`` is false) — vLLM's schema. A list that
+  may hold several calls ends at its first repeated call (``CallListOutput``: engine/call_lists.py).
 - named (``{"type": "function", "function": {"name": …}}``): that call, enforced: the output is its arguments.
 finish_reason is ``tool_calls`` when calls were made, ``stop`` for a named call (OpenAI's rule).
 
@@ -34,9 +35,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from engine.call_lists import CallListOutput
 from engine.errors import InvalidRequestError
 from engine.request import StructuredOutput
-from engine.structured import generation_schema, structured_output
+from engine.structured import check_structured_output, generation_schema, structured_output
 from router.openai_base import BadRequest, StrictModel
 from router.tool_formats import ToolFormat
 
@@ -132,12 +134,14 @@ class ToolPlan:
     # ---- the grammar ------------------------------------------------------------------------------------
     def _constraint(self) -> StructuredOutput | None:
         tools = [t for t in self.tools if self.named is None or t.function.name == self.named]
+        many = self.parallel and self.mode != "named"  # a list of calls that may hold several
         if not self.fmt.native:
-            return None if self.mode == "none" else _schema(_generic_schema(tools, self.mode, self.parallel))
+            return None if self.mode == "none" else \
+                _schema(_generic_schema(tools, self.mode, self.parallel), list_depth=1 if many else None)
         if self.mode == "named":
             return _schema(_embedded({tools[0].function.name: _parameters(tools[0])}, lambda p: next(iter(p.values()))))
         if self.mode == "required":
-            return _schema(_required_schema(tools, self.parallel))
+            return _schema(_required_schema(tools, self.parallel), list_depth=0 if many else None)
         if self.mode == "auto" and any(t.function.strict for t in tools):
             return _strict_auto(tools, self.fmt)
         return None
@@ -182,8 +186,13 @@ def _parameters(tool: ToolDef) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else EMPTY_PARAMETERS
 
 
-def _schema(schema: dict[str, Any]) -> StructuredOutput:
-    return structured_output("json_schema", json.dumps(schema))
+def _schema(schema: dict[str, Any], list_depth: int | None = None) -> StructuredOutput:
+    """The checked spec; ``list_depth``: a list of calls at that depth, ended at its first repeated call."""
+    if list_depth is None:
+        return structured_output("json_schema", json.dumps(schema))
+    spec = CallListOutput("json_schema", json.dumps(schema), list_depth)
+    check_structured_output(spec)
+    return spec
 
 
 def _required_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:

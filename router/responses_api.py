@@ -259,7 +259,7 @@ async def serve_response(server, request, body: ResponsesRequest) -> Response:
     """Run ``body`` on ``server`` (router/http_api.py's): the chat path, shaped into Responses output."""
     chat = body.chat_body()
     server.check_model(chat.model)
-    prompt_ids, shaping = server.chat_format.prompt(chat)
+    prompt_ids, shaping = server.chat_prompt(chat)
     [params] = chat.sampling_params(len(prompt_ids), server.backend.card.max_model_len, server.salt_for(request),
                                     shaping.plan.constraint if shaping.plan else None, shaping.keep_special_tokens)
     server.backend.check_request(prompt_ids, params)

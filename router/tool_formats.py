@@ -21,6 +21,13 @@ marker, whatever the chunking — a character per delta or a whole output at onc
 SGLang's streaming bugs came from parsers that assumed one token per delta). A call is released whole when its
 payload is complete (Dynamo's choice): its arguments are JSON text, the same streamed or not. A payload that does
 not parse is the model's text and is released as content, never dropped.
+
+**An output cut inside its calls** (max_tokens, a stop string): the calls that were complete are calls, and the
+unfinished one is dropped (a :class:`Dropped` event, which router/chat_shaping.py logs and counts) — never the raw
+list as content, which no OpenAI client reads as calls. A JSON list of calls (the generic format's, vLLM's
+``required`` array, Mistral's) is read by :class:`CallListReader`, which releases each call as soon as its object
+is complete, streamed or not; an unclosed hermes or Llama payload that is an unclosed JSON object is an
+unfinished call.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.call_lists import ListScanner
 from engine.stopping import held_chars  # text that may still become a marker, as for stop strings
 
 
@@ -42,7 +50,16 @@ class Call:
     arguments: str  # a JSON object, as text
 
 
-Event = Text | Call
+@dataclass(frozen=True)
+class Dropped:
+    """A call that is not returned, and why: ``unfinished`` (the output ended inside it) here; router/chat_shaping.py
+    adds ``repeat`` and ``extra``."""
+
+    reason: str
+    text: str
+
+
+Event = Text | Call | Dropped
 
 
 def call_of(obj, args_keys=("arguments", "parameters")) -> Call | None:
@@ -75,13 +92,69 @@ def calls_of(payload: str, *, many: bool = False, sep: str | None = None) -> lis
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def unfinished_object(text: str) -> bool:
+    """Whether ``text`` opens a JSON object that it does not close (a call the output ended inside)."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return False
+    scan = ListScanner(0)  # no list at the top of an object: only its depth is read
+    scan.feed(text)
+    return scan.depth > 0
+
+
+def cut_calls(payload: str, *, many: bool = False, sep: str | None = None) -> list[Event] | None:
+    """A payload the output ended inside, as :func:`calls_of` reads it: its complete calls and the unfinished one
+    :class:`Dropped`; None when it is not a cut call payload (then it is text)."""
+    text = payload.strip()
+    if sep is not None and sep in text:
+        *whole, last = text.split(sep)
+        calls = [calls_of(part) for part in whole if part.strip()]
+        if any(c is None for c in calls) or not unfinished_object(last):
+            return None
+        return [c for cs in calls for c in cs] + [Dropped("unfinished", last.strip())]
+    if many and text.startswith("["):
+        reader = CallListReader(0)
+        events = reader.feed(text) + reader.finish()
+        return None if reader.closed or any(isinstance(e, Text) for e in events) else events
+    return [Dropped("unfinished", text)] if unfinished_object(text) else None
+
+
+class CallListReader:
+    """A JSON list of calls as its text arrives (the list at container depth ``list_depth``:
+    engine/call_lists.py :class:`ListScanner`): each call released once its object is complete; at the end, one
+    the output ended inside is :class:`Dropped`. An item that is not a call is text (under a grammar, never)."""
+
+    def __init__(self, list_depth: int) -> None:
+        self.scan = ListScanner(list_depth)
+
+    @property
+    def closed(self) -> bool:
+        return self.scan.closed
+
+    def feed(self, text: str) -> list[Event]:
+        return [_call_or_text(item) for item in self.scan.feed(text)]
+
+    def finish(self) -> list[Event]:
+        item, self.scan.item = self.scan.item, None
+        return [Dropped("unfinished", item)] if item is not None and not self.scan.closed else []
+
+
+def _call_or_text(item: str) -> Event:
+    try:
+        call = call_of(json.loads(item))
+    except json.JSONDecodeError:
+        call = None
+    return call if call is not None else Text(item)
+
+
 class MarkerParser:
     """Text, and calls in payloads after one of ``starts`` up to ``end`` (None: the end of the output).
-    ``bare_json``: an output whose first non-blank character is ``{`` is a payload too (Llama 3.1's JSON calls)."""
+    ``bare_json``: an output whose first non-blank character is ``{`` is a payload too (Llama 3.1's JSON calls).
+    ``cut``: a payload the output ended inside → its events (:func:`cut_calls`), or None for text."""
 
     def __init__(self, starts: tuple[str, ...], end: str | None, payload: Callable[[str], list[Call] | None],
-                 bare_json: bool = False) -> None:
-        self.starts, self.end, self.payload, self.bare_json = starts, end, payload, bare_json
+                 bare_json: bool = False, cut: Callable[[str], list[Event] | None] = cut_calls) -> None:
+        self.starts, self.end, self.payload, self.bare_json, self.cut = starts, end, payload, bare_json, cut
         self.buf, self.marker, self.in_call, self.seen_text = "", "", False, False
 
     def feed(self, text: str) -> list[Event]:
@@ -132,6 +205,8 @@ class MarkerParser:
 
     def _release(self, out: list[Event], payload: str, end: str) -> None:
         calls = self.payload(payload)
+        if calls is None and not end:  # the output ended inside the payload
+            calls = self.cut(payload)
         if calls is None:
             _text(out, self.marker + payload + end)  # not a call after all: the model's text
         else:
@@ -139,13 +214,15 @@ class MarkerParser:
 
 
 class GenericParser:
-    """The generic format's output: ``{"tool_calls": [...]}`` → calls (at the end), ``{"response": "…"}`` → its
-    text, decoded and released as it arrives. Anything else (a cut-off document) is released as text."""
+    """The generic format's output: ``{"tool_calls": [...]}`` → each call as soon as it is complete
+    (:class:`CallListReader`), ``{"response": "…"}`` → its text, decoded and released as it arrives. Anything else
+    is released as text."""
 
     RESPONSE, CALLS = '{"response":"', '{"tool_calls":'
 
     def __init__(self) -> None:
         self.buf, self.mode, self.pos = "", None, 0
+        self.calls = CallListReader(1)
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
@@ -163,17 +240,14 @@ class GenericParser:
             return out
         if self.mode == "response":
             return self._decode_string()
+        if self.mode == "calls":
+            text, self.buf = self.buf, ""
+            return self.calls.feed(text)
         return []
 
     def finish(self) -> list[Event]:
         if self.mode == "calls":
-            try:
-                calls = [call_of(c) for c in json.loads(self.buf)["tool_calls"]]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                calls = None
-            if calls and all(c is not None for c in calls):
-                return list(calls)
-            return [Text(self.buf)]
+            return self.calls.finish()
         if self.mode in (None, "text") and self.buf:
             return [Text(self.buf)]
         return []
@@ -238,11 +312,13 @@ FORMATS = {
     "hermes": ToolFormat("hermes", True, lambda: MarkerParser(("<tool_call>",), "</tool_call>", calls_of),
                          start="<tool_call>", markers=("<tool_call>", "</tool_call>")),
     "mistral": ToolFormat("mistral", True, lambda: MarkerParser(("[TOOL_CALLS]",), None,
-                                                                lambda p: calls_of(p, many=True)),
+                                                                lambda p: calls_of(p, many=True),
+                                                                cut=lambda p: cut_calls(p, many=True)),
                           start="[TOOL_CALLS]", markers=("[TOOL_CALLS]",)),
     "llama3_json": ToolFormat("llama3_json", True, lambda: MarkerParser(("<|python_tag|>",), None,
                                                                         lambda p: calls_of(p, sep=";"),
-                                                                        bare_json=True),
+                                                                        bare_json=True,
+                                                                        cut=lambda p: cut_calls(p, sep=";")),
                               markers=("<|python_tag|>",)),
     "generic": ToolFormat("generic", False, GenericParser),
 }

@@ -171,6 +171,6 @@ class GrammarCursor:
         self._bits = None
 
     def close(self) -> None:
-        if self._num_consumed:  # GrammarMatcher has no public rollback yet: llguidance's, through the wrapper
-            self.matcher._ll.rollback(self._num_consumed)
+        if self._num_consumed:
+            self.matcher.rollback(self._num_consumed)
         self._num_consumed = 0

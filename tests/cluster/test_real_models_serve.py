@@ -8,7 +8,8 @@ token with transformers — raw completions and multi-turn chat through the offi
     Paris, also as the README's curl asks it (no max_tokens: the rest of the context);
 (c) a Llama-3-rope checkpoint saved by transformers 5.
 
-Then that same `make run` server of the GGUF for the API features (issue 14) and the agent clients (issue 25).
+Then that same `make run` server of the GGUF for the API features (issue 14), the agent clients (issue 25) and the
+structured-output clients (issue 46: pydantic-ai, instructor, a call list cut by max_tokens).
 """
 from __future__ import annotations
 
@@ -275,3 +276,18 @@ def test_agent_clients_against_duet_serve_with_smollm2(ray_session, smollm2_serv
     stats = serve_worker_stats(ray_session)
     assert stats["prefill-0"]["num_handoffs"] - handoffs_before >= 7  # every call went through the handoff
     assert stats["decode-0"]["num_remote_recomputes"] == 0
+
+
+def test_structured_output_clients_against_duet_serve_with_smollm2(ray_session, smollm2_served):
+    """Issue 46 on the real model through `duet serve`, disaggregated: pydantic-ai's output tools (its default:
+    ``tool_choice: "required"``, one tool, parallel calls allowed — SmolLM2 repeated the call until max_tokens cut
+    the list, returned as text) and instructor's TOOLS mode, streamed and not, ``parallel_tool_calls`` absent and
+    false; a response cut inside its call list returns its complete calls; dropped calls counted in /metrics
+    (tests/cluster/structured_clients.py)."""
+    from tests.cluster.structured_clients import check_cut_list, check_instructor, check_pydantic_ai
+
+    handoffs_before = serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"]
+    check_pydantic_ai(smollm2_served, SMOLLM2)
+    check_instructor(smollm2_served, SMOLLM2)
+    check_cut_list(smollm2_served, SMOLLM2)
+    assert serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"] - handoffs_before >= 4 + 4 + 5  # every request

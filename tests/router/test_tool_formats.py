@@ -9,7 +9,7 @@ import pytest
 
 from router.chat_shaping import MessagePart, Shaping
 from router.openai_tools import FunctionDef, NamedToolChoice, ToolDef, ToolPlan
-from router.tool_formats import FORMATS, Call, GenericParser, Text, detect_format
+from router.tool_formats import FORMATS, Call, Dropped, GenericParser, Text, detect_format
 
 
 def chunkings(text: str):
@@ -66,7 +66,7 @@ RESPONSE = '{"response":"Caf\\u00e9 \\"ok\\"\\n\\ud83d\\ude00 done"}'
     (RESPONSE, [Text('Café "ok"\n😀 done')]),
     ('{"tool_calls":[{"name":"f","arguments":{"a":1}},{"name":"g","arguments":{}}]}', [Call("f", '{"a": 1}'),
                                                                                         Call("g", "{}")]),
-    ('{"tool_calls":[{"name":"f","argu', [Text('{"tool_calls":[{"name":"f","argu')]),  # cut by max_tokens
+    ('{"tool_calls":[{"name":"f","argu', [Dropped("unfinished", '{"name":"f","argu')]),  # cut by max_tokens
 ])
 def test_the_generic_format_streams_its_response_text(text, want):
     for deltas in chunkings(text):
