@@ -8,8 +8,9 @@ enforced mode — ``required`` (parallel calls on and off), each tool ``named``,
 
 A response is valid when every call's arguments parse as JSON and validate against its tool's ``parameters``,
 its name is one of the tools (the named one, for a named choice), a required response has at least one call
-(exactly one without parallel calls) — and it was not cut by ``max_tokens`` (a cut call is returned as text
-with finish_reason ``length``, as every server does: the grammar cannot make a model close a string). Ends
+(exactly one without parallel calls) — and it was not cut by ``max_tokens`` (finish_reason ``length``: a call
+list returns the calls complete before the cut and drops the cut one, a named call's cut arguments are text; the
+grammar cannot make a model close a string). Ends
 with ``ratio: <valid / finished responses>`` (the grammar's guarantee; target 1.0); the cut ones are counted
 on the line above it.
 """
