@@ -272,6 +272,9 @@ SPLITS: dict[str, dict[str, str]] = {
 # old names that are new names too: applied on the first run only (a later run would read the new meaning)
 FIRST_RUN_ONLY = {"engine.config": "engine.models.config", "engine/config.py": "engine/models/config.py"}
 
+# config keys spelled like an old module: a bare mention is the key (``router.index: redis://…``), never rewritten
+CONFIG_KEYS = {"router.index"}
+
 # calls whose class method became a function of engine/loading/checkpoint.py (breaks the config <-> gguf cycle)
 CALLS = {"ModelConfig.from_checkpoint(": "load_model_config(", "Tokenizer.from_checkpoint(": "load_tokenizer("}
 CALLS_MODULE = "engine.loading.checkpoint"
@@ -333,8 +336,20 @@ class Rewriter:
             name = rest[1:] if rest else None
             if name and f"{old}.{name}" in self.mods:  # pragma: no cover - the longer key matched first
                 return m.group(0)
+            if not name and old in CONFIG_KEYS and not self.in_import:
+                return m.group(0)
             return self.target(old, name) + rest
         return self.dotted.sub(repl, text)
+
+    in_import = False
+
+    def sub_string(self, text: str) -> str:
+        """A string token: an f-string's {expressions} are code (``{engine.scheduler.running}``), left alone."""
+        prefix = re.match(r"[A-Za-z]*", text).group(0)
+        if "f" not in prefix.lower():
+            return self.sub_text(text)
+        parts = re.split(r"(\{[^{}]*\})", text)
+        return "".join(p if p.startswith("{") and p.endswith("}") else self.sub_text(p) for p in parts)
 
     def sub_paths(self, text: str) -> str:
         return self.pathre.sub(lambda m: self.paths[m.group(1)], text)
@@ -405,7 +420,7 @@ class Rewriter:
         while i < len(toks):
             tok = toks[i]
             if tok.type in (tokenize.STRING, tokenize.COMMENT):
-                new = self.sub_text(tok.string)
+                new = self.sub_string(tok.string) if tok.type == tokenize.STRING else self.sub_text(tok.string)
                 if new != tok.string:
                     edits.append((at(tok.start), at(tok.end), new))
             elif tok.type == tokenize.NAME and tok.string in ("import", "from") and \
@@ -418,7 +433,9 @@ class Rewriter:
                     parts.append(toks[j].string)
                     j += 1
                 dotted = "".join(parts)
+                self.in_import = True
                 new = self.sub_dotted(dotted) if dotted else dotted
+                self.in_import = False
                 if new != dotted:
                     edits.append((at(toks[i + 1].start), at(toks[j - 1].end), new))
                 i = max(j, i + 1)
