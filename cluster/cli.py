@@ -52,7 +52,7 @@ def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from engine.config import EngineConfig
+    from engine.models.config import EngineConfig
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
@@ -64,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny import make_tiny_model
+    from engine.loading.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, num_shards=args.shards)
     print(path)

@@ -19,7 +19,7 @@
     ray_address: null                    # null: start a local Ray; "auto" / "host:port": attach
 
 Every section is validated when it is built (ConfigError naming the key). Unknown keys are refused,
-so a typo does not silently leave a default in place. `EngineConfig` is engine/config.py's, built
+so a typo does not silently leave a default in place. `EngineConfig` is engine/models/config.py's, built
 from `model` + the `engine` section; each worker gets a copy with its own `worker_id`.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any
 import yaml
 
 from cluster.autoscaler import AutoscalerConfig
-from engine.config import EngineConfig, checkpoint_name
+from engine.config import EngineConfig
+from engine.loading.paths import checkpoint_name
 from engine.errors import ConfigError
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 
@@ -84,16 +85,16 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20  # HTTP body / gRPC message (beyond: 413 / RESOURCE_EXHAUSTED)
     index: str = "memory"  # "memory" or "redis://host:port[/db]"
     # what a leading block on a lower KV tier, or only on a peer, is worth to cache_aware (device = 1);
-    # any subset of {host, disk, peer}; defaults and meaning: router/policy.py TierWeights, docs/routing.md
+    # any subset of {host, disk, peer}; defaults and meaning: router/routing/policy.py TierWeights, docs/routing.md
     tier_weights: dict[str, float] = field(default_factory=dict)
-    # the format tool calls are written in (router/tool_formats.py: hermes, mistral, llama3_json, generic);
+    # the format tool calls are written in (router/openai/tool_parsers.py: hermes, mistral, llama3_json, generic);
     # None: detected from the model's chat template (docs/operating.md "Tool calling")
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if self.tool_call_parser is not None:
-            from router.tool_formats import FORMATS
+            from router.openai.tool_parsers import FORMATS
 
             if self.tool_call_parser not in FORMATS:
                 raise ConfigError(f"router.tool_call_parser must be one of {sorted(FORMATS)} (or null: detected from "
@@ -118,8 +119,8 @@ class RouterConfig:
 
     @property
     def weights(self):
-        """``tier_weights`` as router.policy.TierWeights (ConfigError naming the key if invalid)."""
-        from router.policy import TierWeights
+        """``tier_weights`` as router.routing.policy.TierWeights (ConfigError naming the key if invalid)."""
+        from router.routing.policy import TierWeights
 
         try:
             return TierWeights.from_mapping(self.tier_weights)

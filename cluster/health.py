@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.registry import WorkerState
+from router.workers.registry import WorkerState
 
 log = logging.getLogger("cluster.pools")
 

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.disagg import KVHandoff, RemoteKVPlan
+from engine.kv.handoff import KVHandoff, RemoteKVPlan
 from engine.engine import Engine
 from kvtransfer import PeerInfo, ReleaseNotice, TransferRequest
 from prefill_worker.base import WorkerRole

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Protocol, TypeVar
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.models.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import DuetError
 from engine.outputs import RequestOutput
@@ -47,17 +47,12 @@ from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 from prefill_worker.engine_facts import hit_sources, kv_compat, spec_stats, tier_stats
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
+from prefill_worker.event_sinks import EventSink
 from proto.kv_codec import encode_batch
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound="WorkerRole")
-
-
-class EventSink(Protocol):  # router/events.py's EventSink
-    def publish(self, worker: str, seq: int, data: bytes) -> bool: ...
-
-    def available(self) -> bool: ...
 
 
 @dataclass(frozen=True)

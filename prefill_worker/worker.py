@@ -35,7 +35,7 @@ import uuid
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.disagg import PeerBlocks
+from engine.kv.handoff import PeerBlocks
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
@@ -189,7 +189,7 @@ class PrefillRole(WorkerRole):
 
 
 class _Importer:
-    """The engine's ``PeerImporter`` (engine/scheduler.py) for this worker: pulls on the importing agent."""
+    """The engine's ``PeerImporter`` (engine/sched/scheduler.py) for this worker: pulls on the importing agent."""
 
     def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker

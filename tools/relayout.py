@@ -260,20 +260,34 @@ SPLITS: dict[str, dict[str, str]] = {
                          "SchedulerOutput": "engine.sched.output"},
     "router.events": {"EventSink": "prefill_worker.event_sinks", "MemoryEventLog": "prefill_worker.event_sinks",
                       "RedisEventSink": "prefill_worker.event_sinks", "DEFAULT_STREAM": "proto.kv_codec",
-                      "DEFAULT_STREAM_MAXLEN": "proto.kv_codec", "STREAM_FIELD": "proto.kv_codec",
-                      "FIRST_SEQ": "proto.kv_codec"},
+                      "DEFAULT_STREAM_MAXLEN": "proto.kv_codec"},
     "prefill_worker.base": {"EventSink": "prefill_worker.event_sinks"},
     "bench.simulate": {name: "bench.sim.runs" for name in (
         "parse_config", "split_name", "run_at", "goodput_at", "row", "table", "pivot", "save", "OUT",
         "POLICY_NAMES")},
     "engine.tp_rank": {},
+    # the three re-export shims go: their importers name the defining module
+    "router.dispatch": {"WorkerClient": "router.workers.client", "WorkerDescriptor": "router.workers.client",
+                        "check_fingerprints": "router.workers.client"},
+    "cluster.launcher": {"WORKER_RESOURCE": "cluster.spawn", "Spawner": "cluster.spawn",
+                         "max_pool_workers": "cluster.spawn", "worker_engine_config": "cluster.spawn"},
+    "bench.bench_routing_trace": {"TRACE": "bench.workloads"},
 }
+SPLITS["engine.config"].update({name: "engine.config" for name in (  # the names of the new engine/config.py
+    "METHODS", "SUFFIX_KEYS", "DEFAULT_PROMPT_LOOKUP", "DEFAULT_MAX_TREE_DEPTH", "DEFAULT_MAX_CACHED_REQUESTS",
+    "DEFAULT_MAX_CACHED_NODES", "DEFAULT_MAX_SPEC_FACTOR", "DEFAULT_MIN_TOKEN_PROB")})
+SPLITS["router.dispatch.cluster_backend"] = SPLITS["router.dispatch"]  # as the first run wrote them
+SPLITS["bench.sim.trace_replay"] = SPLITS["bench.bench_routing_trace"]
 
-# old names that are new names too: applied on the first run only (a later run would read the new meaning)
-FIRST_RUN_ONLY = {"engine.config": "engine.models.config", "engine/config.py": "engine/models/config.py"}
+# old names that are new names too (``engine.config`` was ModelConfig's module, now EngineConfig's; ``router.metrics``
+# was a module, now a folder): a bare mention is rewritten on the first run only (``--first``); a later run reads
+# it in the new meaning. ``old.Name`` is resolved either way: a new submodule stays, a name goes where it lives.
+FIRST_RUN_ONLY = {"engine/config.py": "engine/models/config.py"}
 
 # config keys spelled like an old module: a bare mention is the key (``router.index: redis://…``), never rewritten
 CONFIG_KEYS = {"router.index"}
+
+MAIN_MODULES = {"-m bench.sim.__main__": "-m bench.sim", "-m bench.serve.__main__": "-m bench.serve"}
 
 # calls whose class method became a function of engine/loading/checkpoint.py (breaks the config <-> gguf cycle)
 CALLS = {"ModelConfig.from_checkpoint(": "load_model_config(", "Tokenizer.from_checkpoint(": "load_tokenizer("}
@@ -296,9 +310,7 @@ def module_map(first: bool) -> dict[str, str]:
     for old, new in DIR_MOVES:
         if not old.startswith("bench/"):  # data folders are not modules
             m.setdefault(module_of(old), module_of(new))
-    m.pop("engine.config", None)  # ambiguous: see FIRST_RUN_ONLY
-    if first:
-        m["engine.config"] = FIRST_RUN_ONLY["engine.config"]
+    m["engine.config"] = "engine.models.config"
     return m
 
 
@@ -314,8 +326,11 @@ class Rewriter:
     def __init__(self, first: bool) -> None:
         self.mods = module_map(first)
         self.paths = path_map(first)
+        self.first = first
         self.new_mods = {module_of(new) for _, new in MOVES} | {"engine.loading.paths", "engine.sched.output",
                                                                   "prefill_worker.event_sinks", "bench.sim.runs"}
+        self.new_mods |= {m.rpartition(".")[0] for m in self.new_mods}  # and their packages
+        self.ambiguous = {old for old in self.mods if old in self.new_mods}  # see FIRST_RUN_ONLY
         keys = sorted(self.mods, key=len, reverse=True)
         # a dotted path: not part of a longer name on the left; optionally followed by .Name
         self.dotted = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, keys)) + r")(?![\w])((?:\.[A-Za-z_]\w*)?)")
@@ -334,7 +349,9 @@ class Rewriter:
         def repl(m: re.Match) -> str:
             old, rest = m.group(1), m.group(2)
             name = rest[1:] if rest else None
-            if name and f"{old}.{name}" in self.mods:  # pragma: no cover - the longer key matched first
+            if name and (f"{old}.{name}" in self.mods or f"{old}.{name}" in self.new_mods):
+                return m.group(0)  # a longer old key (matched first anyway) or a module of the new tree
+            if not name and old in self.ambiguous and not self.first:
                 return m.group(0)
             if not name and old in CONFIG_KEYS and not self.in_import:
                 return m.group(0)
@@ -355,7 +372,10 @@ class Rewriter:
         return self.pathre.sub(lambda m: self.paths[m.group(1)], text)
 
     def sub_text(self, text: str) -> str:
-        return self.sub_dotted(self.sub_paths(text))
+        text = self.sub_dotted(self.sub_paths(text))
+        for old, new in MAIN_MODULES.items():  # `python -m bench.sim`, not `-m bench.sim.__main__`
+            text = text.replace(old, new)
+        return text
 
     # -- Python
     def import_from(self, node: ast.ImportFrom) -> list[tuple[str, list[str]]] | None:
@@ -367,6 +387,9 @@ class Rewriter:
         changed = False
         for alias in node.names:
             full = f"{mod}.{alias.name}"
+            if full in self.new_mods and (full not in self.mods or not self.first):  # from new_pkg import new_module
+                out.setdefault(mod, []).append(alias.name + (f" as {alias.asname}" if alias.asname else ""))
+                continue
             if full in self.mods and full not in SPLITS.get(mod, {}):  # from pkg import module
                 new = self.mods[full]
                 parent, _, leaf = new.rpartition(".")

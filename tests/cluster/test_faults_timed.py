@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from router.policy import Role
+from router.routing.policy import Role
 from tests.cluster.test_faults import (HANG_BOUND_S, Outcome, before, finish, judge, reference,  # noqa: F401
                                        run_with_fault, workload)
 

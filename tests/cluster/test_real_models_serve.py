@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from tests.cluster.serve_process import serve_worker_stats, serving
 from tests.ports import free_port
-from tests.engine.hf_saved import save_with_transformers
+from tests.engine.loading.hf_saved import save_with_transformers
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow
@@ -166,7 +166,7 @@ def test_served_smollm2_api_features_equal_transformers(ray_session, smollm2_ser
     import jsonschema
     import torch
 
-    from tests.router.test_http_features import chat_text
+    from tests.router.http.test_features import chat_text
 
     reference, name = smollm2_reference, SMOLLM2
     handoffs_before = serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"]

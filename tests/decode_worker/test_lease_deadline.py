@@ -13,12 +13,12 @@ import time
 import pytest
 
 from decode_worker.role_worker import Worker
-from engine.config import EngineConfig
+from engine.models.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
 from prefill_worker.puller import LEASE_CLOCK_MARGIN_S
-from router.events import MemoryEventLog
+from prefill_worker.event_sinks import MemoryEventLog
 
 B = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

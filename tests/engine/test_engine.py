@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.models.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.hashing import BlockHasher
-from engine.kv_events import BlockStored
+from engine.kv.hashing import BlockHasher
+from engine.kv.events import BlockStored
 from engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -112,8 +112,8 @@ def test_attention_rejects_bad_tables_and_lengths():
 
 
 def test_fused_token_ops_match_the_torch_layers():
-    from engine.config import ModelConfig
-    from engine.layers import RMSNorm, RotaryEmbedding
+    from engine.models.config import ModelConfig
+    from engine.models.layers import RMSNorm, RotaryEmbedding
 
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5)
@@ -156,8 +156,8 @@ def test_fused_token_ops_match_the_torch_layers():
 def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
     """The C rotary with rotary_dim < head_dim: the first rotary_dim dims of each q/k head as the torch layer
     rotates them (transformers' Phi-3 arithmetic), the rest of each head and the v heads untouched."""
-    from engine.config import ModelConfig
-    from engine.layers import RotaryEmbedding
+    from engine.models.config import ModelConfig
+    from engine.models.layers import RotaryEmbedding
 
     cfg = ModelConfig(architecture="Phi3ForCausalLM", vocab_size=64, hidden_size=8 * head_dim, num_layers=1,
                       num_heads=8, num_kv_heads=2, head_dim=head_dim, intermediate_size=8,
@@ -183,7 +183,7 @@ def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases and a tied LM head
 def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
-    from engine.config import EngineConfig
+    from engine.models.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 
@@ -208,7 +208,7 @@ def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
     assert tied == (arch == "qwen2")
     assert model.lm_head.packed is not None
     assert model.lm_head.weight is (model.embed_tokens.weight if tied else None)
-    from tests.engine.test_kernel_backends import prompt_logits
+    from tests.engine.models.test_kernel_backends import prompt_logits
 
     a = prompt_logits(cpu_engine, prompts[2])
     b = prompt_logits(torch_engine, prompts[2])
@@ -217,7 +217,7 @@ def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
 
 _FALLBACK_SCRIPT = """
 import json, sys
-from engine.config import EngineConfig
+from engine.models.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 e = Engine(EngineConfig(model=sys.argv[1], num_blocks=16))

@@ -1,0 +1,6 @@
+"""engine.sampling: from logits to the next token.
+
+Pieces (each module's docstring is its design note):
+- sampler.py     greedy, temperature, top-k, top-p, seeds, logprobs
+- structured.py  structured output: JSON, JSON Schema, regex, choice, Lark / GBNF grammars as token masks
+"""

@@ -1,0 +1,261 @@
+"""How tool calls look in a model's text, and the incremental parsers that find them.
+
+    fmt = detect_format(tokenizer.chat_template)    # or FORMATS[name] (``--tool-call-parser``)
+    parser = fmt.parser()                           # one per choice
+    events = parser.feed(text_delta)                # [Text | Call] as soon as they are certain
+    events += parser.finish()                       # held-back text, a call the output ended inside
+
+Formats, chosen from the markers the chat template writes (``detect_format``):
+- ``hermes`` (Qwen2.5, Qwen3, Hermes 2/3, many fine-tunes): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``,
+  any number, text around them;
+- ``mistral``: ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` to the end of the output;
+- ``llama3_json`` (Llama 3.1 / 3.2): ``{"name": …, "parameters": {…}}`` as the whole output (or after
+  ``<|python_tag|>``), several separated by ``;``;
+- ``generic`` for templates that render no tools at all (SmolLM2's): router/openai/tools.py describes the tools
+  in a system message and holds the output to ``{"tool_calls": [{"name", "arguments"}]}`` or ``{"response": …}``
+  with a grammar; :class:`GenericParser` reads it, streaming the response's text as it decodes.
+
+One design for the marker formats (:class:`MarkerParser`): text outside calls, payloads between a start marker
+and an end marker (or the end of the output). Text is released as soon as it cannot be the beginning of a start
+marker, whatever the chunking — a character per delta or a whole output at once give the same events (vLLM's and
+SGLang's streaming bugs came from parsers that assumed one token per delta). A call is released whole when its
+payload is complete (Dynamo's choice): its arguments are JSON text, the same streamed or not. A payload that does
+not parse is the model's text and is released as content, never dropped.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.text.stopping import held_chars  # text that may still become a marker, as for stop strings
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+Event = Text | Call
+
+
+def call_of(obj, args_keys=("arguments", "parameters")) -> Call | None:
+    """``{"name": str, "arguments" | "parameters": object or JSON text}`` → Call; None for anything else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return Call(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def calls_of(payload: str, *, many: bool = False, sep: str | None = None) -> list[Call] | None:
+    """A payload's calls: one JSON object, or (``many``) a JSON array of them, or objects split on ``sep``."""
+    text = payload.strip()
+    try:
+        if sep is not None:
+            docs = [json.loads(part) for part in text.split(sep) if part.strip()]
+        else:
+            doc = json.loads(text)
+            docs = doc if many and isinstance(doc, list) else [doc]
+    except json.JSONDecodeError:
+        return None
+    calls = [call_of(d) for d in docs]
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+class MarkerParser:
+    """Text, and calls in payloads after one of ``starts`` up to ``end`` (None: the end of the output).
+    ``bare_json``: an output whose first non-blank character is ``{`` is a payload too (Llama 3.1's JSON calls)."""
+
+    def __init__(self, starts: tuple[str, ...], end: str | None, payload: Callable[[str], list[Call] | None],
+                 bare_json: bool = False) -> None:
+        self.starts, self.end, self.payload, self.bare_json = starts, end, payload, bare_json
+        self.buf, self.marker, self.in_call, self.seen_text = "", "", False, False
+
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        out: list[Event] = []
+        while True:
+            if not self.in_call:
+                if self.bare_json and not self.seen_text:
+                    head = self.buf.lstrip()
+                    if not head:
+                        break  # only blanks so far: the output may still open with a JSON call
+                    if head[0] == "{":
+                        self.buf, self.marker, self.in_call = head, "", True
+                        continue
+                    self.seen_text = True
+                at, marker = self._find_start()
+                if marker is None:
+                    keep = held_chars(self.buf, self.starts)
+                    _text(out, self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                _text(out, self.buf[:at])
+                self.seen_text = True
+                self.buf, self.marker, self.in_call = self.buf[at + len(marker):], marker, True
+            else:
+                if self.end is None:
+                    break  # to the end of the output: finish() reads it
+                at = self.buf.find(self.end)
+                if at < 0:
+                    break
+                payload, self.buf = self.buf[:at], self.buf[at + len(self.end):]
+                self._release(out, payload, self.end)
+                self.in_call = False
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        if self.in_call:
+            self._release(out, self.buf, "")
+        else:
+            _text(out, self.buf)
+        self.buf, self.in_call = "", False
+        return out
+
+    def _find_start(self) -> tuple[int, str | None]:
+        found = [(self.buf.find(m), m) for m in self.starts if m in self.buf]
+        return min(found) if found else (-1, None)
+
+    def _release(self, out: list[Event], payload: str, end: str) -> None:
+        calls = self.payload(payload)
+        if calls is None:
+            _text(out, self.marker + payload + end)  # not a call after all: the model's text
+        else:
+            out.extend(calls)
+
+
+class GenericParser:
+    """The generic format's output: ``{"tool_calls": [...]}`` → calls (at the end), ``{"response": "…"}`` → its
+    text, decoded and released as it arrives. Anything else (a cut-off document) is released as text."""
+
+    RESPONSE, CALLS = '{"response":"', '{"tool_calls":'
+
+    def __init__(self) -> None:
+        self.buf, self.mode, self.pos = "", None, 0
+
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        if self.mode is None:
+            head = self.buf.lstrip()
+            for mode, prefix in (("response", self.RESPONSE), ("calls", self.CALLS)):
+                if head.startswith(prefix):
+                    self.mode, self.buf, self.pos = mode, head, len(prefix)
+            if self.mode is None:
+                if any(p.startswith(head) for p in (self.RESPONSE, self.CALLS)):
+                    return []  # still a prefix of one of them
+                self.mode = "text"
+        if self.mode == "text":
+            out, self.buf = [Text(self.buf)] if self.buf else [], ""
+            return out
+        if self.mode == "response":
+            return self._decode_string()
+        return []
+
+    def finish(self) -> list[Event]:
+        if self.mode == "calls":
+            try:
+                calls = [call_of(c) for c in json.loads(self.buf)["tool_calls"]]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                calls = None
+            if calls and all(c is not None for c in calls):
+                return list(calls)
+            return [Text(self.buf)]
+        if self.mode in (None, "text") and self.buf:
+            return [Text(self.buf)]
+        return []
+
+    def _decode_string(self) -> list[Event]:
+        """Release the response string's characters up to the last complete escape; stop at its closing quote."""
+        raw, i, safe = self.buf, self.pos, self.pos
+        while i < len(raw):
+            c = raw[i]
+            if c == '"':
+                text = json.loads('"' + raw[self.pos:i] + '"')
+                self.pos, self.mode = len(raw), "done"
+                return [Text(text)] if text else []
+            if c == "\\":
+                step = _escape_len(raw, i)
+                if step is None:
+                    break  # an escape cut in the middle: wait for the rest
+                i += step
+            else:
+                i += 1
+            safe = i
+        text = json.loads('"' + raw[self.pos:safe] + '"') if safe > self.pos else ""
+        self.pos = safe
+        return [Text(text)] if text else []
+
+
+def _escape_len(raw: str, i: int) -> int | None:
+    """Length of the JSON escape at ``raw[i]`` (a backslash), or None when it is not complete yet. A high
+    surrogate ``\\uD83D`` is only complete with its low half (decoding it alone would break the character)."""
+    if i + 1 >= len(raw):
+        return None
+    if raw[i + 1] != "u":
+        return 2
+    if i + 6 > len(raw):
+        return None
+    if 0xD800 <= int(raw[i + 2:i + 6], 16) <= 0xDBFF:
+        return 12 if i + 12 <= len(raw) else None
+    return 6
+
+
+def _text(out: list[Event], text: str) -> None:
+    if text:
+        out.append(Text(text))
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A way tool calls are written: ``native`` formats are the chat template's own (it renders the tools);
+    the generic one is duet's, for templates that render none."""
+
+    name: str
+    native: bool
+    make: Callable[[], MarkerParser | GenericParser]
+    start: str | None = None  # the marker a call opens with (a strict auto call's trigger), if one
+    markers: tuple[str, ...] = ()  # the marker strings the parser reads (kept in the text if they are special tokens)
+
+    def parser(self):
+        return self.make()
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", True, lambda: MarkerParser(("<tool_call>",), "</tool_call>", calls_of),
+                         start="<tool_call>", markers=("<tool_call>", "</tool_call>")),
+    "mistral": ToolFormat("mistral", True, lambda: MarkerParser(("[TOOL_CALLS]",), None,
+                                                                lambda p: calls_of(p, many=True)),
+                          start="[TOOL_CALLS]", markers=("[TOOL_CALLS]",)),
+    "llama3_json": ToolFormat("llama3_json", True, lambda: MarkerParser(("<|python_tag|>",), None,
+                                                                        lambda p: calls_of(p, sep=";"),
+                                                                        bare_json=True),
+                              markers=("<|python_tag|>",)),
+    "generic": ToolFormat("generic", False, GenericParser),
+}
+
+
+def detect_format(chat_template: str | None) -> ToolFormat:
+    """The format a chat template writes tool calls in, from its markers; ``generic`` when it writes none (it
+    does not mention ``tools`` or ``tool_calls``: the model never sees the tools otherwise)."""
+    template = chat_template or ""
+    if "tools" not in template and "tool_calls" not in template:
+        return FORMATS["generic"]
+    for marker, name in (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+                         ('"parameters"', "llama3_json")):
+        if marker in template:
+            return FORMATS[name]
+    return FORMATS["generic"]
