@@ -52,7 +52,7 @@ def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams

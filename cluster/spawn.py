@@ -15,7 +15,7 @@ import ray
 
 from cluster.config import ClusterConfig, PoolConfig
 from decode_worker.role_worker import Worker
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from prefill_worker.base import WorkerOptions
 from prefill_worker.tp_ranks import TPRank
 from router.routing.policy import Role

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Protocol, TypeVar
 
 from engine.async_engine import AsyncEngine
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import DuetError
 from engine.outputs import RequestOutput

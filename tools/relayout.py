@@ -276,6 +276,8 @@ SPLITS: dict[str, dict[str, str]] = {
 SPLITS["engine.config"].update({name: "engine.config" for name in (  # the names of the new engine/config.py
     "METHODS", "SUFFIX_KEYS", "DEFAULT_PROMPT_LOOKUP", "DEFAULT_MAX_TREE_DEPTH", "DEFAULT_MAX_CACHED_REQUESTS",
     "DEFAULT_MAX_CACHED_NODES", "DEFAULT_MAX_SPEC_FACTOR", "DEFAULT_MIN_TOKEN_PROB")})
+SPLITS["engine.models.config"] = {name: "engine.config" for name, where in SPLITS["engine.config"].items()
+                                  if where == "engine.config"}
 SPLITS["router.dispatch.cluster_backend"] = SPLITS["router.dispatch"]  # as the first run wrote them
 SPLITS["bench.sim.trace_replay"] = SPLITS["bench.bench_routing_trace"]
 
@@ -446,9 +448,9 @@ class Rewriter:
                 new = self.sub_string(tok.string) if tok.type == tokenize.STRING else self.sub_text(tok.string)
                 if new != tok.string:
                     edits.append((at(tok.start), at(tok.end), new))
-            elif tok.type == tokenize.NAME and tok.string in ("import", "from") and \
+            elif tok.type == tokenize.NAME and tok.string == "import" and \
                     (i == 0 or toks[i - 1].type in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT)
-                     or toks[i - 1].string in (";", ":", "from") or tok.string == "import"):
+                     or toks[i - 1].string in (";", ":")):  # `import a.b` (from-imports are the AST's)
                 j, parts = i + 1, []
                 while j < len(toks) and (toks[j].type == tokenize.NAME or toks[j].string == "."):
                     if toks[j].type == tokenize.NAME and parts and parts[-1] != ".":

@@ -26,7 +26,7 @@ import jsonschema
 import openai
 
 from cluster.local_backend import LocalBackend
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.loading.default_model import default_model_path
 from router.http.app import create_app
 

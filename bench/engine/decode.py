@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
 
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from kernels._triton_utils import compiles_recorded
 

@@ -55,7 +55,7 @@ class WindowedDraft(DraftModel):
 
 
 def engine_with(target: str, draft: str | None, k: int = 4, **kw):
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
 
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k} if draft else None

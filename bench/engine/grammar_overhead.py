@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def engine_overhead(num_requests: int = 8, reps: int = 3) -> None:
     """Per generated token, json_schema vs unconstrained, same lengths, in duet's engine (SmolLM2 fp32)."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

@@ -50,7 +50,7 @@ def build(args, out: Path) -> Path:
 
 
 def run(model_dir: Path, args) -> tuple[list, dict]:
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

@@ -34,7 +34,7 @@ METHODS = {
 
 
 def run_cell(model: str, spec, texts: list[str], warm: list[str], batch: int, max_tokens: int) -> dict:
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

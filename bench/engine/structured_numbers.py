@@ -10,7 +10,7 @@ import json
 from unittest import mock
 
 from engine.sampling import structured
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.loading.default_model import default_model_path
 from engine.engine import Engine
 from engine.request import SamplingParams

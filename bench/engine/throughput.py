@@ -64,7 +64,7 @@ def bench_duet(model_dir: str, reqs, block_size: int, cpu_s: list[float] | None 
     """Seconds for a fresh engine to generate ``reqs`` all at once, and the output tokens; ``config``
     overrides EngineConfig fields (prefix caching is off unless it says otherwise). ``cpu_s`` gets the
     process's CPU seconds over the same span appended (every thread: the engine's, its helpers')."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

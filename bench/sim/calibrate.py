@@ -74,7 +74,7 @@ class Probe:
     """An engine whose steps are timed together with the shape the scheduler gave them."""
 
     def __init__(self, model: str, seed: int = 0) -> None:
-        from engine.models.config import EngineConfig
+        from engine.config import EngineConfig
         from engine.engine import Engine
         from engine.request import SamplingParams
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.loading.default_model import default_model_path
 
     model = args.model or str(default_model_path())

@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -96,7 +96,7 @@ def test_duet_bench_against_a_real_engine(tiny_model):
     """A real run: tiny engine behind the real HTTP API; every request streams exactly output_len tokens
     (ignore_eos), the timings are consistent, a bad request is a recorded failure, not a crash."""
     from cluster.local_backend import LocalBackend
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from router.http.app import create_app
     from tests.router.http.http_harness import ServerThread
 

@@ -23,7 +23,7 @@ def test_make_tiny_model_then_generate(tmp_path):
     assert res.stdout.strip(), res.stderr
     assert "12 tokens" in res.stderr
     # the same prompt through the Python API gives the same text
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

@@ -32,7 +32,7 @@ def serve_app(loop_thread, app):
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory, tiny_model):
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
 
     probe = Engine(EngineConfig(model=str(tiny_model()), num_blocks=2))

@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from router.routing.index import NO_MATCH

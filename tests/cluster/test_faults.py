@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from cluster.health import PROBE_TIMEOUT_S
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from router.routing.policy import Role

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from tests.cluster.test_disagg_cluster import stats, wait_for

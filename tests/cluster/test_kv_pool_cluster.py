@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from tests.cluster.test_disagg_cluster import collect, stats

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from tests.cluster.node_loss_run import (HANG_BOUND_S, RECOVERY_BOUND_S, ROUND_SEEDS, SEED, params_for,
                                          round_workloads)

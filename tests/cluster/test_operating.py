@@ -147,7 +147,7 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
     elsewhere from where their clients were — the migrations are counted, and the pool is back at target.
     The victim is the worker streaming a tool call (issue 25): its grammar continues where the call was, so the
     call is the same valid call."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from router.openai.tool_parsers import Call, GenericParser
 

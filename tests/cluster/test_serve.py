@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_serve_then_curl_streaming_completion_then_sigterm(ray_session, tiny_model, tmp_path):
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

@@ -35,7 +35,7 @@ def cases():
 @pytest.fixture(scope="module")
 def without_speculation(smollm2_gguf, cases):
     """The engine's greedy answers without speculation (token ids, and the top-two logprobs at each position)."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 
@@ -109,7 +109,7 @@ def test_served_draft_model_disaggregated_equals_without(ray_session, tiny_model
     worker computes the draft's own KV of the prompt and speculates. Greedy completions equal the engine's without
     speculation. (Seeded sampled ones are distributed as without speculation, not token for token: which
     positions a draft model's drafts cover changes the draws — tests/engine/speculative/test_draft_model.py.)"""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
     from engine.loading.tiny_draft import derive_draft

@@ -72,7 +72,7 @@ def test_tensor_parallel_workers_keep_their_heads_on_the_host_tier(tp_cluster, l
     blocks and slots). A device cache of 24 blocks and 9 prompts of 7 blocks: the first prompts leave the device
     and come back from the host tier on both ranks (rank 1's heads too: else its attention reads stale blocks) —
     outputs equal a one-rank engine without tiers."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
     from tests.cluster.test_disagg_cluster import stats

@@ -105,7 +105,7 @@ def test_smollm2_split_over_three_ranks_serves_the_one_rank_engine_s_text(ray_se
                                                                           p_tp, d_tp):
     """The real model (9 query heads, 3 KV heads: 3 ranks, one KV head each; 2 would be refused) between a split
     worker and a one-rank worker, both directions: the text of a one-rank in-process engine, greedy."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from decode_worker.role_worker import Worker
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions

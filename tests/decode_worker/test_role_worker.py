@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from decode_worker.role_worker import Worker
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.kv.events import AllCleared, BlockStored
 from engine.request import SamplingParams
 from prefill_worker.base import FlipRefusedError, WorkerBusyError, WorkerOptions, WrongRoleError

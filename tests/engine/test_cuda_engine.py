@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from tests.engine.kv.test_tiers import drain, families, run_rounds

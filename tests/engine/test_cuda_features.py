@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.models.moe import SparseMoE
 from tests.engine.loading.hf_saved import hf_reference, save_with_transformers

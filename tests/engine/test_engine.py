@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.kv.hashing import BlockHasher

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.kv.hashing import BlockHasher

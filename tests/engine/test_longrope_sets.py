@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
 from engine.request import LONG_ROPE_SALT, SamplingParams, admit_rope_factors

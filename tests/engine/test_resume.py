@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import ResumeState, SamplingParams, StructuredOutput

@@ -183,7 +183,7 @@ def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases and a tied LM head
 def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 

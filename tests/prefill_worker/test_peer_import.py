@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
 from decode_worker.role_worker import Worker

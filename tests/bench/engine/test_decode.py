@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from bench.engine.decode import kv_bytes_per_token, weight_bytes
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 
 REPO = Path(__file__).resolve().parents[3]

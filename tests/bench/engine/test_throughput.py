@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from bench.engine.throughput import workload_flops
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.kv import sizing as kv_sizing
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.sizing import (CPU_KV_MAX_BYTES, CPU_KV_MEMORY_FRACTION, available_ram_bytes, cpu_kv_budget_bytes,

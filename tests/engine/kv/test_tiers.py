@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.kv.events import BlockRemoved, BlockStored, Tier

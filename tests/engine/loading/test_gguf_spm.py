@@ -10,7 +10,7 @@ import torch
 import transformers
 from tokenizers import SentencePieceBPETokenizer
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.loading.gguf import GGUFCheckpoint

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 

@@ -171,7 +171,7 @@ def test_engine_greedy_and_logits_equal_transformers(phi4_mini, kernels, case):
 def test_triton_kernels_equal_transformers(phi4_mini):
     """The Triton rotary with rotary_dim < head_dim through the engine (the interpreter here): transformers'
     tokens and logits on a prompt beyond the pre-training length."""
-    from engine.models.config import EngineConfig
+    from engine.config import EngineConfig
     from engine.request import SamplingParams
     from tests.engine.models.test_kernel_backends import DEVICE
 

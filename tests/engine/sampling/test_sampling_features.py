@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import Request, SamplingParams

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams, StructuredOutput

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.request import SamplingParams

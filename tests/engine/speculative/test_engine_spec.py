@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.request import SamplingParams, StructuredOutput

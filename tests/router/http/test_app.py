@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from cluster.local_backend import LocalBackend
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer

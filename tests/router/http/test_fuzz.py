@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.local_backend import LocalBackend
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.text.tokenizer import Tokenizer
 from router.http.app import create_app
 from tests.router.http.http_harness import ServerThread, assert_error_shape

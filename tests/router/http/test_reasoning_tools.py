@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from cluster.local_backend import LocalBackend
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from router.openai.chat_format import ChatFormat
 from router.http.app import create_app

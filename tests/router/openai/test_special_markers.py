@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer
