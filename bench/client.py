@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import summary as metrics, workloads
+from bench import summary as metrics
+from bench import workloads
 from bench.workloads import BenchRequest
 
 

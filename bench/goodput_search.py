@@ -25,8 +25,8 @@ measurements always give the same answer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ATTAINMENT = 0.9
 

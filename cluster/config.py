@@ -33,8 +33,8 @@ import yaml
 
 from cluster.autoscaler import AutoscalerConfig
 from engine.config import EngineConfig
-from engine.loading.paths import checkpoint_name
 from engine.errors import ConfigError
+from engine.loading.paths import checkpoint_name
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -101,7 +101,7 @@ class RouterConfig:
                                   f"the chat template), got {self.tool_call_parser!r}")
         if not isinstance(self.tier_weights, dict):
             raise ConfigError(f"router.tier_weights must be a mapping (host, disk, peer), got {self.tier_weights!r}")
-        self.weights  # validates tier_weights
+        self.weights  # noqa: B018 (validates tier_weights)
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"router.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
@@ -113,7 +113,7 @@ class RouterConfig:
             raise ConfigError(f"router.salt_by_api_key must be true or false, got {self.salt_by_api_key!r}")
         if self.salt_by_api_key and not self.api_keys:
             raise ConfigError("router.salt_by_api_key needs router.api_keys (without keys there are no tenants)")
-        self.admission  # validates the admission fields
+        self.admission  # noqa: B018 (validates the admission fields)
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"router.max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
 

@@ -16,7 +16,6 @@ event log over Ray) or a Redis stream shared by router replicas (`router.index: 
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config, load_tokenizer
 import asyncio
 import logging
 import os
@@ -28,16 +27,15 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
-from cluster.spawn import Spawner, max_pool_workers, worker_engine_config
-from engine.models.config import ModelConfig
+from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers
 from engine.errors import ConfigError
 from engine.kv.hashing import BlockHasher
-from engine.text.tokenizer import Tokenizer
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
-from router.routing.feed import IndexFeed
 from router.metrics.collector import ClusterCollector, RouterMetrics
+from router.routing.feed import IndexFeed
 from router.routing.policy import Role, make_policy
 from router.workers.registry import WorkerState
 

@@ -34,16 +34,16 @@ import ray
 
 from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, decide, history_kept
 from cluster.config import ClusterConfig
-from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
 from cluster.handshake import forget_peer, peer_of, pull_first, shake_hands
 from cluster.health import HealthChecks
+from cluster.observe import PoolObserver
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
 from cluster.start_wait import await_info
 from engine.errors import InvalidRequestError
-from router.http.admin import Operator
 from router.dispatch.cluster_backend import ClusterBackend
+from router.http.admin import Operator
 from router.metrics.collector import RouterMetrics
 from router.routing.policy import Role
 from router.workers.registry import WorkerRecord, WorkerState

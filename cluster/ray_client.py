@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayTaskError
 
-from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.errors import DuetError
+from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerInfo
-from router.workers.client import WorkerClient, WorkerDescriptor
 from router.routing.policy import Role
+from router.workers.client import WorkerClient, WorkerDescriptor
 
 
 def _unwrap(e: RayTaskError) -> BaseException:

@@ -93,7 +93,7 @@ class SpeculativeConfig:
         return self.method == "draft_model"
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str) -> SpeculativeConfig:
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as e:
@@ -101,7 +101,7 @@ class SpeculativeConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "SpeculativeConfig":
+    def from_dict(cls, data: Any) -> SpeculativeConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"speculative config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -244,5 +244,5 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -10,26 +10,25 @@ and raised as ``InvalidRequestError``; the engine goes on serving the other requ
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config, load_tokenizer
 import itertools
 import random
 import threading
 import time
 from dataclasses import dataclass, replace
 
-from engine.kv.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
-from engine.kv.handoff import PeerBlocks
 from engine.engine_emit import EmitMixin
-from engine.errors import ConfigError, InvalidRequestError
 from engine.engine_handoff import RemoteKVMixin
-from engine.kv.hashing import BlockHasher
+from engine.errors import ConfigError, InvalidRequestError
+from engine.kv.block_pool import BlockPool
 from engine.kv.events import KVEvent, WorkerLoad
+from engine.kv.handoff import PeerBlocks
+from engine.kv.hashing import BlockHasher
 from engine.kv.mover import build_tiers
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
 from engine.models.tensor_parallel import TensorParallel
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams, admit_rope_factors, check_prompt
 from engine.sched.scheduler import Scheduler
 from engine.speculative.decoder import SpecDecoder

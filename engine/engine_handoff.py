@@ -3,8 +3,8 @@ KV off and keeps it pinned; the decode role reserves blocks for a handoff, then 
 ``Engine`` (split from engine/engine.py by responsibility): it uses the engine's scheduler, pool and requests."""
 from __future__ import annotations
 
-from engine.kv.handoff import KVHandoff, RemoteKVPlan
 from engine.errors import InvalidRequestError
+from engine.kv.handoff import KVHandoff, RemoteKVPlan
 from engine.request import Request, RequestStatus
 from engine.text.stopping import held_chars
 

@@ -20,16 +20,15 @@ import time
 
 import torch
 
-from engine.models.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.kv.sizing import cap_max_model_len, size_kv_cache
 from engine.loading.weights import load_model, resolve_dtype
-from engine.models.moe import SparseMoE
+from engine.models.attention import AttentionMetadata
+from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
+from engine.models.moe import SparseMoE
 from engine.models.tensor_parallel import TensorParallel
 from engine.sched.output import ScheduledRequest, SchedulerOutput
-
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import torch
 from kernels import _triton_utils as tu
 from kernels.cpu_build import NativeKernelError, load  # noqa: F401  (load: engine/models/kernel_backend.py's entry point)
 
+
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
     """The launchers' argument check (kernels/_triton_utils.check_tensor), plus: on the CPU, last dim contiguous."""
     tu.check_tensor(name, t, ndim, (dtype,))

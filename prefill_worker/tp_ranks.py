@@ -18,25 +18,21 @@ worker releases the blocks only after every rank's read landed.
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import asyncio
 import concurrent.futures
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
-
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.errors import ConfigError
 from engine.kv.mover import TierMover, tier_slots
 from engine.kv.tiers import Completion, Job
+from engine.loading.checkpoint import load_model_config
 from engine.model_runner import ModelRunner
-from engine.models.tensor_parallel import check_split, init_group, open_store
-from engine.models.tensor_parallel import TensorParallel
+from engine.models.tensor_parallel import TensorParallel, check_split, init_group, open_store
 from kvtransfer import NixlTransport, PeerInfo, TransferRequest
 from prefill_worker.engine_facts import kv_compat
 from prefill_worker.sources import Sources

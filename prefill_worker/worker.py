@@ -29,15 +29,14 @@ on the reader's notice or its deadline, as a handoff's does.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import uuid
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.kv.handoff import PeerBlocks
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.kv.handoff import PeerBlocks
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import LeaseTable, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest

@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.hf_model import DEFAULT_DIR as HF_DIR
+from bench.hf_model import ensure_hf_model
 from bench.serve.servers import MODEL_NAME, Server, ServerSpec
-from bench.hf_model import DEFAULT_DIR as HF_DIR, ensure_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 TASK_DIR = REPO / "bench" / "api" / "lm_eval_tasks"

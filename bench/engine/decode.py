@@ -20,13 +20,14 @@ reference kernels (``kernels=torch``). Last line: ``ratio: <duet / baseline deco
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import argparse
 import json
 import platform
 import time
 
 import torch
+
+from engine.loading.checkpoint import load_model_config
 
 
 def copy_bandwidth(device: str, nbytes: int, reps: int = 5) -> float:
@@ -76,7 +77,7 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int, compile
     # (seen on an H200: a 0.4-1.2 s Triton compile inside "batch 32"). What is left is aborted after timing.
     max_tokens = steps + 2 + engine.config.max_num_seqs
     request_ids = []
-    for i in range(batch):
+    for _i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
         request_ids.append(engine.add_request(prompt_token_ids=prompt, params=SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True)).request_id)
@@ -149,7 +150,6 @@ def main() -> None:
         model = args.model or str(default_model_path())
     on_cuda = args.device.startswith("cuda")
     bandwidth = copy_bandwidth(args.device, (512 if on_cuda else 256) << 20)
-    from engine.models.config import ModelConfig
     from engine.loading.weights import resolve_dtype
 
     mcfg = load_model_config(model)

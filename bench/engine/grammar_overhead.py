@@ -19,7 +19,6 @@ property with custom separators in 0.2.8).
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_tokenizer
 import argparse
 import importlib.metadata
 import importlib.util
@@ -32,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from engine.loading.checkpoint import load_tokenizer
 from engine.loading.default_model import default_model_path
 from engine.request import StructuredOutput
 from engine.sampling.structured import COMPACT_JSON, GrammarBackend, apply_token_bitmask_, mask_logits_batch

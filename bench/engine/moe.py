@@ -37,8 +37,8 @@ def per_token_loop(x, weights, ids, experts, ops, counts_out=None):
 def build(args, out: Path) -> Path:
     import transformers
 
-    from tests.engine.loading.hf_saved import save_with_transformers  # the same random checkpoint the parity tests use
     from engine.loading.tiny import make_tiny_model
+    from tests.engine.loading.hf_saved import save_with_transformers  # the same random checkpoint the parity tests use
 
     tok_dir = make_tiny_model(out / "tok", arch="llama")
     cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,

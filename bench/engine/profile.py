@@ -10,7 +10,6 @@ decode-only steps apart. Same model and workload as bench/engine/throughput.py (
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import argparse
 import time
 from collections import defaultdict
@@ -18,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from bench.engine.throughput import workload
+from engine.loading.checkpoint import load_model_config
 
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise"}
 
@@ -58,9 +58,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     args = ap.parse_args()
     from engine.config import EngineConfig
-    from engine.models.config import ModelConfig
-    from engine.loading.default_model import default_model_path
     from engine.engine import Engine
+    from engine.loading.default_model import default_model_path
     from engine.request import SamplingParams
 
     model = args.model or str(default_model_path())

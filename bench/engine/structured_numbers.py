@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 from unittest import mock
 
-from engine.sampling import structured
 from engine.config import EngineConfig
-from engine.loading.default_model import default_model_path
 from engine.engine import Engine
+from engine.loading.default_model import default_model_path
 from engine.request import SamplingParams
+from engine.sampling import structured
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
                                            "population": {"type": "integer"}},

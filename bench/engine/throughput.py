@@ -22,17 +22,18 @@ profits from an earlier run's prefix cache).
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import argparse
 import json
 import os
 import platform
-import subprocess
 import random
+import subprocess
 import tempfile
 import time
 
 import torch
+
+from engine.loading.checkpoint import load_model_config
 
 
 def workload(n: int, vocab: int, seed: int = 0, small: bool = False, max_prompt: int | None = None,
@@ -192,7 +193,6 @@ def main() -> None:
             model_dir = str(ensure_hf_model().resolve())
     if args.tiny:
         model_dir = make_bench_tiny_model()
-    from engine.models.config import ModelConfig
 
     vocab = load_model_config(model_dir).vocab_size
     reqs = workload(args.num_requests, vocab, small=args.small)

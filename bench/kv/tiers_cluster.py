@@ -27,7 +27,6 @@ the pairs; target <= 0.35).
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import argparse
 import asyncio
 import random
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 
 from bench.cluster_run import init_ray, prefill_stats, serve_workload
 from bench.summary import percentile
+from engine.loading.checkpoint import load_model_config
 
 TARGET_RATIO = 0.35
 BLOCK_SIZE = 16  # the engine's default
@@ -84,7 +84,6 @@ def make_setup(model: str, prompts: list[list[int]], prefix_tokens: int, device_
     more, and at least the decode worker's device tier. The device tier must also hold the blocks of the requests in flight (at most ``concurrency`` hold
     prefill blocks: computing, or leased until the decode side has read them) and one more, or the prefill
     worker would only queue."""
-    from engine.models.config import ModelConfig
 
     mc = load_model_config(model)
     bytes_per_block = mc.num_layers * 2 * BLOCK_SIZE * mc.num_kv_heads * mc.head_dim * 4  # float32
@@ -185,7 +184,6 @@ def main() -> None:
         from engine.loading.default_model import default_model_path
 
         model = args.model or str(default_model_path())
-    from engine.models.config import ModelConfig
 
     vocab = min(load_model_config(model).vocab_size, 32000)
     prompts = build_workload(args.prefixes, args.visits, args.prefix_tokens, args.suffix_tokens, vocab, args.seed)

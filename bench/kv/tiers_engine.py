@@ -21,13 +21,13 @@ each side's best is its least disturbed one; the medians' ratio is printed above
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import argparse
 import statistics
 
 import torch
 
 from bench.engine.throughput import bench_duet, make_bench_tiny_model, workload
+from engine.loading.checkpoint import load_model_config
 
 TARGET_RATIO = 0.95
 
@@ -50,7 +50,6 @@ def main() -> None:
         from engine.loading.default_model import default_model_path
 
         model = args.model or str(default_model_path())
-    from engine.models.config import ModelConfig
 
     reqs = workload(args.num_requests, load_model_config(model).vocab_size, seed=1,
                     max_prompt=args.max_prompt, out_range=(8, 32))

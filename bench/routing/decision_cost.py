@@ -16,8 +16,8 @@ import random
 import statistics
 import time
 
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import BlockStored
+from engine.kv.hashing import BlockHasher
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker
 from router.routing.policy import CacheAwarePolicy, Role

@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import TIERS, BlockRemoved, BlockStored, Tier, TierUsage, WorkerLoad
+from engine.kv.hashing import BlockHasher
 from proto.kv_codec import encode_batch
 from router.routing.feed import IndexFeed
 from router.routing.index import PrefixIndex

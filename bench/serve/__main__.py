@@ -52,9 +52,10 @@ from pathlib import Path
 from bench import workloads
 from bench.client import run as duet_bench_run
 from bench.goodput_search import RateSearch, search_rate
-from bench.hf_model import DEFAULT_DIR as HF_DIR, ensure_hf_model
+from bench.hf_model import DEFAULT_DIR as HF_DIR
+from bench.hf_model import ensure_hf_model
 from bench.serve.clients import agreement_workload, compare_clients, run_duet_client, run_vllm_client
-from bench.serve.report import machine, markdown, summary_lines, ms_text
+from bench.serve.report import machine, markdown, ms_text, summary_lines
 from bench.serve.servers import MODEL_NAME, REPO, VLLM_VENV, Server, ServerSpec, prefill_stats
 
 OUT = REPO / "build" / "bench" / "serve"

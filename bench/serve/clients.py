@@ -10,12 +10,13 @@ import os
 import subprocess
 from pathlib import Path
 
-from bench import workloads
 from bench import summary as metrics
-from bench.client import RequestResult, run as duet_bench_run
+from bench import workloads
+from bench.client import RequestResult
+from bench.client import run as duet_bench_run
 from bench.hf_model import DEFAULT_DIR as HF_DIR
-from bench.summary import percentile, tpot_of
 from bench.serve.servers import MODEL_NAME, REPO, VLLM_VENV, Server
+from bench.summary import percentile, tpot_of
 
 # vLLM's client as a module call: its `vllm` console script fails on a distribution-metadata lookup here
 VLLM_CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "

@@ -29,20 +29,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-from bench.summary import meets_slo
 from bench.sim.calibration_check import calibration_check
 from bench.sim.cluster import Deployment
-from bench.sim.scenarios import (CALIBRATION, Scenario, at_rate, cpu_scenario, gpu_scenario, simulate_run, trace,
-                                 workload_desc)
-from bench.sim.goodput_study import (SHORT_WINDOW_INTERVALS, WORKLOADS, load_fixed, plot, report, reused_limit,
-                                     study_goodput, trace_case)
+from bench.sim.goodput_study import (
+    SHORT_WINDOW_INTERVALS,
+    WORKLOADS,
+    load_fixed,
+    plot,
+    report,
+    reused_limit,
+    study_goodput,
+    trace_case,
+)
 from bench.sim.runs import OUT, POLICY_NAMES, parse_config, pivot, row, run_at, save, split_name, table
+from bench.sim.scenarios import (
+    CALIBRATION,
+    Scenario,
+    cpu_scenario,
+    gpu_scenario,
+)
 from bench.sim.tiers_study import TIER_WEIGHT_GRID, study_tiers, sweep_tier_weights
+
 
 def _slo(slo: dict) -> str:
     return f"TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s"

@@ -28,19 +28,18 @@ import heapq
 import itertools
 from dataclasses import asdict, dataclass
 
+from bench.sim.autoscale import Autoscaling
+from bench.sim.engine import Sampled, SimEngine
+from bench.sim.handoff import HandoffMixin
+from bench.sim.records import Flight, SimResult, SimWorker
+from bench.sim.step_model import StepModel, TransferModel
+from bench.sim.tiers import TierFeed, TierSpec, best_peer, tier_counters
 from cluster.autoscaler import AutoscalerConfig
 from engine.kv.hashing import BlockHasher
 from router.routing.demand import DecodeDemand
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker
 from router.routing.policy import DEFAULT_ALPHA, NO_PEER_FETCH, Role, TierWeights, make_policy, route
-
-from bench.sim.autoscale import Autoscaling
-from bench.sim.engine import Sampled, SimEngine
-from bench.sim.handoff import HandoffMixin
-from bench.sim.records import Flight, SimResult, SimWorker
-from bench.sim.tiers import TierFeed, TierSpec, best_peer, tier_counters
-from bench.sim.step_model import StepModel, TransferModel
 
 __all__ = ["ClusterSim", "Deployment", "Flight", "Hardware", "SimResult", "SimWorker"]
 

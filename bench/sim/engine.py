@@ -23,16 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.hashing import BlockHasher
-from engine.kv.events import KVEvent, WorkerLoad
-from engine.engine_handoff import handoff_reserve
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.sched.scheduler import Scheduler
-from engine.sched.output import SchedulerOutput
-
-from bench.sim.tiers import SimMover, SimTierManager, TierSpec
 from bench.sim.step_model import StepShape, step_shape
+from bench.sim.tiers import SimMover, SimTierManager, TierSpec
+from engine.engine_handoff import handoff_reserve
+from engine.kv.block_pool import BlockPool
+from engine.kv.events import KVEvent, WorkerLoad
+from engine.kv.hashing import BlockHasher
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
 
 SAMPLED_TOKEN = 1
 

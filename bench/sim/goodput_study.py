@@ -35,9 +35,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.goodput_search import ATTAINMENT, highest, passes
-from bench.summary import meets_slo
 from bench.sim.cluster import Deployment
 from bench.sim.scenarios import Scenario, at_rate, simulate_run, trace, workload_desc
+from bench.summary import meets_slo
 
 # SLOs of this study: the TTFT target grows with the prompt (bench.summary.meets_slo), because the idle
 # cluster itself misses a flat target on the trace's long prompts (CPU idle TTFT p90 5 s, GPU 1.3 s, p99 6.6 s)

@@ -6,9 +6,8 @@ draining prefill worker's handoffs are admitted first, and nothing overtakes one
 decode_worker/worker.py: its drain, a scale-down or a flip, ends when they are read)."""
 from __future__ import annotations
 
-from router.routing.policy import Role, route
-
 from bench.sim.records import Flight, SimWorker
+from router.routing.policy import Role, route
 
 
 class HandoffMixin:

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.routing.policy import Role
-
 from bench.sim.engine import SimEngine
+from router.routing.policy import Role
 
 if TYPE_CHECKING:  # the autoscaler reads the cluster, which records its runs here: a type only
     from bench.sim.autoscale import Autoscaling

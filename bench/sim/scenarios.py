@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import workloads
-from bench.summary import summarize, tpot_of
 from bench.sim.cluster import ClusterSim, Deployment, Hardware
 from bench.sim.step_model import FittedStepModel, GpuSpec, ModelSpec, RooflineStepModel, TransferModel
+from bench.summary import summarize, tpot_of
 from cluster.autoscaler import AutoscalerConfig
 
 CALIBRATION = Path(__file__).resolve().parent / "calibration" / "cpu-smollm2.json"

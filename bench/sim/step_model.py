@@ -106,11 +106,11 @@ class FittedStepModel:
 
     def describe(self) -> dict:
         return {"kind": "fitted", "name": self.name, "coefficients": dict(self.coefficients),
-                "form": "const + piecewise-linear(tokens, knots %s) + prefill_attn_rect + decode_ctx_tokens + "
-                        "decode_buckets + sampled" % (TOKEN_KNOTS,)}
+                "form": f"const + piecewise-linear(tokens, knots {TOKEN_KNOTS}) + prefill_attn_rect + decode_ctx_tokens + "
+                        "decode_buckets + sampled"}
 
     @classmethod
-    def load(cls, path: Path, threads: int = 1) -> "FittedStepModel":
+    def load(cls, path: Path, threads: int = 1) -> FittedStepModel:
         """The fit for ``threads`` torch threads from a bench/sim/calibrate.py JSON."""
         data = json.loads(Path(path).read_text())
         fits = data["fits"]

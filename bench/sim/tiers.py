@@ -31,11 +31,10 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+import router.routing.index
 from engine.kv.block_pool import BlockPool
 from engine.kv.events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from engine.kv.tiers import Completion, Job, Op, TierManager
-
-import router.routing.index
 
 INDEX_KNOWS_TIERS = hasattr(router.routing.index, "TierMatch")  # tiers-router's PrefixIndex
 

@@ -36,13 +36,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.workloads import TRACE, TRACE_BLOCK_TOKENS
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.hashing import BlockHasher
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker
 from router.routing.policy import DEFAULT_ALPHA, NO_PEER_FETCH, POLICIES, CacheAwarePolicy, Role, RoutingPolicy, route
-
-from bench.workloads import TRACE, TRACE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| policy                 | hit    | /orac | imb_p | imb_c | ttft_s | p99_s  |")
     print("|------------------------|--------|-------|-------|-------|--------|--------|")
     print(_row("oracle (infinite)", oracle, oracle, None))
-    print(_row(f"pooled_lru (W*C)", pooled, oracle, None))
+    print(_row("pooled_lru (W*C)", pooled, oracle, None))
     results: dict[str, SimResult] = {}
     # the simulated workers have one tier and compute what they lack (no peer fetch): NO_PEER_FETCH
     runs = [(f"cache_aware a={args.alpha:g}", CacheAwarePolicy(args.block_size, args.alpha, NO_PEER_FETCH))]

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.models.config import ModelConfig
-from engine.loading.paths import checkpoint_name
 from engine.errors import ModelLoadError
 from engine.loading.gguf_config import ARCHITECTURES, CONFIG_TENSORS, gguf_model_config, layer_tensors
+from engine.loading.paths import checkpoint_name
+from engine.models.config import ModelConfig
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 

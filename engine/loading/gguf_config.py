@@ -40,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 from engine.models.config_gemma import GemmaFields
 from engine.models.config_moe import MoeFields
-from engine.errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "phi3": "Phi3ForCausalLM",

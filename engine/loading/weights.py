@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models.config import ModelConfig
-from engine.loading.paths import is_gguf
 from engine.errors import ModelLoadError
 from engine.loading.gguf import open_gguf
-from engine.models.llama import CausalLM
+from engine.loading.paths import is_gguf
+from engine.models.config import ModelConfig
 from engine.models.kernel_backend import KernelOps
+from engine.models.llama import CausalLM
 from engine.models.tensor_parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,7 +150,7 @@ def load_model(
             if name.endswith("norm.weight"):
                 param.data.add_(1.0)
     missing = []
-    for name, param in params.items():
+    for name, _param in params.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         got = loaded.get(name, set())

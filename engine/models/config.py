@@ -32,11 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.models.config_gemma import (GELU_TANH, GEMMA_ARCHITECTURES, GemmaFields, gemma3_rope_sources,
-                                        gemma_layer_types, read_gemma)
+from engine.errors import ModelLoadError
+from engine.models.config_gemma import (
+    GELU_TANH,
+    GEMMA_ARCHITECTURES,
+    GemmaFields,
+    gemma3_rope_sources,
+    gemma_layer_types,
+    read_gemma,
+)
 from engine.models.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
 from engine.models.config_rope import ROPE_TYPES, read_rope
-from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)

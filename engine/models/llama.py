@@ -18,9 +18,9 @@ from torch import nn
 
 from engine.models.attention import AttentionMetadata, paged_attention
 from engine.models.config import ModelConfig
+from engine.models.kernel_backend import KernelOps
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.moe import Experts, SparseMoE
-from engine.models.kernel_backend import KernelOps
 from engine.models.tensor_parallel import TensorParallel, narrow_parts
 
 log = logging.getLogger(__name__)

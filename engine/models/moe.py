@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Linear
 from engine.models.kernel_backend import KernelOps
+from engine.models.layers import Linear
 from engine.models.tensor_parallel import TensorParallel
 
 

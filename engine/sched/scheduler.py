@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
 
+from engine.histogram import LATENCY_BUCKETS_S, Histogram
 from engine.kv.block_pool import BlockPool
 from engine.kv.handoff import PeerBlocks
 from engine.kv.hashing import BlockHasher
-from engine.histogram import LATENCY_BUCKETS_S, Histogram
 from engine.kv.tiers import TierManager
 from engine.request import Request, RequestStatus
 from engine.sched.output import PeerImporter, ScheduledRequest, SchedulerOutput

@@ -28,12 +28,12 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.sched.output import SchedulerOutput
-from engine.config import SpeculativeConfig
+from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import Acceptance, StepCost, choose_lengths
 from engine.speculative.proposers import Proposer, SpecSequence
-from engine.speculative.ngram import NgramProposer
 from engine.speculative.rejection import Drafts
 from engine.speculative.suffix import SuffixProposer
 

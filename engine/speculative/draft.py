@@ -35,16 +35,16 @@ was never fed.
 """
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config, load_tokenizer
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.errors import ConfigError
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.speculative.proposers import Proposer, SpecSequence
 from engine.speculative.rejection import draft_step_seed

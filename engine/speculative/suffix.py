@@ -32,8 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from engine.config import (DEFAULT_MAX_CACHED_NODES, DEFAULT_MAX_CACHED_REQUESTS, DEFAULT_MAX_SPEC_FACTOR,
-                           DEFAULT_MAX_TREE_DEPTH, DEFAULT_MIN_TOKEN_PROB)
+from engine.config import (
+    DEFAULT_MAX_CACHED_NODES,
+    DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_SPEC_FACTOR,
+    DEFAULT_MAX_TREE_DEPTH,
+    DEFAULT_MIN_TOKEN_PROB,
+)
 from engine.speculative.proposers import Proposer, RequestStates, SpecSequence
 
 _NONE: Mapping = MappingProxyType({})  # a node's children / endpoints until it has some (a dict is ~0.2 KB)

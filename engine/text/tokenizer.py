@@ -40,8 +40,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as _Backend
 
-from engine.text import chat_template
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.text import chat_template
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a chat template may read (bos_token, eos_token, ...).
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -41,22 +41,22 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from engine.kv.handoff import PeerBlocks
 from engine.errors import ConfigError
+from engine.kv.handoff import PeerBlocks
 from engine.kv.hashing import BlockHasher
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams, admit_rope_factors
 from engine.text.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
+from router.dispatch.faults import WorkerFaults, _Lost, _quietly
+from router.dispatch.migration import MAX_MIGRATIONS, SentSoFar, with_seed
+from router.metrics.collector import RequestTiming, RouterMetrics
 from router.routing.demand import DecodeDemand
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker
-from router.metrics.collector import RequestTiming, RouterMetrics
-from router.dispatch.migration import MAX_MIGRATIONS, SentSoFar, with_seed
 from router.routing.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
+from router.workers.client import WorkerClient, check_fingerprints
 from router.workers.registry import WorkerRegistry, WorkerState
-from router.dispatch.faults import WorkerFaults, _Lost, _quietly
-from router.workers.client import WorkerClient, WorkerDescriptor, check_fingerprints
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from router.openai.chat_format import ChatFormat
 from router.openai.assistant_message import MessageShaper, Shaping
+from router.openai.chat_format import ChatFormat
 from router.openai.protocol import ChatCompletionRequest
 
 

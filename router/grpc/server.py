@@ -55,8 +55,8 @@ from engine.text.tokenizer import Tokenizer
 from proto.build import ensure_generated
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
-from router.openai.chat_format import ChatFormat
 from router.grpc.chat import ChatTurn
+from router.openai.chat_format import ChatFormat
 from router.routing.policy import NoWorkersError
 from router.tenancy import bearer_token, tenant_salt
 

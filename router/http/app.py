@@ -38,14 +38,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.backend import Backend
 from router.http.choice_streams import SSE_HEADERS, ChoiceRun
+from router.http.errors import (
+    ApiError,
+    ClientGone,
+    api_key_check,
+    error_response,
+    health_error,
+    install_error_handlers,
+    parse_body,
+)
 from router.http.openapi import document
-from router.http.errors import (ApiError, ClientGone, api_key_check, error_response, health_error,
-                                install_error_handlers, parse_body)
-from router.openai.chat_format import ChatFormat
+from router.http.responses_api import ResponsesRequest, serve_response
 from router.openai.base import error_body
+from router.openai.chat_format import ChatFormat
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from router.openai.response_builder import ChatResponses, ChoiceState, CompletionResponses, ResponseBuilder
-from router.http.responses_api import ResponsesRequest, serve_response
 from router.tenancy import bearer_token, tenant_salt
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.http.responses_api import ResponsesRequest
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {
     "type": "object", "required": ["error"], "additionalProperties": False,

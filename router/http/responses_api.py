@@ -22,9 +22,9 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
-from router.openai.assistant_message import MessagePart, MessageShaper
 from router.http.choice_streams import SSE_HEADERS, ChoiceRun
 from router.http.errors import ClientGone, error_response
+from router.openai.assistant_message import MessagePart, MessageShaper
 from router.openai.base import BadRequest, StrictModel
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.response_builder import ChoiceState

@@ -25,13 +25,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-from router.metrics.speculative import spec_families
-from router.metrics.tiers import tier_families
 from prometheus_client.utils import floatToGoString
 
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
+from router.metrics.speculative import spec_families
+from router.metrics.tiers import tier_families
 from router.workers.registry import LIVE_STATES, WorkerRegistry, tier_usage
 
 WORKER_LABELS = ("model_name", "engine", "worker", "role")

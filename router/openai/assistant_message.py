@@ -21,9 +21,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from router.openai.tools import ToolPlan
 from engine.text.stopping import held_chars
 from router.openai.tool_parsers import Call, Text, call_of
+from router.openai.tools import ToolPlan
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -31,12 +31,17 @@ from pydantic import ConfigDict, Field
 
 from engine.errors import InvalidRequestError
 from engine.request import (
-    MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams, StructuredOutput,
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+    StructuredOutput,
 )
 from engine.sampling.structured import structured_output
 from router.openai.base import BadRequest, StrictModel
-from router.openai.tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, ToolPlan, history_message
 from router.openai.tool_parsers import ToolFormat
+from router.openai.tools import MAX_TOOLS, ToolCall, ToolChoice, ToolDef, ToolPlan, history_message
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one /v1/completions request

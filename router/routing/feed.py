@@ -51,7 +51,6 @@ Concurrency. ``MemoryEventLog`` is thread-safe (engine thread publishes, actor t
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any

@@ -11,9 +11,14 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from router.routing.feed import (DEFAULT_SNAPSHOT_INTERVAL_S, DEFAULT_SNAPSHOT_KEY, SNAPSHOT_FORMAT, IndexFeed,
-                                 parse_stream_id)
 from proto.kv_codec import DEFAULT_STREAM, STREAM_FIELD
+from router.routing.feed import (
+    DEFAULT_SNAPSHOT_INTERVAL_S,
+    DEFAULT_SNAPSHOT_KEY,
+    SNAPSHOT_FORMAT,
+    IndexFeed,
+    parse_stream_id,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.errors import ConfigError
+from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.kv.hashing import BlockHasher
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams

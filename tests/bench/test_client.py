@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from bench import workloads
-from bench.serve.clients import compare_clients, from_vllm_result
 from bench.client import RequestResult, run, summarize
+from bench.serve.clients import compare_clients, from_vllm_result
 from bench.summary import stats as percentiles
 from bench.workloads import BenchRequest
 

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from proto.kv_codec import decode_batch
 from engine.kv.events import AllCleared, BlockStored
+from proto.kv_codec import decode_batch
 from router.routing.feed import IndexFeed
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker

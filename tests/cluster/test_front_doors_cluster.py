@@ -4,8 +4,6 @@ cancellation over HTTP and gRPC leaves no block behind on any worker."""
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 import grpc
 import httpx

@@ -20,9 +20,9 @@ from safetensors.numpy import load_file, save_file
 
 from engine.loading.tiny import make_tiny_model
 from tests.cluster.serve_process import serve_worker_stats, serving
-from tests.ports import free_port
 from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.loading.test_gguf_spm import spm_vocab
+from tests.ports import free_port
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow

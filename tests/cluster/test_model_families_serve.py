@@ -15,8 +15,8 @@ import transformers
 
 from engine.models.config import ModelConfig
 from tests.cluster.serve_process import serve_worker_stats, serving
-from tests.ports import free_port
 from tests.engine.loading.hf_saved import save_with_transformers
+from tests.ports import free_port
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow

@@ -132,8 +132,8 @@ TOOL_REQUESTS = (2, 5)  # these carry a required tool call's grammar (the generi
 
 def tool_call_constraint():
     """What the router sends the engine for ``tool_choice: "required"`` with one tool in the generic format."""
-    from router.openai.tools import ToolDef, ToolPlan
     from router.openai.tool_parsers import FORMATS
+    from router.openai.tools import ToolDef, ToolPlan
 
     tool = ToolDef.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}})

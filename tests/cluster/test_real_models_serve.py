@@ -28,8 +28,8 @@ import transformers
 from pydantic import BaseModel, Field
 
 from tests.cluster.serve_process import serve_worker_stats, serving
-from tests.ports import free_port
 from tests.engine.loading.hf_saved import save_with_transformers
+from tests.ports import free_port
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ must be a near-tie of the target's top two logits where the two parted. The deco
 its stats and on /metrics under vLLM's names."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_tokenizer
 import concurrent.futures
 import json
 import signal
@@ -16,9 +15,10 @@ import openai
 import pytest
 
 from bench.engine.speculative_prompts import prompts
+from engine.loading.checkpoint import load_tokenizer
 from tests.cluster.serve_process import ROOT, serve_worker_stats, serving
-from tests.ports import free_port
 from tests.cluster.test_disagg_cluster import wait_for
+from tests.ports import free_port
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 6}
 MAX_TOKENS = 40
@@ -79,7 +79,6 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
         want, url = stats["decode-0"]["spec_decode"]["num_accepted_tokens"], f"http://127.0.0.1:{port}/metrics"
         wait_for(lambda: accepted_total(httpx.get(url, timeout=30).text) == want, timeout_s=10, interval_s=0.2)
         metrics = httpx.get(url, timeout=30).text
-    from engine.text.tokenizer import Tokenizer
 
     tokenizer = load_tokenizer(str(smollm2_gguf))
     differ = []
@@ -111,8 +110,8 @@ def test_served_draft_model_disaggregated_equals_without(ray_session, tiny_model
     positions a draft model's drafts cover changes the draws — tests/engine/speculative/test_draft_model.py.)"""
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.request import SamplingParams
     from engine.loading.tiny_draft import derive_draft
+    from engine.request import SamplingParams
 
     model = tiny_model("llama")
     draft = derive_draft(model, tmp_path / "draft", noise=0.05)

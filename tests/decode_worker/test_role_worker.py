@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.kv.events import AllCleared, BlockStored
 from engine.request import SamplingParams
 from prefill_worker.base import FlipRefusedError, WorkerBusyError, WorkerOptions, WrongRoleError
-from proto.kv_codec import decode_batch
 from prefill_worker.event_sinks import MemoryEventLog
+from proto.kv_codec import decode_batch
 
 B = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -17,11 +17,15 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.models.moe import SparseMoE
-from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
 from tests.engine import test_cuda_engine as cuda_tests
-from tests.engine.test_cuda_engine import (NUM_TOKENS, assert_greedy_in_graphs_equals_transformers, cuda_engine,
-                                           first_difference)
+from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
 from tests.engine.models.test_parity import SAVED_BY_TRANSFORMERS, _phi3, random_prompts
+from tests.engine.test_cuda_engine import (
+    NUM_TOKENS,
+    assert_greedy_in_graphs_equals_transformers,
+    cuda_engine,
+    first_difference,
+)
 
 pytestmark = cuda_tests.pytestmark  # a CUDA device, else skipped: `make gpu-check` runs them on one
 
@@ -72,7 +76,7 @@ def test_speculative_decoding_gives_plain_greedy_tokens(tiny_model, tmp_path, me
     got = run(engine, cases)
     if method == "suffix":  # again: the cache of finished outputs now proposes whole continuations
         got = run(engine, cases)
-    for (p, sp), g, w in zip(cases, got, want):
+    for (p, _sp), g, w in zip(cases, got, want):
         assert (g["tokens"], g["finish"]) == (w["tokens"], w["finish"]), \
             (len(p), first_difference(g["tokens"], w["tokens"]))
     st = engine.spec.stats

@@ -2,16 +2,14 @@
 transformers 5 saves, token for token against transformers (greedy; raw prompts and chats, batched)."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config, load_tokenizer
 import json
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.engine import Engine
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.request import SamplingParams
-from engine.text.tokenizer import Tokenizer
 from tests.real_model import CHATS, RAW_PROMPTS
 
 pytestmark = pytest.mark.slow

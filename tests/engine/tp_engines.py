@@ -1,15 +1,14 @@
 """A tensor-parallel engine for tests: rank 0 here, the other ranks in spawned processes (``serve_rank``)."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import contextlib
 import multiprocessing
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.engine import Engine
-from engine.models.tensor_parallel import check_split, init_group, open_store
+from engine.loading.checkpoint import load_model_config
 from engine.model_runner import ModelRunner
+from engine.models.tensor_parallel import check_split, init_group, open_store
 
 
 def serve_rank(config: EngineConfig, rank: int, size: int, host: str, port: int) -> None:

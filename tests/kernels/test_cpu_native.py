@@ -23,7 +23,6 @@ from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 from tests.kernels.paged import assert_close, block_tables, kv_cache, layer_views, lens_tensor
 
-
 # (head_dim, q_heads, kv_heads): GQA groups of 1, 2, 3, 4, 6 (one chunk of 4 query heads and one of 2) and 8; head
 # dims on the C kernels' 32-column tiles (64, 128), with an 8-column tail (80), and off the vector path (20)
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from decode_worker.role_worker import Worker
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
-from decode_worker.role_worker import Worker
 
 B = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

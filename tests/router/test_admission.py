@@ -17,10 +17,9 @@ import pytest
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer
-from router.http import choice_streams as choice_run
-from router.admission import (AdmissionConfig, AdmittedBackend, DeadlineExceededError, OverloadedError,
-                              QueueTimeoutError)
+from router.admission import AdmissionConfig, AdmittedBackend, DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend, Health, ModelCard
+from router.http import choice_streams as choice_run
 from router.http.app import create_app
 from router.routing.policy import NoWorkersError
 from tests.router.http.http_harness import ServerThread, assert_error_shape

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve.__main__ import make_plan
 from bench.goodput_search import RateSearch, search_rate
-from bench.summary import summarize
+from bench.serve.__main__ import make_plan
 from bench.serve.report import markdown, summary_lines
+from bench.summary import summarize
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.2}
 KNEES = {"random": {"duet-disagg-1p1d": 0.6, "duet-colocated": 1.0, "vllm-cpu": 1.1},

@@ -3,13 +3,21 @@
 which the policy moves workers from one role to the other."""
 from __future__ import annotations
 
-
 import pytest
 
-from bench.summary import meets_slo
-from bench.sim.goodput_study import (WARMUP, WINDOWS, attainment, best_of_fixed_and_ratio, make_warmup, make_workload,
-                                     report, spread, with_warmup)
+from bench.sim.goodput_study import (
+    WARMUP,
+    WINDOWS,
+    attainment,
+    best_of_fixed_and_ratio,
+    make_warmup,
+    make_workload,
+    report,
+    spread,
+    with_warmup,
+)
 from bench.sim.scenarios import cpu_scenario, trace
+from bench.summary import meets_slo
 from bench.workloads import BenchRequest
 from cluster.autoscaler import AutoscalerConfig
 from tests.bench.sim.test_simulate import Deployment, hardware, prompt, run

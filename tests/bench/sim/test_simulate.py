@@ -12,18 +12,25 @@ import pytest
 import bench.sim.autoscale as sim_autoscale
 from bench import workloads
 from bench.sim.calibrate import best_of
-from bench.summary import percentile, stats, summarize
 from bench.sim.calibration_check import calibration_check, deployment_of
 from bench.sim.cluster import ClusterSim, Deployment, Hardware
-from bench.sim.scenarios import CALIBRATION, cpu_hardware, simulate_run
-from bench.sim.tiers import SimMover, TierFeed, TierSpec, global_lru_hit_rate, match_total
 from bench.sim.runs import parse_config
-from bench.sim.step_model import (FittedStepModel, RooflineStepModel, StepShape, TransferModel, feature_names, fit,
-                                  TOKEN_KNOTS)
+from bench.sim.scenarios import CALIBRATION, cpu_hardware, simulate_run
+from bench.sim.step_model import (
+    TOKEN_KNOTS,
+    FittedStepModel,
+    RooflineStepModel,
+    StepShape,
+    TransferModel,
+    feature_names,
+    fit,
+)
+from bench.sim.tiers import SimMover, TierFeed, TierSpec, global_lru_hit_rate, match_total
+from bench.summary import percentile, stats, summarize
 from bench.workloads import BenchRequest
 from cluster.autoscaler import AutoscalerConfig
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import BlockRemoved, BlockStored, Tier
+from engine.kv.hashing import BlockHasher
 from engine.kv.tiers import Job, Op
 from router.routing.index import PrefixIndex
 from router.routing.policy import Role

@@ -1,8 +1,8 @@
 """A small replay of the Mooncake trace through the real index, policies, load tracker and block pools."""
 import pytest
 
-from bench.workloads import TRACE
 from bench.sim.trace_replay import load_trace, oracle_hit_blocks, simulate
+from bench.workloads import TRACE
 from router.routing.policy import NO_PEER_FETCH, CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy
 
 # The trace ships in shared/ beside the checkout (CI has it): a missing trace is a failure, not a skip.

@@ -3,8 +3,8 @@ import random
 import pytest
 
 from engine.kv.block_pool import BlockPool, NoFreeBlocksError
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import AllCleared, BlockRemoved, BlockStored
+from engine.kv.hashing import BlockHasher
 
 B = 4
 

@@ -7,12 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv import sizing as kv_sizing
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
-from engine.kv.sizing import (CPU_KV_MAX_BYTES, CPU_KV_MEMORY_FRACTION, available_ram_bytes, cpu_kv_budget_bytes,
-                              cuda_kv_budget_bytes)
+from engine.kv import sizing as kv_sizing
+from engine.kv.sizing import (
+    CPU_KV_MAX_BYTES,
+    CPU_KV_MEMORY_FRACTION,
+    available_ram_bytes,
+    cpu_kv_budget_bytes,
+    cuda_kv_budget_bytes,
+)
 from engine.request import SamplingParams
 
 BLOCK_BYTES = 8 << 10  # the tiny model's fp32 block of 16 tokens

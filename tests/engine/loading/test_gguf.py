@@ -3,7 +3,6 @@ them, against transformers' own GGUF loading of the same file (an independent de
 and tokenizer conversion), and every refusal a user can meet."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config, load_tokenizer
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,13 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
-from engine.loading.paths import checkpoint_name, is_gguf
 from engine.engine import Engine
 from engine.errors import ModelLoadError
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.loading.gguf import GGUFCheckpoint
-from engine.request import SamplingParams
+from engine.loading.paths import checkpoint_name, is_gguf
 from engine.loading.tiny import tiny_corpus
-from engine.text.tokenizer import Tokenizer
+from engine.request import SamplingParams
 from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.loading.hf_saved import hf_reference
 

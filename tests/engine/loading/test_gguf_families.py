@@ -8,14 +8,13 @@ GGUF loader reads what the file says, and transformers running the checkpoint th
 what its GGUF loader drops (LongRoPE factors, Phi-3's window, Gemma's soft-caps, Gemma 3's RoPE scaling)."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_model_config
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from engine.models.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.loading.checkpoint import load_model_config
 from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
 from tests.engine.loading.test_gguf import PROMPTS, engine_for, greedy, hf_gguf_greedy

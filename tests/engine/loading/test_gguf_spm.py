@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.loading.gguf import GGUFCheckpoint
-from engine.request import SamplingParams
 from engine.loading.tiny import make_tiny_model, tiny_corpus
+from engine.request import SamplingParams
 from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
 

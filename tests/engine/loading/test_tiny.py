@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+import transformers  # the reference (a test dependency: pip install .[test])
 from safetensors import safe_open
 
 from engine.loading.tiny import ARCHITECTURES, make_tiny_model
 
-import transformers  # the reference (a test dependency: pip install .[test])
 transformers.logging.set_verbosity_error()
 
 ARCHS = sorted(ARCHITECTURES)

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 import engine.loading.weights as loader
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
 from engine.engine import Engine
 from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
 
 
 def copy_dir(src, tmp_path):

@@ -14,8 +14,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
 from engine.models.layers import rope_inv_freq
 
 BASE = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from engine.models.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=7, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)

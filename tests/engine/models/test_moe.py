@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.models.config_moe import MoeFields
-from engine.models.moe import Experts, SparseMoE, grouped_experts, route
 from engine.models.kernel_backend import get_ops
+from engine.models.moe import Experts, SparseMoE, grouped_experts, route
 
 
 def experts(e: int = 5, hidden: int = 32, inter: int = 24, seed: int = 0) -> Experts:

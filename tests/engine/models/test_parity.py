@@ -9,13 +9,11 @@ import random
 
 import pytest
 import torch
+import transformers  # the reference (a test dependency: pip install .[test])
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
-
-import transformers  # the reference (a test dependency: pip install .[test])
-
 from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
 
 PROMPT_LENS = (1, 3, 16, 17, 45, 100, 160, 300)

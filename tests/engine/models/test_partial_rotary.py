@@ -19,9 +19,9 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
-from engine.models.config import ModelConfig
 from engine.engine import Engine
 from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
 from engine.models.layers import RotaryEmbedding, rope_attention_factor, rope_inv_freq
 from tests.engine.loading.hf_saved import save_with_transformers
 from tests.engine.models.test_kernel_backends import prompt_logits

@@ -50,7 +50,7 @@ def test_heads_split_evenly_or_kv_heads_replicated():
     with pytest.raises(ConfigError, match="does not divide the attention heads"):
         TensorParallel(0, 2).heads(9, 3, 64)  # SmolLM2: 9 heads
     with pytest.raises(ConfigError, match="neither a divisor nor a multiple of the 3 KV heads"):
-        TensorParallel(0, 6).heads(12, 3, 8).__class__  # 6 ranks, 3 KV heads: ok (multiple)
+        TensorParallel(0, 6).heads(12, 3, 8).__class__  # noqa: B018 6 ranks, 3 KV heads: ok (multiple)
         TensorParallel(0, 4).heads(12, 3, 8)
 
 

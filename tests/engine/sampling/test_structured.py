@@ -2,7 +2,6 @@
 JSON that validates against the schema; a matcher rebuilt from the output tokens is in the same state; bad
 schemas are refused with the problem named, without importing torch."""
 
-from engine.loading.checkpoint import load_tokenizer
 import json
 import subprocess
 import sys
@@ -13,10 +12,15 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.loading.checkpoint import load_tokenizer
 from engine.request import StructuredOutput
-from engine.sampling.structured import (GrammarBackend, apply_token_bitmask_, check_structured_output,
-                                        mask_logits_batch, structured_output)
-from engine.text.tokenizer import Tokenizer
+from engine.sampling.structured import (
+    GrammarBackend,
+    apply_token_bitmask_,
+    check_structured_output,
+    mask_logits_batch,
+    structured_output,
+)
 
 NUM_PADDING_IDS = 64  # lm_head rows past the tokenizer's vocabulary: never allowed
 

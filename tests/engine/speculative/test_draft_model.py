@@ -9,11 +9,18 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
+from engine.loading.tiny_draft import derive_draft
 from engine.request import SamplingParams
 from engine.speculative.draft import DraftModel
-from engine.loading.tiny_draft import derive_draft
-from tests.engine.speculative.test_engine_spec import (PARAMS, assert_same_distribution, cached_hashes, check_drained,
-                                                       make_engine, model_dir, plain_outputs, prompts, run)
+from tests.engine.speculative.test_engine_spec import (
+    PARAMS,
+    assert_same_distribution,
+    cached_hashes,
+    check_drained,
+    make_engine,  # noqa: F401 (fixtures)
+    prompts,
+    run,
+)
 
 
 def draft_spec(path, k: int = 4) -> dict:

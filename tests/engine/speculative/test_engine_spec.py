@@ -11,11 +11,10 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.request import SamplingParams, StructuredOutput
-from engine.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0}

@@ -73,7 +73,7 @@ def test_ngram_matches_reference_incrementally_and_rebuilt():
     """Random sequences over small alphabets: the index, caught up one token at a time, agrees with the
     brute-force rule and with an index built from scratch at every step."""
     rng = random.Random(0)
-    for trial in range(60):
+    for _trial in range(60):
         lo = rng.randint(1, 3)
         hi = lo + rng.randint(0, 3)
         k = rng.randint(1, 5)
@@ -182,7 +182,7 @@ def check_tree(tree: SuffixTree):
 
 def test_tree_counts_under_appends_and_removals():
     rng = random.Random(2)
-    for trial in range(150):
+    for _trial in range(150):
         tree = SuffixTree(rng.randint(1, 6))
         growing, alive = [0, 1, 2], set()
         for _ in range(50):
@@ -233,7 +233,7 @@ def suffix_ref(seqs, depth, context, k, factor, min_prob):
 
 def test_speculate_matches_reference():
     rng = random.Random(3)
-    for trial in range(200):
+    for _trial in range(200):
         depth = rng.randint(2, 8)
         seqs = [[rng.randrange(rng.choice([2, 3, 4])) for _ in range(rng.randint(1, 30))] for _ in range(3)]
         tree = SuffixTree(depth)
@@ -293,7 +293,7 @@ def test_suffix_rebuilt_state_proposes_the_same():
             p.finish(f"done{i}", o)
     a = [rng.randrange(5) for _ in range(10)]
     b = [rng.randrange(5) for _ in range(7)]
-    for step in range(60):
+    for _step in range(60):
         batch = [seq(a, request_id="a", num_prompt_tokens=10), seq(b, request_id="b", num_prompt_tokens=7)]
         got = stepwise.propose(batch)
         fresh = suffix(6)

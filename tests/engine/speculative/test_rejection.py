@@ -18,8 +18,19 @@ import torch
 from engine.request import SamplingParams
 from engine.sampling.sampler import sample, step_seed
 from engine.speculative.rejection import Drafts, acceptance_uniform, draft_step_seed, rejection_sample, residual_probs
-from tests.engine.speculative.toy import (EOS, FEATURES, STOP, ExactAnalysis, ToyDraft, ToyTarget, extended,
-                                          make_request, params_with, plain_probs, position_masks)
+from tests.engine.speculative.toy import (
+    EOS,
+    FEATURES,
+    STOP,
+    ExactAnalysis,
+    ToyDraft,
+    ToyTarget,
+    extended,
+    make_request,
+    params_with,
+    plain_probs,
+    position_masks,
+)
 
 PROMPT = [2, 1]  # ids valid in a 3-token vocabulary
 TOL = 5e-6

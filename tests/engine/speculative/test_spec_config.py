@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from engine.errors import ConfigError
 from engine.config import SpeculativeConfig
-from engine.speculative.ngram import NgramProposer
+from engine.errors import ConfigError
 from engine.speculative.decoder import make_proposer
+from engine.speculative.ngram import NgramProposer
 from engine.speculative.suffix import SuffixProposer
 
 parse = SpeculativeConfig.from_json

@@ -3,18 +3,17 @@ drafts[:j] generated (bit for bit), and the grammar's per-position masks are a r
 SmolLM2's real tokenizer, with the request's matcher left as it was."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import load_tokenizer
 import json
 
 import pytest
 import torch
 
+from engine.loading.checkpoint import load_tokenizer
 from engine.request import ResumeState, SamplingParams, StructuredOutput
 from engine.sampling.sampler import process_logits
+from engine.sampling.structured import GrammarBackend
 from engine.speculative.rejection import Drafts, rejection_sample
 from engine.speculative.targets import grammar_position_masks, position_logits
-from engine.sampling.structured import GrammarBackend
-from engine.text.tokenizer import Tokenizer
 from tests.engine.speculative.toy import EOS, extended, make_request
 
 

@@ -6,12 +6,12 @@ import random
 import shutil
 
 import pytest
+import transformers  # the reference (a test dependency: pip install .[test])
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loading.tiny import ARCHITECTURES
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
-import transformers  # the reference (a test dependency: pip install .[test])
 transformers.logging.set_verbosity_error()
 
 ARCHS = sorted(ARCHITECTURES)

@@ -7,16 +7,16 @@ import asyncio
 
 import pytest
 
-from engine.kv.handoff import KVHandoff
 from engine.errors import ConfigError
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import BlockStored
+from engine.kv.handoff import KVHandoff
+from engine.kv.hashing import BlockHasher
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
-from router.workers.client import WorkerClient, WorkerDescriptor, check_fingerprints
 from router.routing.policy import NoWorkersError, Role
+from router.workers.client import WorkerClient, WorkerDescriptor, check_fingerprints
 
 B = 4
 

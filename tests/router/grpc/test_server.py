@@ -16,11 +16,12 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from router.backend import Backend, Health, ModelCard
-from router.grpc.server import SERVICE_NAME, start_grpc_server
+
 # generated code: importing router.grpc.server above builds it when missing, so these come after it
 from proto.duet.v1 import generate_pb2 as pb  # noqa: E402,I001
 from proto.duet.v1 import generate_pb2_grpc as pb_grpc
+from router.backend import Backend, Health, ModelCard
+from router.grpc.server import SERVICE_NAME, start_grpc_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

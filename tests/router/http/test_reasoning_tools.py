@@ -12,8 +12,8 @@ import pytest
 from cluster.local_backend import LocalBackend
 from engine.config import EngineConfig
 from engine.engine import Engine
-from router.openai.chat_format import ChatFormat
 from router.http.app import create_app
+from router.openai.chat_format import ChatFormat
 from tests.router.http.http_harness import ServerThread
 from tests.router.http.test_tools import TOOLS
 

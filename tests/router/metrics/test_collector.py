@@ -6,7 +6,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.histogram import NIXL_XFER_BUCKETS_S, Histogram, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, ITL_BUCKETS_S
+from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, NIXL_XFER_BUCKETS_S, TTFT_BUCKETS_S, Histogram
 from engine.kv.events import WorkerLoad
 from engine.outputs import RequestOutput
 from router.metrics.collector import ClusterCollector, RouterMetrics

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from router.openai.assistant_message import MessagePart, Shaping
-from router.openai.tools import FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 from router.openai.tool_parsers import FORMATS, Call, GenericParser, Text, detect_format
+from router.openai.tools import FunctionDef, NamedToolChoice, ToolDef, ToolPlan
 
 
 def chunkings(text: str):

@@ -15,9 +15,9 @@ import pytest
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.events import AllCleared, BlockRemoved, BlockStored, WorkerLoad
+from prefill_worker.event_sinks import MemoryEventLog
 from proto.kv_codec import encode_batch
 from router.routing.feed import FeedCounters, IndexFeed
-from prefill_worker.event_sinks import MemoryEventLog
 from router.routing.index import PrefixIndex, TierMatch
 from router.routing.load import LoadTracker
 

@@ -10,15 +10,15 @@ import pickle
 import pytest
 
 from engine.kv.events import AllCleared, BlockRemoved, BlockStored, Tier, TierUsage, WorkerLoad
+from prefill_worker.event_sinks import RedisEventSink
 from proto.duet.v1 import kv_events_pb2 as pb
 from proto.kv_codec import decode_batch, encode_batch
 from router.routing.feed import IndexFeed
-from prefill_worker.event_sinks import RedisEventSink
 from router.routing.index import PrefixIndex, TierMatch
 from router.routing.load import LoadTracker
+from router.routing.policy import Role
 from router.routing.redis_feed import RedisEventSource
 from router.workers.registry import WorkerRegistry
-from router.routing.policy import Role
 
 DEVICE, HOST, DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 SIZED = (TierUsage(HOST, 400, 12), TierUsage(DISK, 4000, 30))

@@ -18,15 +18,15 @@ from dataclasses import asdict
 import pytest
 import redis
 
-from bench.workloads import TRACE
 from bench.sim.trace_replay import SimWorker, load_trace
+from bench.workloads import TRACE
 from engine.kv.block_pool import BlockPool
 from engine.kv.events import WorkerLoad
-from proto.kv_codec import encode_batch
 from prefill_worker.event_sinks import RedisEventSink
+from proto.kv_codec import encode_batch
 from router.routing.policy import CacheAwarePolicy, Role, route
 from router.routing.redis_feed import RedisEventSource
-from tests.router.routing.test_feed import B, NAMES, new_feed
+from tests.router.routing.test_feed import NAMES, B, new_feed
 
 assert TRACE.exists(), f"Mooncake trace not found at {TRACE}"
 

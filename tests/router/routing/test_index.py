@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import AllCleared, BlockRemoved, BlockStored
+from engine.kv.hashing import BlockHasher
 from router.routing.index import PrefixIndex, TierMatch
 
 B = 4

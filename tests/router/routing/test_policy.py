@@ -3,12 +3,23 @@ import random
 
 import pytest
 
-from engine.kv.hashing import BlockHasher
 from engine.kv.events import BlockStored
+from engine.kv.hashing import BlockHasher
 from router.routing.index import PrefixIndex, TierMatch
 from router.routing.load import LoadEstimate, LoadTracker
-from router.routing.policy import (DEFAULT_TIER_WEIGHTS, NO_PEER_FETCH, CacheAwarePolicy, LeastLoadedPolicy,
-                                   NoWorkersError, Role, RoundRobinPolicy, TierWeights, WorkerCost, make_policy, route)
+from router.routing.policy import (
+    DEFAULT_TIER_WEIGHTS,
+    NO_PEER_FETCH,
+    CacheAwarePolicy,
+    LeastLoadedPolicy,
+    NoWorkersError,
+    Role,
+    RoundRobinPolicy,
+    TierWeights,
+    WorkerCost,
+    make_policy,
+    route,
+)
 
 B = 4
 P, D = Role.PREFILL, Role.DECODE

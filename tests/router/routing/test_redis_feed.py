@@ -10,8 +10,8 @@ import time
 import redis
 
 from engine.kv.events import AllCleared, BlockRemoved, WorkerLoad
-from proto.kv_codec import decode_batch, encode_batch
 from prefill_worker.event_sinks import RedisEventSink
+from proto.kv_codec import decode_batch, encode_batch
 from router.routing.feed import parse_stream_id
 from router.routing.redis_feed import RedisEventSource
 from tests.redis_server import RedisProcess
