@@ -1,4 +1,5 @@
-"""DistServe goodput, one definition for the real server (bench/serve/__main__.py) and the simulator (bench/sim/goodput_study.py).
+"""DistServe goodput, one definition for the real server (bench/serve/__main__.py) and the simulator
+(bench/sim/goodput_study.py).
 
 A run at some request rate has an **attainment**: the fraction of its requests (failed ones included) that
 completed with TTFT and TPOT within their targets (``bench.summary.meets_slo``; the summary's

@@ -4,10 +4,10 @@ samples and its dispatch counters. bench/sim/autoscale.py builds the same observ
 
 Per ready worker: its load (queued prefill tokens: the larger of its own report and the router's count of
 prompt tokens sent there and not yet prefilled — a worker reports its load between engine steps, and one
-long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); what its engine did in the interval (differences of its EngineStats counters:
-busy seconds, prompt tokens computed, decode steps and tokens — a worker's first observation counts zero);
-the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease; decode: handoffs
-waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
+long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); what its engine did in the interval
+(differences of its EngineStats counters: busy seconds, prompt tokens computed, decode steps and tokens — a worker's
+first observation counts zero); the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease;
+decode: handoffs waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
 prefill queue times from warm prefill workers' histograms, the uncached prompt tokens routed to prefill, what
 the placed requests asked of decode and what the finished ones generated (router/routing/demand.py), and
 the router's count of requests committed to decode workers (a bound on the decode backlog, whose parts are

@@ -4,8 +4,8 @@ each pool matches its target; the autoscaler (cluster/autoscaler.py, pure) and t
 Loops (tasks on the router's event loop):
 - health (cluster/health.py), every ``lifecycle.health_interval_s``: probe every live worker; one that fails
   ``lifecycle.health_misses`` probes in a row is dead (one slow answer on a loaded machine is not a death): it
-  leaves the registry's live set, the index and the load tracker (its requests behave as router/dispatch/cluster_backend.py
-  documents), and the reconcile below replaces it.
+  leaves the registry's live set, the index and the load tracker (its requests behave as
+  router/dispatch/cluster_backend.py documents), and the reconcile below replaces it.
 - stats, every ``lifecycle.stats_interval_s``: each worker's ``stats()`` into the registry (metrics, admin
   API, drain checks, the autoscaler's queue-time signal). Load reports reach the registry as they arrive
   on the KV event plane.

@@ -64,8 +64,8 @@ class EngineStats:
 class Engine(EmitMixin, RemoteKVMixin):
     def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
                  tp: TensorParallel | None = None, tier_mirror=None) -> None:
-        """``tp``: rank 0 of a tensor-parallel engine (engine/models/tensor_parallel.py); the other ranks follow this engine's
-        steps until ``close``. ``tier_mirror(job) -> Completion``: they run each KV-tier job on their own tiers
+        """``tp``: rank 0 of a tensor-parallel engine (engine/models/tensor_parallel.py); the other ranks follow this
+        engine's steps until ``close``. ``tier_mirror(job) -> Completion``: they run each KV-tier job on their own tiers
         (engine/kv/mover.py; without it a tensor-parallel engine has no tiers)."""
         self.config = config
         self.model_config = load_model_config(config.model)

@@ -79,8 +79,8 @@ def with_huge_page_malloc(environ: dict[str, str]) -> dict[str, str]:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  tp: TensorParallel | None = None, *, extra_bytes_per_block: int = 0, kv_blocks: bool = True) -> None:
-        """``tp``: this rank's place in a tensor-parallel engine (engine/models/tensor_parallel.py); rank 0's runner sends each
-        step to the others (``execute``, ``logits``), which run it through ``follow``. A draft model's cache
+        """``tp``: this rank's place in a tensor-parallel engine (engine/models/tensor_parallel.py); rank 0's runner
+        sends each step to the others (``execute``, ``logits``), which run it through ``follow``. A draft model's cache
         (engine/speculative/draft.py) is indexed by the same block ids: its target is sized for both
         (``extra_bytes_per_block``: the draft's bytes per block), the draft loads its weights first with
         ``kv_blocks=False`` (no cache yet) and gets the target's count of blocks by ``allocate_kv``."""
@@ -243,8 +243,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, request, row0: int, rows: int) -> None:
         """Append the logprobs of the prompt tokens this chunk predicts (the chunk's hidden states are ``rows``
-        rows of the step's from ``row0``, positions num_computed_tokens ...): row j predicts token j + 1. Vocabulary-sized logits are made a
-        slice of rows at a time, so a long prompt does not hold [prompt, vocab] at once."""
+        rows of the step's from ``row0``, positions num_computed_tokens ...): row j predicts token j + 1.
+        Vocabulary-sized logits are made a slice of rows at a time, so a long prompt does not hold [prompt, vocab] at
+        once."""
         start = request.num_computed_tokens
         if not request.prompt_logprobs:
             request.prompt_logprobs.append(None)

@@ -43,8 +43,8 @@ def tier_stats(engine: Engine) -> dict[str, Any]:
 
 
 def spec_stats(engine: Engine) -> dict[str, Any]:
-    """Speculative decoding's counters for stats() (router/metrics/speculative.py renders them under vLLM's names); empty
-    when the engine does not speculate."""
+    """Speculative decoding's counters for stats() (router/metrics/speculative.py renders them under vLLM's names);
+    empty when the engine does not speculate."""
     spec = engine.spec
     if spec is None:
         return {}

@@ -5,8 +5,8 @@ block table, events, API, rank 0's shard), ranks 1 .. N-1 are ``TPRank`` objects
 the worker's placement group (cluster/spawn.py), holding its shard of the weights and its KV heads.
 
 Start-up: rank 0 picks a port and calls every rank's ``join(host, port)``; each rank then joins rank 0's gloo
-group (engine/models/tensor_parallel.py), loads its shard, sizes its cache with the others, and follows rank 0's steps on a
-thread of its own (``ModelRunner.follow``) until rank 0 closes the engine — or its connection to rank 0 breaks,
+group (engine/models/tensor_parallel.py), loads its shard, sizes its cache with the others, and follows rank 0's steps
+on a thread of its own (``ModelRunner.follow``) until rank 0 closes the engine — or its connection to rank 0 breaks,
 when the process exits (a rank without its worker has nothing to do; Ray sees the actor die).
 
 KV handoff: every rank has its own NIXL agents on its own cache — the one peers read from (a prefill worker) and

@@ -17,7 +17,8 @@ from proto.build import ensure_generated
 ensure_generated()
 from proto.duet.v1 import kv_events_pb2 as pb  # noqa: E402  (generated above when missing)
 
-# the shared Redis stream both sides name (prefill_worker/event_sinks.py writes it, router/routing/redis_feed.py reads it)
+# the shared Redis stream of the KV events: prefill_worker/event_sinks.py writes it, router/routing/redis_feed.py
+# reads it
 DEFAULT_STREAM = "duet:kv-events"
 DEFAULT_STREAM_MAXLEN = 100_000  # entries; router/routing/feed.py "Snapshots and trimming" gives the rule
 STREAM_FIELD = b"b"  # the one field of an entry: an encoded batch

@@ -10,8 +10,8 @@ Closing the iterator early (client gone, task cancelled) aborts the request ever
 frees its KV blocks; implementations guarantee that.
 
 Two implementations: `cluster.local_backend.LocalBackend` (one in-process engine: tests, `duet serve
---colocated`) and `router.dispatch.cluster_backend.ClusterBackend` (prefill/decode pools, routing). This module imports no
-torch: the router process never loads the model.
+--colocated`) and `router.dispatch.cluster_backend.ClusterBackend` (prefill/decode pools, routing). This module imports
+no torch: the router process never loads the model.
 """
 from __future__ import annotations
 

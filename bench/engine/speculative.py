@@ -4,8 +4,8 @@
     make bench-spec [SMALL=1]
 
 SmolLM2-135M-Instruct (the default GGUF) through the engine, greedy, chat template applied, on two workloads
-(bench/engine/speculative_prompts.py): input-grounded (repeat / correct / summarise a given paragraph) and open chat. For
-each workload and batch size B, each configuration — no speculation, ``ngram``, ``suffix`` — gets a fresh
+(bench/engine/speculative_prompts.py): input-grounded (repeat / correct / summarise a given paragraph) and open chat.
+For each workload and batch size B, each configuration — no speculation, ``ngram``, ``suffix`` — gets a fresh
 engine (``max_num_seqs`` = B; a fresh suffix cache, so no proposer has seen the measured outputs), serves two
 warm-up prompts, then the measured prompts in waves of B (batch 1: 4 prompts one at a time; B > 1: 2 waves,
 16: one). Reported per cell: output tok/s, the speedup over no speculation measured in the same run, the mean

@@ -1,5 +1,5 @@
-"""Why a schema's integers are bounded (engine/sampling/structured.py ``bound_integers``): SmolLM2, greedy, 120 tokens, a
-city / country / integer population schema over 48 short prompts — how many outputs are valid JSON with the
+"""Why a schema's integers are bounded (engine/sampling/structured.py ``bound_integers``): SmolLM2, greedy, 120 tokens,
+a city / country / integer population schema over 48 short prompts — how many outputs are valid JSON with the
 bound and without it.
 
     python -m bench.engine.structured_numbers          # prints both counts, and each unbounded failure

@@ -1,6 +1,6 @@
 """KV tiers on a real cluster: prefill tokens computed and TTFT with a host tier vs without (issue 23, must-show 2).
 
-    make bench-tiers [SMALL=1]     # python -m bench.kv.tiers_cluster [--small] [--tiny] [--repeats N] [--prefixes 16] ...
+    make bench-tiers [SMALL=1]     # python -m bench.kv.tiers_cluster [--small] [--tiny] [--repeats N] ...
 
 Workload (shared prefixes revisited after the device tier has forgotten them): ``--prefixes`` long prompts
 (system prompts / documents of ``--prefix-tokens``), each visited ``--visits`` times; every visit appends its

@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agreement-only", action="store_true",
                    help="only the client comparison on duet-colocated (agreement.json / agreement.md in --out)")
     p.add_argument("--skip-routing", action="store_true")
-    # the simulator's CPU SLOs (bench/sim/goodput_study.py GOODPUT_SLO): TTFT <= 2 s + 10 ms x prompt tokens, TPOT 0.25 s
-    # — a flat 2 s failed duet's first probe at 0.25 req/s: one 256-token prefill takes ~1 s on 2 vCPUs, two
+    # the simulator's CPU SLOs (bench/sim/goodput_study.py GOODPUT_SLO): TTFT <= 2 s + 10 ms x prompt tokens,
+    # TPOT 0.25 s — a flat 2 s failed duet's first probe at 0.25 req/s: one 256-token prefill takes ~1 s on 2 vCPUs, two
     # that collide break it (docs/benchmarks.md)
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-ttft-per-token-s", type=float, default=0.01)

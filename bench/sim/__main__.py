@@ -10,7 +10,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
     python -m bench.sim tier-weights --hardware gpu [--config colocated-4] [--rate 4] [--alphas 4]
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
     python -m bench.sim goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
-                                 # e. DistServe goodput: the autoscaler vs the best fixed split (bench/sim/goodput_study.py)
+                                 # e. DistServe goodput: the autoscaler vs the best fixed split
+                                 # (bench/sim/goodput_study.py)
                                  [--reuse-fixed build/sim/goodput.json[,...]]  # a policy change: the autoscaler only
     python -m bench.sim goodput-trace --hardware cpu --budgets 8 --workloads mooncake --rate 3.54 \
                                  [--only 6P+2D,auto]

@@ -15,9 +15,9 @@ With ``Hardware.tiers`` every worker also has lower KV tiers (the real ``TierMan
 bench/sim/tiers.py's ``SimMover``; an idle engine is woken when a copy lands) and, with ``tiers.peers``,
 fetches the longer prefix a peer holds before computing a prompt.
 
-The request path is router/dispatch/cluster_backend.py's: route D; if D would compute at most ``local_prefill_max_tokens``
-of the prompt (or there is no prefill worker: colocated), D runs it all; else route P, P prefills and
-samples the first token (TTFT), its blocks stay pinned under a lease; D reserves blocks (or waits for
+The request path is router/dispatch/cluster_backend.py's: route D; if D would compute at most
+``local_prefill_max_tokens`` of the prompt (or there is no prefill worker: colocated), D runs it all; else route P, P
+prefills and samples the first token (TTFT), its blocks stay pinned under a lease; D reserves blocks (or waits for
 them), pulls what it lacks, P's blocks are released, D decodes. A lease that expires before the pull
 started makes D recompute the prompt (counted). Workers run their engine loop as AsyncEngine does:
 inbox, tick (decode: retry handoffs waiting for blocks), one step, repeat while there is work.

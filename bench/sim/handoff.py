@@ -1,9 +1,9 @@
 """The simulated cluster's KV handoff (a mixin of bench/sim/cluster.py's ``ClusterSim``, split by responsibility):
 the decode engine thread reserves blocks for a handed-off prompt (or waits for them), its transfer thread pulls
 what it lacks, the prefill worker's lease is released — or expires first, and the decode worker recomputes. A
-handoff aimed at a decode worker that began draining meanwhile goes to a ready one, as router/dispatch/cluster_backend.py does; a
-draining prefill worker's handoffs are admitted first, and nothing overtakes one that waits for room (as
-decode_worker/worker.py: its drain, a scale-down or a flip, ends when they are read)."""
+handoff aimed at a decode worker that began draining meanwhile goes to a ready one, as
+router/dispatch/cluster_backend.py does; a draining prefill worker's handoffs are admitted first, and nothing overtakes
+one that waits for room (as decode_worker/worker.py: its drain, a scale-down or a flip, ends when they are read)."""
 from __future__ import annotations
 
 from bench.sim.records import Flight, SimWorker

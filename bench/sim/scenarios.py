@@ -3,9 +3,9 @@ benchmark JSON document that ``duet bench`` writes (bench/client.py), plus a ``s
 
 CPU (``cpu_scenario``): SmolLM2-135M-Instruct fp32, step times fitted by bench/sim/calibrate.py (1 torch
 thread = a Ray CPU worker's default), KV blocks per worker as the engine's fixed default sized them
-before it measured the free memory (256 MiB), the Mooncake trace scaled by bench.workloads.scaled_trace with its defaults (16-token blocks,
-outputs /16, at most 64 out and 2,048 in). KV transfer: 4.28 GB/s (NIXL READ of scattered blocks on this
-machine, docs/benchmarks.md) + 2 ms per handoff (assumed: Ray call, notification, commit).
+before it measured the free memory (256 MiB), the Mooncake trace scaled by bench.workloads.scaled_trace with its
+defaults (16-token blocks, outputs /16, at most 64 out and 2,048 in). KV transfer: 4.28 GB/s (NIXL READ of scattered
+blocks on this machine, docs/benchmarks.md) + 2 ms per handoff (assumed: Ray call, notification, commit).
 
 GPU (``gpu_scenario``): Llama-3.1-8B bf16 on H100 SXM 80GB workers (bench.sim.step_model.RooflineStepModel:
 50 % MFU of 989 TFLOP/s, 70 % of 3.35 TB/s), KV blocks = what 90 % of 80 GB leaves after weights and a 4 GB

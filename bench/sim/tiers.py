@@ -11,9 +11,9 @@ thread runs them): an op moves one block, ``bytes_per_block`` bytes, at its medi
 fetch (disk → host) at its read bandwidth; a delete costs nothing. Defaults (``TierSpec``): PCIe Gen5 x16
 host↔GPU ~50 GB/s, an NVMe drive ~7 GB/s read and write.
 
-Peer fetch (modelled, not the engine's import path: the engine reads lent blocks straight into device blocks): when the router's decision names
-a peer holding a longer prefix than the chosen worker holds on any tier, the chosen engine reserves host
-slots for the blocks it lacks (up to the peer's run of blocks held on its device or host tier, checked on
+Peer fetch (modelled, not the engine's import path: the engine reads lent blocks straight into device blocks): when the
+router's decision names a peer holding a longer prefix than the chosen worker holds on any tier, the chosen engine
+reserves host slots for the blocks it lacks (up to the peer's run of blocks held on its device or host tier, checked on
 the peer at that moment) and one job copies them peer → host over the worker's NIC channel (RDMA, ~50 GB/s,
 + ``peer_fixed_s`` per fetch), separate from the copy channel. When it lands the blocks are ordinary
 host-tier blocks (``BlockStored(tier=host)``) and the request enters the scheduler, which loads them to the

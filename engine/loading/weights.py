@@ -107,8 +107,8 @@ def load_model(
     max_positions: int,
     tp: TensorParallel | None = None,
 ) -> CausalLM:
-    """``tp``: load this rank's part of every split parameter (engine/models/tensor_parallel.py); each rank reads the checkpoint
-    itself (memory-mapped: only its parts are copied)."""
+    """``tp``: load this rank's part of every split parameter (engine/models/tensor_parallel.py); each rank reads the
+    checkpoint itself (memory-mapped: only its parts are copied)."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_positions, tp)
     model.to_empty(device=device)

@@ -1,8 +1,9 @@
 """Configuration: small frozen dataclasses, validated on construction, passed down explicitly.
 
 ``ModelConfig`` is what the checkpoint says (parsed once, from config.json or a GGUF file's metadata:
-engine/loading/checkpoint.py picks the format); ``EngineConfig`` (engine/config.py) is how we run it. Derived runtime values (number of KV blocks actually allocated, the
-resolved dtype) live on the objects that own them (the model runner), never written back here.
+engine/loading/checkpoint.py picks the format); ``EngineConfig`` (engine/config.py) is how we run it. Derived runtime
+values (number of KV blocks actually allocated, the resolved dtype) live on the objects that own them (the model
+runner), never written back here.
 
 Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is tested both ways):
 

@@ -56,9 +56,9 @@ class Linear(nn.Module):
         self.scales: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.shards: list[int] | None = None  # row blocks of a fused projection (q/k/v, gate/up), for the loader
-        # tensor parallelism (engine/models/tensor_parallel.py): (dim, this rank's Split of each shard) of the checkpoint's
-        # weight — dim 0 column-parallel (bias split alike), 1 row-parallel (bias whole); and, row-parallel,
-        # the group whose all-reduce sums the partial outputs before the bias is added
+        # tensor parallelism (engine/models/tensor_parallel.py): (dim, this rank's Split of each shard) of the
+        # checkpoint's weight — dim 0 column-parallel (bias split alike), 1 row-parallel (bias whole); and,
+        # row-parallel, the group whose all-reduce sums the partial outputs before the bias is added
         self.tp_split: tuple[int, list] | None = None
         self.reduce = None
 

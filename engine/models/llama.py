@@ -1,11 +1,12 @@
 """The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) as one readable torch model over a paged KV cache.
 
 Differences between the family members are configuration, not code: Qwen2 has q/k/v biases and usually
-tied embeddings, Qwen3 normalises each head of q and k (RMSNorm over the head's dims) before RoPE, Llama may have biases on every projection (``attention_bias``, ``mlp_bias``), Mistral and
-Qwen2 may use a sliding window (Qwen2 on some layers only), Llama 3 and Phi-3 scale RoPE, Phi-4-mini rotates
-only the front of each head (``partial_rotary_factor``, engine/models/layers.py). Mixtral, Qwen2-MoE and Qwen3-MoE
-replace the MLP of their sparse layers with experts (engine/models/moe.py). q/k/v and gate/up projections are fused into one
-GEMM each at load time (``stacked_params``), each expert's gate/up into its block of one [E, 2I, H] tensor.
+tied embeddings, Qwen3 normalises each head of q and k (RMSNorm over the head's dims) before RoPE, Llama may have biases
+on every projection (``attention_bias``, ``mlp_bias``), Mistral and Qwen2 may use a sliding window (Qwen2 on some layers
+only), Llama 3 and Phi-3 scale RoPE, Phi-4-mini rotates only the front of each head (``partial_rotary_factor``,
+engine/models/layers.py). Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP of their sparse layers with experts
+(engine/models/moe.py). q/k/v and gate/up projections are fused into one GEMM each at load time (``stacked_params``),
+each expert's gate/up into its block of one [E, 2I, H] tensor.
 """
 from __future__ import annotations
 

@@ -81,8 +81,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
 
 
 class SparseMoE(nn.Module):
-    """Tensor parallel (engine/models/tensor_parallel.py): every expert's intermediate size split over the ranks (and the shared
-    expert's), the router and the shared expert's gate replicated, one all-reduce of the summed partial outputs."""
+    """Tensor parallel (engine/models/tensor_parallel.py): every expert's intermediate size split over the ranks (and
+    the shared expert's), the router and the shared expert's gate replicated, one all-reduce of the summed partial
+    outputs."""
 
     def __init__(self, cfg: ModelConfig, ops: KernelOps, dense_mlp: type, tp: TensorParallel | None = None) -> None:
         super().__init__()

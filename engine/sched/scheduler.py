@@ -13,9 +13,10 @@ One step's budget is ``max_num_batched_tokens`` tokens across at most ``max_num_
    compute their prompt are admitted first-come first-served; requests whose KV is already in place
    (received from a prefill worker) never wait behind one of those that does not fit.
    With lower KV tiers (engine/kv/tiers.py), a prefix that continues past the device hits on the host or
-   disk tier — or on the peer worker the router lent it from (``Request.peer_blocks``) — is loaded back: the request gets device blocks for it, leaves the queue while the mover copies
-   (``loading``; no budget spent) and returns to the front with its KV in place. A request whose prefix
-   reaches a block another request is loading waits for that load without holding up anyone behind it.
+   disk tier — or on the peer worker the router lent it from (``Request.peer_blocks``) — is loaded back: the request
+   gets device blocks for it, leaves the queue while the mover copies (``loading``; no budget spent) and returns to the
+   front with its KV in place. A request whose prefix reaches a block another request is loading waits for that load
+   without holding up anyone behind it.
 3. If nothing runs and nothing waiting fits, the blocks are held by waiting requests with received KV:
    the newest of them gives its blocks back and will recompute (else the engine would wait forever).
 

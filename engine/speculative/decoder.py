@@ -56,7 +56,8 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, draft=None) -> None:
-        """``draft``: the engine.speculative.draft.DraftModel of a ``draft_model`` config (its runner needs the engine)."""
+        """``draft``: the engine.speculative.draft.DraftModel of a ``draft_model`` config (its runner needs the
+        engine)."""
         if config.needs_draft_model and draft is None:
             raise ValueError("draft_model speculation needs its DraftModel (engine/speculative/draft.py)")
         self.config = config

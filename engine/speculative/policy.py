@@ -19,8 +19,8 @@ each draft is tried only if every one before it was accepted). Both sides are me
 :func:`choose_lengths` then maximises the step's expected tokens per second: drafts are added one at a time,
 always the one with the largest expected gain (the next position of the sequence with the best acceptance),
 while that draft's own rate (gain / b) beats the step's (E / T) by ``MIN_GAIN``, which is when adding it raises
-E / T; gains fall along a sequence, so this greedy order is optimal for the model. A large batch makes the step cost ``b * tokens``-dominated and turns speculation down by
-itself; a batch of one on a GPU (``b`` ~ 0) verifies every draft.
+E / T; gains fall along a sequence, so this greedy order is optimal for the model. A large batch makes the step cost ``b
+* tokens``-dominated and turns speculation down by itself; a batch of one on a GPU (``b`` ~ 0) verifies every draft.
 """
 from __future__ import annotations
 

@@ -31,8 +31,9 @@ n_j = num_prior_output_tokens + len(output_token_ids) + j, and each index owns t
 
 An index's token is emitted once, so each number is used once, whatever the batch, the number of drafts or
 how steps split the output; with one-hot drafts, or k = 0, a seeded request gives the plain sampler's tokens;
-with a draft model's, the same tokens given the same drafts (which positions had drafts changes the draws). A draft model must draw its drafts with
-:func:`draft_step_seed`, never the request's step_seed: the residual draw would be correlated with the draft.
+with a draft model's, the same tokens given the same drafts (which positions had drafts changes the draws). A draft
+model must draw its drafts with :func:`draft_step_seed`, never the request's step_seed: the residual draw would be
+correlated with the draft.
 
 **Logprobs** of the emitted tokens are what the plain sampler reports: log-softmax of the model's raw logits
 at that position (before any processing), plus the top ``params.logprobs``.

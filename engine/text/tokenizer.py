@@ -128,8 +128,8 @@ class Tokenizer:
         return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
     def token_bytes(self) -> list[bytes]:
-        """Every id's raw bytes (index = id), for grammar masks (engine/sampling/structured.py). Byte-level BPE spellings
-        are mapped back through GPT-2's byte alphabet; SentencePiece pieces get ``▁`` as a space and
+        """Every id's raw bytes (index = id), for grammar masks (engine/sampling/structured.py). Byte-level BPE
+        spellings are mapped back through GPT-2's byte alphabet; SentencePiece pieces get ``▁`` as a space and
         ``<0xNN>`` as that byte; added tokens are their text. Ids the vocabulary skips are ``b""``."""
         vocab = self._backend.get_vocab(with_added_tokens=True)
         added_ids = set(self._backend.get_added_tokens_decoder())

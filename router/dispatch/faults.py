@@ -1,8 +1,8 @@
-"""What the router does when a worker call fails (a mixin of router/dispatch/cluster_backend.py's ``ClusterBackend``, split by
-responsibility): a call that raises is followed by a liveness probe. A dead worker leaves the pools (the registry's
-live set, the index and the load tracker) and the request's stream gets a ``_Lost`` marker instead of an output,
-so that ``ClusterBackend.generate`` places it again or continues it elsewhere; a live worker's failure is an error
-output, never retried blindly. A stream left early (the client gone) is aborted on its worker."""
+"""What the router does when a worker call fails (a mixin of router/dispatch/cluster_backend.py's ``ClusterBackend``,
+split by responsibility): a call that raises is followed by a liveness probe. A dead worker leaves the pools (the
+registry's live set, the index and the load tracker) and the request's stream gets a ``_Lost`` marker instead of an
+output, so that ``ClusterBackend.generate`` places it again or continues it elsewhere; a live worker's failure is an
+error output, never retried blindly. A stream left early (the client gone) is aborted on its worker."""
 from __future__ import annotations
 
 import asyncio

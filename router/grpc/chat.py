@@ -1,8 +1,8 @@
 """gRPC chats with tools and reasoning, the HTTP path's code over protobuf: a ``GenerateRequest.chat`` becomes the
 chat request /v1/chat/completions would get (router/openai/protocol.py validates it, router/openai/chat_format.py
-renders it with the tools), and each engine output is shaped as the HTTP path shapes it (router/openai/assistant_message.py):
-``text`` carries the message's content, ``reasoning`` and ``tool_calls`` their own fields, and finish_reason is
-``tool_calls`` when calls were made (``stop`` for a named tool_choice).
+renders it with the tools), and each engine output is shaped as the HTTP path shapes it
+(router/openai/assistant_message.py): ``text`` carries the message's content, ``reasoning`` and ``tool_calls`` their own
+fields, and finish_reason is ``tool_calls`` when calls were made (``stop`` for a named tool_choice).
 
     chat = ChatTurn.of(request, model_id, chat_format)    # InvalidRequestError for a bad chat
     prompt_ids, params = chat.prompt_ids, chat.params(params)

@@ -2,9 +2,9 @@
 becomes a chat completion (instructions → a system message; input messages, ``function_call`` and
 ``function_call_output`` items → assistant tool calls and tool messages; ``text.format`` → ``response_format``;
 ``max_output_tokens`` → ``max_completion_tokens``), runs exactly as one, and its shaped message
-(router/openai/assistant_message.py) comes back as Responses output items — ``reasoning``, ``message``, ``function_call`` — in
-a response object, or as OpenAI's streaming events (``response.created`` … ``response.completed``, each with its
-``sequence_number``; no ``[DONE]``).
+(router/openai/assistant_message.py) comes back as Responses output items — ``reasoning``, ``message``,
+``function_call`` — in a response object, or as OpenAI's streaming events (``response.created`` …
+``response.completed``, each with its ``sequence_number``; no ``[DONE]``).
 
 Nothing is stored: ``store: true`` and ``previous_response_id`` are refused with a 400 (a client that omits
 ``store`` gets an unstored response — duet keeps no conversation state), and so are fields whose meaning we

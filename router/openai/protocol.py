@@ -12,8 +12,8 @@ OpenAI numbers them, each prompt with its own echo and prompt logprobs.
 
 Penalties, ``logit_bias``, ``response_format`` (json_object / json_schema) and ``structured_outputs`` (vLLM's:
 json, regex, choice, grammar) become engine
-SamplingParams (engine/sampling/sampler.py, engine/sampling/structured.py apply them on whichever worker samples), and so
-does ``cache_salt`` (vLLM's: a non-empty string of at most 256 characters that salts the request's block
+SamplingParams (engine/sampling/sampler.py, engine/sampling/structured.py apply them on whichever worker samples), and
+so does ``cache_salt`` (vLLM's: a non-empty string of at most 256 characters that salts the request's block
 hashes, so its prefix-cache hits come only from requests with the same salt; router/tenancy.py).
 ``echo`` with ``logprobs`` asks the engine for prompt logprobs: the prompt's tokens lead the choice's
 logprobs with the first one null, as OpenAI sends them.

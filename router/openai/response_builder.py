@@ -192,8 +192,8 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
-    """Chat bodies; with an active ``shaping`` (tools, reasoning: router/openai/assistant_message.py) each choice's text is
-    shaped into content, reasoning and tool calls, streamed and not by the same shaper."""
+    """Chat bodies; with an active ``shaping`` (tools, reasoning: router/openai/assistant_message.py) each choice's text
+    is shaped into content, reasoning and tool calls, streamed and not by the same shaper."""
 
     id_prefix = "chatcmpl"
     object_name = "chat.completion"

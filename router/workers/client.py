@@ -1,5 +1,6 @@
 """What the router knows of a worker (``WorkerDescriptor``) and how it acts on one (``WorkerClient``): the
-seam between dispatch (router/dispatch/cluster_backend.py) and a transport (cluster/ray_client.py; tests bring their own)."""
+seam between dispatch (router/dispatch/cluster_backend.py) and a transport (cluster/ray_client.py; tests bring their
+own)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

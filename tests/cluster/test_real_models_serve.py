@@ -67,10 +67,10 @@ def readme_curl_chat(port: int) -> tuple[dict, str]:
     return json.loads(out.stdout), shown
 
 
-# `make test` serves SmolLM2's GGUF file (by `make run` itself) and a transformers-5 directory (the Llama-3 one); SmolLM2
-# saved by transformers 5 goes through the engine there (tests/engine/test_real_model.py) and through `duet serve`
-# in `make soak` only (80 s: the suite's 25-minute budget). `make run` comes last: its server stays up for the API
-# features and agent clients below (one SmolLM2 server for the module, not two), so no two servers overlap.
+# `make test` serves SmolLM2's GGUF file (by `make run` itself) and a transformers-5 directory (the Llama-3 one);
+# SmolLM2 saved by transformers 5 goes through the engine there (tests/engine/test_real_model.py) and through `duet
+# serve` in `make soak` only (80 s: the suite's 25-minute budget). `make run` comes last: its server stays up for the
+# API features and agent clients below (one SmolLM2 server for the module, not two), so no two servers overlap.
 SOAK = int(os.environ.get("DUET_FAULT_SCALE", "1")) > 1
 CASES = ["llama3-rope-transformers-5-dir"] + (["smollm2-transformers-5-dir"] if SOAK else []) + ["smollm2-gguf-make-run"]
 

@@ -1,8 +1,8 @@
 """Speculative decoding through `duet serve` (issue 28 must-show 1c): SmolLM2's GGUF, 1 prefill + 1 decode worker,
 ``--speculative-config`` as vLLM users write it; greedy chat answers to many prompts (input-grounded and open chat,
-bench/engine/speculative_prompts.py) equal, token for token, what the engine gives without speculation — and any difference
-must be a near-tie of the target's top two logits where the two parted. The decode worker's speculation shows in
-its stats and on /metrics under vLLM's names."""
+bench/engine/speculative_prompts.py) equal, token for token, what the engine gives without speculation — and any
+difference must be a near-tie of the target's top two logits where the two parted. The decode worker's speculation shows
+in its stats and on /metrics under vLLM's names."""
 from __future__ import annotations
 
 import concurrent.futures

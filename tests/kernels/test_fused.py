@@ -1,4 +1,5 @@
-"""The Triton fused per-token ops (kernels/fused.py) against the eager torch code they replace (engine/models/layers.py).
+"""The Triton fused per-token ops (kernels/fused.py) against the eager torch code they replace
+(engine/models/layers.py).
 
 fp32: equal within 1e-5 relative (the row sum of RMSNorm is added in another order). bf16 / fp16: the kernels
 round where torch's separate ops round, so the values are the same (measured in the interpreter: every bf16 case

@@ -1,5 +1,5 @@
-"""GGUF checkpoints (engine/loading/gguf.py, engine/loading/gguf_tokenizer.py) on tiny files written the way llama.cpp writes
-them, against transformers' own GGUF loading of the same file (an independent dequantization, un-permute
+"""GGUF checkpoints (engine/loading/gguf.py, engine/loading/gguf_tokenizer.py) on tiny files written the way llama.cpp
+writes them, against transformers' own GGUF loading of the same file (an independent dequantization, un-permute
 and tokenizer conversion), and every refusal a user can meet."""
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ def test_w8a16_triton_matches_w8a16_torch(tiny_model):
 
 
 def test_dense_gemms_go_to_cublas_on_cuda_only():
-    """engine/models/kernel_backend.py: on a CUDA device the triton backend's dense GEMM is torch's (cuBLAS, faster at every measured
-    shape); elsewhere the Triton GEMM; int8 weight-only GEMMs stay Triton on both."""
+    """engine/models/kernel_backend.py: on a CUDA device the triton backend's dense GEMM is torch's (cuBLAS, faster at
+    every measured shape); elsewhere the Triton GEMM; int8 weight-only GEMMs stay Triton on both."""
     from engine.models.kernel_backend import get_ops
     from kernels import gemm
 

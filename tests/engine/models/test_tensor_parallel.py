@@ -1,5 +1,5 @@
-"""Tensor parallelism inside an engine (engine/models/tensor_parallel.py): the split rules, and engines over 2-3 gloo ranks
-(spawned processes) giving the one-rank engine's greedy tokens, with logprobs within a stated tolerance.
+"""Tensor parallelism inside an engine (engine/models/tensor_parallel.py): the split rules, and engines over 2-3 gloo
+ranks (spawned processes) giving the one-rank engine's greedy tokens, with logprobs within a stated tolerance.
 
 Tolerance: the row-parallel projections sum partial products across ranks (an all-reduce) instead of along one
 dot product, so fp32 results differ by rounding only: |Δ logprob| <= 1e-4 on these models (logits of std ~4),

@@ -1,6 +1,6 @@
-"""Constraints beyond JSON (engine/sampling/structured.py): regex, choice and Lark / GBNF grammars hold over random sampling
-on SmolLM2's tokenizer; a schema's integers are bounded to ±(2^53 − 1) unless it bounds them itself; and the case
-that showed the need — SmolLM2, a strict schema with an integer population, greedy, 120 tokens — gives valid JSON
+"""Constraints beyond JSON (engine/sampling/structured.py): regex, choice and Lark / GBNF grammars hold over random
+sampling on SmolLM2's tokenizer; a schema's integers are bounded to ±(2^53 − 1) unless it bounds them itself; and the
+case that showed the need — SmolLM2, a strict schema with an integer population, greedy, 120 tokens — gives valid JSON
 for every prompt."""
 from __future__ import annotations
 

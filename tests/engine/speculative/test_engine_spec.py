@@ -166,9 +166,9 @@ def test_abort_mid_speculation_frees_everything(model_dir):
 
 def test_sampled_outputs_distributed_as_without_speculation(model_dir):
     """Must-show 1b: a two-sample chi-square test of sampled outputs (four tokens, top-k 3 so the outcomes are
-    few; the last three come from one verification of two drafts) with and without speculation. Different seeds on each side: independent samples. The
-    suffix proposer, in waves of 50 requests, drafts from the earlier waves' outputs: drafts accepted and
-    rejected at their sampled rates."""
+    few; the last three come from one verification of two drafts) with and without speculation. Different seeds on each
+    side: independent samples. The suffix proposer, in waves of 50 requests, drafts from the earlier waves' outputs:
+    drafts accepted and rejected at their sampled rates."""
     prompt = prompts()[10]
     n, wave = 1000, 50
     sp = dict(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Draft proposers (engine/speculative/ngram.py, engine/speculative/suffix.py) against brute-force statements of their rules.
+"""Draft proposers (engine/speculative/ngram.py, engine/speculative/suffix.py) against brute-force statements of their
+rules.
 
 The references here restate the rules from scratch on raw token lists (no index, no tree): the n-gram rule
 as vLLM's (longest suffix n-gram in [min, max] with an earlier occurrence, the earliest one), the suffix rule

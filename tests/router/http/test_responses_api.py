@@ -1,5 +1,5 @@
-"""POST /v1/responses (router/http/responses_api.py) through openai-python's Responses client on the tiny model: the same
-tokens as the chat path, function calls as output items, a tool-call round trip, OpenAI's streaming events in
+"""POST /v1/responses (router/http/responses_api.py) through openai-python's Responses client on the tiny model: the
+same tokens as the chat path, function calls as output items, a tool-call round trip, OpenAI's streaming events in
 order (each with its sequence number) reassembling to the non-streamed response, and the stateful parts refused."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tool calling through the HTTP front door (router/openai/tools.py, router/openai/assistant_message.py) on the tiny model,
-whose template renders no tools: duet's generic format, every mode enforced by a grammar. A random model writes
+"""Tool calling through the HTTP front door (router/openai/tools.py, router/openai/assistant_message.py) on the tiny
+model, whose template renders no tools: duet's generic format, every mode enforced by a grammar. A random model writes
 garbage unless the grammar holds it, so every call must still parse and validate against its tool's schema
 (issue 25, must-show 3), and streamed calls reassembled as clients do must equal the non-streamed ones (2)."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Tool-call parsing and message shaping (router/openai/tool_parsers.py, router/openai/assistant_message.py), without a model: the
-same text cut into deltas every possible way gives the same message as the whole text — the streaming bugs of vLLM
-and SGLang (#9693, #16340, #31443; #6310) came from parsers that assumed one token per delta."""
+"""Tool-call parsing and message shaping (router/openai/tool_parsers.py, router/openai/assistant_message.py), without a
+model: the same text cut into deltas every possible way gives the same message as the whole text — the streaming bugs of
+vLLM and SGLang (#9693, #16340, #31443; #6310) came from parsers that assumed one token per delta."""
 from __future__ import annotations
 
 import json
