@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast lint bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -67,6 +67,10 @@ system-deps:
 TEST_JOBS ?= 2
 test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m "not soak" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+
+# ruff's checks (pyproject.toml [tool.ruff]); the suite runs them too (tests/test_layout.py)
+lint: install
+	$(PY) -m ruff check .
 
 test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow and not soak" $(PYTEST_ARGS)
