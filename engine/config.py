@@ -193,7 +193,7 @@ class EngineConfig:
     # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
     # 0 runs every step eagerly. Ignored on a CPU.
     cuda_graph_max_batch: int = 256
-    # speculative decoding (engine/spec): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
+    # speculative decoding (engine/speculative/): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
     # --speculative-config takes it; None: off
     speculative_config: Any = None
     hash_seed: int = 0

@@ -12,7 +12,7 @@ with d_<j counted as generated (engine/speculative/targets.py).
 - **Sampled**: d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection a token
   is drawn from norm(max(p_j - q_j, 0)) and the step ends; with all k accepted a bonus token is drawn from
   p_k. Every emitted token is then distributed as p_j given the tokens before it (lossless in distribution;
-  tests/engine/spec computes the output distribution exactly and compares it with the target's).
+  tests/engine/speculative computes the output distribution exactly and compares it with the target's).
 - **Sampled, one-hot drafts** (n-gram, suffix: q_j one-hot at d_j) take the same test in its coupled form: the
   plain sampler's own token at each index (the race below) is drawn, and d_j is accepted while it equals it.
   Acceptance then has probability p_j(d_j) = min(1, p/q) and a rejection's token is the race's winner among the

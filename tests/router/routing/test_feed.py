@@ -1,7 +1,7 @@
 """The event plane: worker-side logs and sinks, the router's IndexFeed, and the shared Redis index.
 
-The Redis sink and source are in test_redis_events.py (a real redis-server); two router processes on one
-stream are in test_events_two_routers.py.
+The Redis sink and source are in test_redis_feed.py (a real redis-server); two router processes on one
+stream are in test_feed_two_routers.py.
 """
 from __future__ import annotations
 
