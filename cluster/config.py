@@ -19,7 +19,7 @@
     ray_address: null                    # null: start a local Ray; "auto" / "host:port": attach
 
 Every section is validated when it is built (ConfigError naming the key). Unknown keys are refused,
-so a typo does not silently leave a default in place. `EngineConfig` is engine/models/config.py's, built
+so a typo does not silently leave a default in place. `EngineConfig` is engine/config.py's, built
 from `model` + the `engine` section; each worker gets a copy with its own `worker_id`.
 """
 from __future__ import annotations

@@ -64,9 +64,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
+    from bench.cluster_run import init_ray  # first: it sets RAY_AUTH_MODE before ray is imported
+
+    # isort: split
     import ray
 
-    from bench.cluster_run import init_ray  # first: it sets RAY_AUTH_MODE before ray is imported
     from engine.loading.tiny import make_tiny_model
 
     model = str(make_tiny_model(tempfile.mkdtemp(prefix="duet-bench-routing-"), arch="llama"))

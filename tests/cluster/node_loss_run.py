@@ -328,10 +328,11 @@ def main() -> None:
     parser.add_argument("--temp-dir", default=f"/tmp/duet-nodeloss-{os.getpid()}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import proto.kv_codec  # noqa: F401 - before Ray is imported: a fresh checkout generates its protobuf code here
+
+    # isort: split
     import psutil
     import ray
-
-    import proto.kv_codec  # noqa: F401 - before Ray is imported: a fresh checkout generates its protobuf code here
 
     t0 = time.monotonic()
     ray_cluster, node_a, _ = start_ray_nodes_retrying(args.temp_dir)  # on a failure, Ray's logs stay in temp_dir

@@ -216,7 +216,7 @@ def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
 
 _FALLBACK_SCRIPT = """
 import json, sys
-from engine.models.config import EngineConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 e = Engine(EngineConfig(model=sys.argv[1], num_blocks=16))

@@ -281,7 +281,7 @@ def test_cli_generate_from_a_gguf_file(tiny_model, gguf_dir):
 def test_router_reads_a_gguf_config_and_tokenizer_without_torch(tiny_model, gguf_dir):
     """The router process never imports torch (it tokenizes and builds the model card from the GGUF too)."""
     path = write_gguf(tiny_model("llama"), gguf_dir / "router.gguf", "Q4_0")
-    code = ("import sys; from engine.models.config import ModelConfig; from engine.text.tokenizer import Tokenizer; "
+    code = ("import sys; from engine.loading.checkpoint import load_model_config, load_tokenizer; "
             f"load_model_config({str(path)!r}); load_tokenizer({str(path)!r}).encode('hi'); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0

@@ -17,7 +17,9 @@ from tests.engine.speculative.test_engine_spec import (
     assert_same_distribution,
     cached_hashes,
     check_drained,
-    make_engine,  # noqa: F401 (fixtures)
+    make_engine,
+    model_dir,  # noqa: F401 (a fixture)
+    plain_outputs,  # noqa: F401 (a fixture)
     prompts,
     run,
 )

@@ -27,7 +27,7 @@ def dev(**blocks):
 
 
 def test_router_core_imports_no_torch():
-    code = "import sys, router.index, router.routing.load, router.routing.policy; sys.exit('torch' in sys.modules)"
+    code = "import sys, router.routing.index, router.routing.load, router.routing.policy; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
