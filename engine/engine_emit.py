@@ -4,6 +4,8 @@ A mixin of ``Engine`` (split from engine/engine.py by responsibility): it uses t
 requests and speculative decoder."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.outputs import RequestOutput
@@ -13,9 +15,12 @@ from engine.sched.output import ScheduledRequest
 from engine.speculative.rejection import rejection_sample
 from engine.text.stopping import apply_stop_conditions
 
+if TYPE_CHECKING:  # the host, for a type checker only
+    from engine.engine import Engine
+
 
 class EmitMixin:
-    def _sample_and_emit(self, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> list[RequestOutput]:
+    def _sample_and_emit(self: Engine, logits: torch.Tensor, sampled: list[ScheduledRequest]) -> list[RequestOutput]:
         """``logits``: the runner's rows (k + 1 consecutive ones for a sequence with k drafts)."""
         outputs = []
         if any(s.request.params.max_tokens == 0 for s in sampled):  # prompt only (echo / prompt logprobs)
@@ -42,7 +47,7 @@ class EmitMixin:
             outputs.append(self._emit(s.request, tokens[i], logprobs[i], tops[i], s.num_draft_tokens, accepted[i]))
         return outputs
 
-    def _emit(self, request: Request, token_ids: list[int], logprobs: list[float] | None,
+    def _emit(self: Engine, request: Request, token_ids: list[int], logprobs: list[float] | None,
               tops: list[dict[int, float]] | None, num_drafts: int, num_accepted: int) -> RequestOutput:
         """Append ``token_ids`` (accepted drafts, then the token after them) until one ends the request."""
         n_before = len(request.text) - request.num_stop_held_chars
@@ -89,7 +94,7 @@ class EmitMixin:
             return RequestStatus.FINISHED_ERROR
         return None
 
-    def _finish_unsampled(self, request: Request) -> RequestOutput:
+    def _finish_unsampled(self: Engine, request: Request) -> RequestOutput:
         """A max_tokens=0 request whose prompt is computed: it ends here with reason "length"."""
         request.stop_reason = None
         self.scheduler.remove(request, RequestStatus.FINISHED_LENGTH)
@@ -97,7 +102,7 @@ class EmitMixin:
         self.stats.num_finished += 1
         return self._output(request, [], "", 0)
 
-    def _output(self, request: Request, new_ids: list[int], new_text: str, n_new: int) -> RequestOutput:
+    def _output(self: Engine, request: Request, new_ids: list[int], new_text: str, n_new: int) -> RequestOutput:
         finished = request.is_finished
         return RequestOutput(
             request_id=request.request_id,

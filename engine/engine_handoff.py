@@ -3,10 +3,15 @@ KV off and keeps it pinned; the decode role reserves blocks for a handoff, then 
 ``Engine`` (split from engine/engine.py by responsibility): it uses the engine's scheduler, pool and requests."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.errors import InvalidRequestError
 from engine.kv.handoff import KVHandoff, RemoteKVPlan
 from engine.request import Request, RequestStatus
 from engine.text.stopping import held_chars
+
+if TYPE_CHECKING:  # the host, for a type checker only
+    from engine.engine import Engine
 
 
 def growth_blocks(request: Request, block_size: int, reserve_tokens: int, num_blocks: int | None = None) -> int:
@@ -29,7 +34,7 @@ def handoff_reserve(running, request: Request, num_blocks: int, block_size: int,
 
 class RemoteKVMixin:
     # ---- disaggregation: prefill role ------------------------------------------------------------
-    def _hand_off(self, request: Request) -> KVHandoff:
+    def _hand_off(self: Engine, request: Request) -> KVHandoff:
         """First token sampled: leave the batch, keep the prompt's blocks pinned for the decode worker."""
         self.scheduler.detach(request, RequestStatus.FINISHED_REMOTE)
         del self.requests[request.request_id]
@@ -45,7 +50,7 @@ class RemoteKVMixin:
             block_hashes=tuple(request.block_hashes[: n // self.config.block_size]), num_tokens=n,
             block_size=self.config.block_size)
 
-    def release_held(self, request_id: str) -> bool:
+    def release_held(self: Engine, request_id: str) -> bool:
         """The decode side has the KV (or the lease expired): unpin the blocks. Idempotent."""
         request = self.held.pop(request_id, None)
         if request is None:
@@ -54,7 +59,7 @@ class RemoteKVMixin:
         return True
 
     # ---- disaggregation: decode role --------------------------------------------------------------
-    def reserve_remote(self, handoff: KVHandoff) -> RemoteKVPlan | None:
+    def reserve_remote(self: Engine, handoff: KVHandoff) -> RemoteKVPlan | None:
         """Admit a handed-off request: reuse our own prefix hits, allocate the rest. None if the pool is
         too full right now (the caller retries later); ``InvalidRequestError`` if it can never fit."""
         if handoff.block_size != self.config.block_size:
@@ -93,7 +98,7 @@ class RemoteKVMixin:
         return RemoteKVPlan(request.request_id, tuple(handoff.block_ids[len(hits):]),
                             tuple(b.block_id for b in request.blocks[len(hits):]), len(hits))
 
-    def commit_remote(self, request_id: str) -> bool:
+    def commit_remote(self: Engine, request_id: str) -> bool:
         """The planned blocks have landed: the prompt counts as computed; the request joins the batch."""
         request = self.remote_pending.pop(request_id)
         if request.abort_pending:
@@ -107,7 +112,7 @@ class RemoteKVMixin:
         request.status = RequestStatus.WAITING
         return True
 
-    def fail_remote(self, request_id: str, error: str, recompute: bool) -> None:
+    def fail_remote(self: Engine, request_id: str, error: str, recompute: bool) -> None:
         """The transfer failed: recompute the prompt here (counted) or end the request with ``error``."""
         request = self.remote_pending.pop(request_id)
         self.scheduler.free(request)

@@ -9,10 +9,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from router.workers.client import WorkerClient
+
+if TYPE_CHECKING:  # the host, for a type checker only
+    from router.dispatch.cluster_backend import ClusterBackend
 
 log = logging.getLogger("router.dispatch.cluster_backend")
 
@@ -30,7 +34,7 @@ class _Lost:
 class WorkerFaults:
     """Needs ``counters`` and ``retire`` (ClusterBackend's)."""
 
-    async def _call(self, coro, rid: str, worker: WorkerClient):
+    async def _call(self: ClusterBackend, coro, rid: str, worker: WorkerClient):
         try:
             return await coro
         except asyncio.CancelledError:
@@ -42,7 +46,7 @@ class WorkerFaults:
         except Exception as e:
             return await self._on_fault(rid, worker, e)
 
-    async def _guard(self, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient):
+    async def _guard(self: ClusterBackend, stream: AsyncIterator[RequestOutput], rid: str, worker: WorkerClient):
         """Yield a worker's stream; on early exit abort there; a worker fault becomes an error output
         (or `_Lost` when the worker is gone)."""
         finished = False
@@ -62,7 +66,7 @@ class WorkerFaults:
                 await _quietly(worker.abort(rid))
             await _quietly(stream.aclose())
 
-    async def _on_fault(self, rid: str, worker: WorkerClient, e: BaseException):
+    async def _on_fault(self: ClusterBackend, rid: str, worker: WorkerClient, e: BaseException):
         """A worker call failed. A dead worker leaves the pools (its index entry and predicted load with it)
         and the request goes on elsewhere (generate()); a live worker's failure is an error output."""
         alive = await _alive(worker)
@@ -71,11 +75,11 @@ class WorkerFaults:
             return _Lost(worker.worker_id, worker.descriptor.role.value)
         return self._error_output(rid, worker, e)
 
-    def _remove_worker(self, worker: WorkerClient, e: BaseException) -> None:
+    def _remove_worker(self: ClusterBackend, worker: WorkerClient, e: BaseException) -> None:
         if self.retire(worker.worker_id, f"{type(e).__name__}: {e}", fault=True):
             log.error("worker %s is gone (%s): removed from the %s pool", worker.worker_id, e, worker.descriptor.role)
 
-    def _error_output(self, rid: str, worker: WorkerClient | None, e: BaseException) -> RequestOutput:
+    def _error_output(self: ClusterBackend, rid: str, worker: WorkerClient | None, e: BaseException) -> RequestOutput:
         self.counters["errors"] += 1
         where = f"worker {worker.worker_id}" if worker is not None else "the cluster"
         log.error("request %s failed on %s: %s", rid, where, e)
