@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import metrics, workloads
+from bench import summary as metrics
+from bench import workloads
 from bench.workloads import BenchRequest
 
 
@@ -52,7 +53,7 @@ class RequestResult:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    """bench/metrics.py's summary (shared with the simulator) of this run's results."""
+    """bench/summary.py's summary (shared with the simulator) of this run's results."""
     return metrics.summarize([asdict(r) for r in results], duration_s, {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
                              itl_s=[x for r in results if r.ok for x in r.itl_s])
 

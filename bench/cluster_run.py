@@ -1,5 +1,5 @@
 """Serve a token-id workload on a fresh real cluster and read back what the workers did: the shared part of
-the real-cluster benchmarks (bench/bench_routing.py, bench/bench_tiers.py) and their tests.
+the real-cluster benchmarks (bench/routing/live.py, bench/kv/tiers_cluster.py) and their tests.
 
     init_ray(num_workers)                      # one local Ray for the whole benchmark (or let Cluster start one)
     run = asyncio.run(serve_workload(overrides, prompts, params, concurrency=8, tag="rr"))
@@ -33,7 +33,7 @@ def init_ray(num_workers: int) -> None:
     """A local Ray with room for ``num_workers`` CPU workers (each asks for one unit of ``duet_worker``)."""
     import ray
 
-    from cluster.launcher import WORKER_RESOURCE
+    from cluster.spawn import WORKER_RESOURCE
 
     # address="local": a Ray of its own even when another one runs on this machine (``None`` would join that one,
     # whose resources it cannot declare)

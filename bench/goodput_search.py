@@ -1,7 +1,8 @@
-"""DistServe goodput, one definition for the real server (bench/bench_serve.py) and the simulator (bench/sim_goodput.py).
+"""DistServe goodput, one definition for the real server (bench/serve/__main__.py) and the simulator
+(bench/sim/goodput_study.py).
 
 A run at some request rate has an **attainment**: the fraction of its requests (failed ones included) that
-completed with TTFT and TPOT within their targets (``bench.metrics.meets_slo``; the summary's
+completed with TTFT and TPOT within their targets (``bench.summary.meets_slo``; the summary's
 ``good_fraction``). A rate **passes** when its attainment is >= ``ATTAINMENT`` (90 %). **Goodput** is the
 highest passing rate, attainment assumed to fall as the rate grows — found by search, because a fixed sweep
 only measures its own ceiling when every rate in it passes.
@@ -25,8 +26,8 @@ measurements always give the same answer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ATTAINMENT = 0.9
 

@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm, prefill
 #
 # prefill (issue 51, ~3 min): the prefill attention tests compiled on the GPU (every tile config, pinned), then
-# python -m bench.bench_kernels --prefill (the autotuned kernel, each config,
+# python -m bench.kernels.triton_kernels --prefill (the autotuned kernel, each config,
 # and SDPA's flash, cuDNN and default backends at 4 x 2048, 1 x 16384 and 4 x (1024 + 1024 cached) tokens, paged blocks of 16 and 128).
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md "GPU runs": gguf,
@@ -25,7 +25,7 @@ fi
 MODEL_1B=/tmp/duet-llama-1b
 if [[ " $STAGES " == *" decode "* ]]; then  # built on the CPUs while the tests use the GPU
     $PY -c "
-from engine.tiny import make_tiny_model
+from engine.loading.tiny import make_tiny_model
 make_tiny_model('$MODEL_1B', arch='llama', hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                 intermediate_size=8192, dtype='bfloat16', max_position_embeddings=4096)" > "$OUT/model.log" 2>&1 &
     MODEL_PID=$!
@@ -57,30 +57,30 @@ for s in $STAGES; do
         xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
         stage tests 240 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
             tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_cuda_features.py \
-            tests/engine/test_decode_graphs.py tests/engine/test_kernel_backends.py tests/engine/test_moe.py \
-            tests/engine/test_partial_rotary.py tests/kvtransfer/test_kv_nixl_transfer.py \
+            tests/engine/test_decode_graphs.py tests/engine/models/test_kernel_backends.py tests/engine/models/test_moe.py \
+            tests/engine/models/test_partial_rotary.py tests/kvtransfer/test_kv_nixl_transfer.py \
             --ignore tests/kernels/test_cpu_native.py --ignore tests/kernels/test_sm90_compile.py
         ;;
     kernels)
-        stage kernels 120 $PY -m bench.bench_kernels
+        stage kernels 120 $PY -m bench.kernels.triton_kernels
         ;;
     decode)
         [ -n "${MODEL_PID:-}" ] && wait "$MODEL_PID"
         tail -3 "$OUT/model.log"
-        stage decode 180 $PY -m bench.bench_decode --model "$MODEL_1B" --dtype bfloat16 --device cuda \
+        stage decode 180 $PY -m bench.engine.decode --model "$MODEL_1B" --dtype bfloat16 --device cuda \
             --json "$OUT/decode.json"
         ;;
     tiers)
-        stage tiers 60 $PY -m bench.bench_tiers_copy --repeats 3
+        stage tiers 60 $PY -m bench.kv.tiers_copy --repeats 3
         ;;
     prefill)
         xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
         stage prefill-tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
             tests/kernels/test_prefill_attention.py
-        stage prefill 240 $PY -m bench.bench_kernels --prefill
+        stage prefill 240 $PY -m bench.kernels.triton_kernels --prefill
         ;;
     gemm)  # our GEMM's tile configs at decode shapes in CUDA graphs (~40 s)
-        stage gemm 120 $PY -m bench.gemm_sweep
+        stage gemm 120 $PY -m bench.kernels.gemm_sweep
         ;;
     *) echo "unknown stage $s"; exit 2 ;;
     esac

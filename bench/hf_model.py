@@ -36,7 +36,7 @@ def _write(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

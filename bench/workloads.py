@@ -54,7 +54,7 @@ class BenchRequest:
         return d
 
     @classmethod
-    def from_json(cls, d: dict, default_output_len: int | None = None) -> "BenchRequest":
+    def from_json(cls, d: dict, default_output_len: int | None = None) -> BenchRequest:
         """Ours (``to_json``) or vLLM's ``custom`` dataset line: ``{"prompt": text, "output_tokens": n}``."""
         if not isinstance(d, dict):
             raise ValueError("a workload line must be a JSON object")

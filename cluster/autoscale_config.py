@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.autoscale_estimate import LEARN_INTERVALS
-from router.policy import Role
+from router.routing.policy import Role
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@
 Pure, like the rest of the policy (cluster/autoscaler.py calls it through cluster/autoscale_estimate.py).
 
 **The steady state.** The router counts, per interval, the requests it places and what they ask of decode: their
-``max_tokens`` and their KV block-tokens (blocks held at mid-output × ``max_tokens``: router/demand.py). Over the
-requests that finished lately, tokens generated / ``max_tokens`` asked scales the asks (a client asking 4,096
+``max_tokens`` and their KV block-tokens (blocks held at mid-output × ``max_tokens``: router/routing/demand.py). Over
+the requests that finished lately, tokens generated / ``max_tokens`` asked scales the asks (a client asking 4,096
 and stopping at 100 is not 40× the load; 1.0 until a request has finished: the bound). Then, over the last
 ``estimate_window`` intervals:
 - sequences at the ITL target = output tokens arriving per second (the largest interval's) × the ITL target;

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from router.policy import Role
+from router.routing.policy import Role
 
 
 def split_sizes(history: Sequence) -> list[int]:

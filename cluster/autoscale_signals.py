@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from router.policy import Role
-
+from router.routing.policy import Role
 
 # pressure codes that are an SLO broken in the interval, not a threshold standing in for load the estimate measures
 SLO_BREACHES = frozenset({"ttft_slo", "prefill_queue_slo", "itl_slo"})

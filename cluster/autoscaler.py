@@ -64,7 +64,7 @@ from cluster.autoscale_config import AutoscalerConfig, history_kept
 from cluster.autoscale_estimate import Estimate, estimate
 from cluster.autoscale_moves import best_split, failed_move_held, per_worker, recent_move_undone
 from cluster.autoscale_signals import SLO_BREACHES, distress, misfit, percentile, pressure, signals
-from router.policy import Role
+from router.routing.policy import Role
 
 __all__ = ["AutoscalerConfig", "Decision", "Observation", "PoolState", "WorkerSample", "decide", "history_kept",
            "percentile"]

@@ -64,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny import make_tiny_model
+    from engine.loading.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, num_shards=args.shards)
     print(path)

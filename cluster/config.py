@@ -32,8 +32,9 @@ from typing import Any
 import yaml
 
 from cluster.autoscaler import AutoscalerConfig
-from engine.config import EngineConfig, checkpoint_name
+from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.loading.paths import checkpoint_name
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -84,23 +85,23 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20  # HTTP body / gRPC message (beyond: 413 / RESOURCE_EXHAUSTED)
     index: str = "memory"  # "memory" or "redis://host:port[/db]"
     # what a leading block on a lower KV tier, or only on a peer, is worth to cache_aware (device = 1);
-    # any subset of {host, disk, peer}; defaults and meaning: router/policy.py TierWeights, docs/routing.md
+    # any subset of {host, disk, peer}; defaults and meaning: router/routing/policy.py TierWeights, docs/routing.md
     tier_weights: dict[str, float] = field(default_factory=dict)
-    # the format tool calls are written in (router/tool_formats.py: hermes, mistral, llama3_json, generic);
+    # the format tool calls are written in (router/openai/tool_parsers.py: hermes, mistral, llama3_json, generic);
     # None: detected from the model's chat template (docs/operating.md "Tool calling")
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if self.tool_call_parser is not None:
-            from router.tool_formats import FORMATS
+            from router.openai.tool_parsers import FORMATS
 
             if self.tool_call_parser not in FORMATS:
                 raise ConfigError(f"router.tool_call_parser must be one of {sorted(FORMATS)} (or null: detected from "
                                   f"the chat template), got {self.tool_call_parser!r}")
         if not isinstance(self.tier_weights, dict):
             raise ConfigError(f"router.tier_weights must be a mapping (host, disk, peer), got {self.tier_weights!r}")
-        self.weights  # validates tier_weights
+        self.weights  # noqa: B018 (validates tier_weights)
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"router.{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
@@ -112,14 +113,14 @@ class RouterConfig:
             raise ConfigError(f"router.salt_by_api_key must be true or false, got {self.salt_by_api_key!r}")
         if self.salt_by_api_key and not self.api_keys:
             raise ConfigError("router.salt_by_api_key needs router.api_keys (without keys there are no tenants)")
-        self.admission  # validates the admission fields
+        self.admission  # noqa: B018 (validates the admission fields)
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ConfigError(f"router.max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
 
     @property
     def weights(self):
-        """``tier_weights`` as router.policy.TierWeights (ConfigError naming the key if invalid)."""
-        from router.policy import TierWeights
+        """``tier_weights`` as router.routing.policy.TierWeights (ConfigError naming the key if invalid)."""
+        from router.routing.policy import TierWeights
 
         try:
             return TierWeights.from_mapping(self.tier_weights)

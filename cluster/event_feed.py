@@ -1,7 +1,7 @@
 """Feeding the router's prefix index and load tracker from the workers (embedded `memory` index).
 
 One asyncio task per worker long-polls `read_events(after_seq, wait_s=1)` over Ray and applies each
-batch through `router.events.IndexFeed` (which checks per-worker sequence numbers). When the worker's
+batch through `router.routing.feed.IndexFeed` (which checks per-worker sequence numbers). When the worker's
 log was truncated under us, or the feed saw a gap, the task fetches `snapshot()` (AllCleared + every
 cached hash, stamped with the worker's current seq) and continues after it: the index converges to
 the worker's real cache whatever was lost. A worker that stops answering is dropped from the index
@@ -50,8 +50,8 @@ async def _resync(client, feed) -> int:
 
 def start_redis_feed(url: str, backend, on_load=None):
     """(task, feed) reading the shared Redis stream into the backend's index and load tracker."""
-    from router.events import IndexFeed
-    from router.redis_events import RedisEventSource
+    from router.routing.feed import IndexFeed
+    from router.routing.redis_feed import RedisEventSource
 
     feed = IndexFeed(backend.index, backend.tracker, on_load=on_load)
     source = RedisEventSource(url, feed)

@@ -40,8 +40,8 @@ from cluster.handshake import shake_hands
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import worker_engine_config
 from prefill_worker.base import FlipRefusedError, WorkerBusyError, reload_reason
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 
 log = logging.getLogger(__name__)
 

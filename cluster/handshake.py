@@ -8,8 +8,8 @@ import asyncio
 import logging
 
 from cluster.ray_client import RayWorkerClient
-from router.policy import Role
-from router.registry import WorkerRegistry, WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.registry import WorkerState
+from router.workers.registry import WorkerState
 
 log = logging.getLogger("cluster.pools")
 
@@ -51,7 +51,7 @@ async def probe(client, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     node gone), or an engine thread that stopped."""
     try:
         ok = await asyncio.wait_for(client.alive(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"no answer to its health probe within {timeout_s:g} s"
     except Exception as e:  # noqa: BLE001 - any failure to answer is a dead worker; what it was is the reason
         first_line = (str(e).splitlines() or [""])[0][:200]

@@ -1,7 +1,7 @@
 """Bring a cluster up on Ray: pools of prefill and decode actors, handshakes, the router's backend.
 
     cluster = await Cluster.start(config)      # local Ray (or attach with config.ray_address)
-    cluster.backend                            # router.dispatch.ClusterBackend over the pools
+    cluster.backend                            # router.dispatch.cluster_backend.ClusterBackend over the pools
     await cluster.stop()
 
 Placement: a worker on a CUDA engine asks Ray for `num_gpus=1`; on CPU it asks for `num_cpus` and, on
@@ -27,18 +27,17 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
-from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers, worker_engine_config  # noqa: F401 (re-exported)
-from engine.config import ModelConfig
+from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers
 from engine.errors import ConfigError
-from engine.hashing import BlockHasher
-from engine.tokenizer import Tokenizer
+from engine.kv.hashing import BlockHasher
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
-from router.dispatch import ClusterBackend
-from router.events import IndexFeed
-from router.metrics import ClusterCollector, RouterMetrics
-from router.policy import Role, make_policy
-from router.registry import WorkerState
+from router.dispatch.cluster_backend import ClusterBackend
+from router.metrics.collector import ClusterCollector, RouterMetrics
+from router.routing.feed import IndexFeed
+from router.routing.policy import Role, make_policy
+from router.workers.registry import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +155,11 @@ def _init_ray(config: ClusterConfig) -> bool:
 
 def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo],
                   metrics: RouterMetrics) -> ClusterBackend:
-    model_config = ModelConfig.from_checkpoint(config.engine.model)
+    model_config = load_model_config(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()),
                      longrope_original_len=model_config.longrope_original_len)
-    for i in infos:  # each worker sized its KV cache (engine/kv_sizing.py; the reason is in its own log)
+    for i in infos:  # each worker sized its KV cache (engine/kv/sizing.py; the reason is in its own log)
         log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
                  i.max_model_len)
     log.info("serving max_model_len %d: the longest context every worker holds (the checkpoint's: %d)",
@@ -168,7 +167,7 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
     B = config.engine.block_size
     return ClusterBackend(
-        card, Tokenizer.from_checkpoint(config.engine.model), hasher, prefill, decode,
+        card, load_tokenizer(config.engine.model), hasher, prefill, decode,
         prefill_policy=make_policy(config.router.prefill_policy, B, tier_weights=config.router.weights),
         decode_policy=make_policy(config.router.decode_policy, B, tier_weights=config.router.weights),
         local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics)
@@ -178,7 +177,7 @@ def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[R
     """(feed, tasks, start_feed): the embedded index polls each worker (start_feed adds a worker later);
     the Redis index reads one stream for everyone (start_feed is None)."""
     from cluster.event_feed import poll_worker_events, start_redis_feed
-    from router.events import IndexFeed
+    from router.routing.feed import IndexFeed
 
     def on_load(load) -> None:
         backend.registry.update_load(load, time.monotonic())

@@ -1,15 +1,15 @@
 """What the autoscaler observes of the live cluster each interval (cluster/autoscaler.py's ``Observation``),
 read from the worker registry (loads from the KV event plane, ``stats()`` snapshots), the router's latency
-samples and its dispatch counters. bench/sim_autoscale.py builds the same observation in the simulator.
+samples and its dispatch counters. bench/sim/autoscale.py builds the same observation in the simulator.
 
 Per ready worker: its load (queued prefill tokens: the larger of its own report and the router's count of
 prompt tokens sent there and not yet prefilled — a worker reports its load between engine steps, and one
-long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); what its engine did in the interval (differences of its EngineStats counters:
-busy seconds, prompt tokens computed, decode steps and tokens — a worker's first observation counts zero);
-the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease; decode: handoffs
-waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
+long prefill step on a loaded CPU kept a 4k-token queue out of sight for 12 s); what its engine did in the interval
+(differences of its EngineStats counters: busy seconds, prompt tokens computed, decode steps and tokens — a worker's
+first observation counts zero); the decode backlog it holds (prefill: handed-off prompts and their blocks under a lease;
+decode: handoffs waiting for free blocks). Per interval: TTFT and ITL samples and TTFT's parts from warm workers only,
 prefill queue times from warm prefill workers' histograms, the uncached prompt tokens routed to prefill, what
-the placed requests asked of decode and what the finished ones generated (router/demand.py), and
+the placed requests asked of decode and what the finished ones generated (router/routing/demand.py), and
 the router's count of requests committed to decode workers (a bound on the decode backlog, whose parts are
 snapshots of different ages: prefill's ``stats()`` polled each second, decode's load as events arrive).
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import collections
 
 from cluster.autoscaler import AutoscalerConfig, Observation, WorkerSample
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 
 WORK_COUNTERS = {"busy_s": "busy_s", "prefill_tokens": "num_prefill_tokens_computed",  # WorkerSample <- stats()
                  "decode_steps": "num_decode_steps", "decode_tokens": "num_decode_tokens"}
@@ -82,7 +82,7 @@ class PoolObserver:
 
     def _demand(self) -> dict[str, int]:
         """What the interval's requests asked of decode and what the finished ones generated (differences of the
-        router's counters, router/demand.py); nothing when the backend does not count them."""
+        router's counters, router/routing/demand.py); nothing when the backend does not count them."""
         demand = getattr(self.backend, "demand", None)
         if demand is None:
             return {}

@@ -4,8 +4,8 @@ each pool matches its target; the autoscaler (cluster/autoscaler.py, pure) and t
 Loops (tasks on the router's event loop):
 - health (cluster/health.py), every ``lifecycle.health_interval_s``: probe every live worker; one that fails
   ``lifecycle.health_misses`` probes in a row is dead (one slow answer on a loaded machine is not a death): it
-  leaves the registry's live set, the index and the load tracker (its requests behave as router/dispatch.py
-  documents), and the reconcile below replaces it.
+  leaves the registry's live set, the index and the load tracker (its requests behave as
+  router/dispatch/cluster_backend.py documents), and the reconcile below replaces it.
 - stats, every ``lifecycle.stats_interval_s``: each worker's ``stats()`` into the registry (metrics, admin
   API, drain checks, the autoscaler's queue-time signal). Load reports reach the registry as they arrive
   on the KV event plane.
@@ -34,19 +34,19 @@ import ray
 
 from cluster.autoscaler import AutoscalerConfig, Decision, Observation, PoolState, decide, history_kept
 from cluster.config import ClusterConfig
-from cluster.observe import PoolObserver
 from cluster.flip import RoleFlips
 from cluster.handshake import forget_peer, peer_of, pull_first, shake_hands
 from cluster.health import HealthChecks
+from cluster.observe import PoolObserver
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import Spawner
 from cluster.start_wait import await_info
 from engine.errors import InvalidRequestError
-from router.admin_api import Operator
-from router.dispatch import ClusterBackend
-from router.metrics import RouterMetrics
-from router.policy import Role
-from router.registry import WorkerRecord, WorkerState
+from router.dispatch.cluster_backend import ClusterBackend
+from router.http.admin import Operator
+from router.metrics.collector import RouterMetrics
+from router.routing.policy import Role
+from router.workers.registry import WorkerRecord, WorkerState
 
 log = logging.getLogger(__name__)
 

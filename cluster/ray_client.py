@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayTaskError
 
-from engine.disagg import KVHandoff, PeerBlocks
 from engine.errors import DuetError
+from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerInfo
-from router.dispatch import WorkerClient, WorkerDescriptor
-from router.policy import Role
+from router.routing.policy import Role
+from router.workers.client import WorkerClient, WorkerDescriptor
 
 
 def _unwrap(e: RayTaskError) -> BaseException:
@@ -44,7 +44,7 @@ class RayWorkerClient(WorkerClient):
 
     async def export_blocks(self, block_hashes: list[int], token_ids: list[int], first_block: int) -> PeerBlocks | None:
         if self.descriptor.role != Role.PREFILL:
-            return None  # decode workers do not lend blocks (yet): router/dispatch.py names prefill peers only
+            return None  # decode workers do not lend blocks (yet): router/dispatch/cluster_backend.py names prefill peers only
         try:
             return await self.handle.export_blocks.remote(block_hashes, token_ids, first_block)
         except RayTaskError as e:

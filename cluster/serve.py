@@ -4,7 +4,7 @@
                [--address RAY] [--config cluster.yaml] [--colocated]
 
 Starts (or attaches to) Ray, places the pools (cluster.launcher), and serves the OpenAI HTTP API
-(router.http_api) and the gRPC API (router.grpc_api) on one asyncio loop. `--colocated` skips Ray and
+(router.http.app) and the gRPC API (router.grpc.server) on one asyncio loop. `--colocated` skips Ray and
 disaggregation: one in-process engine behind the same front doors (the baseline for comparisons).
 
 Shutdown on SIGINT / SIGTERM is graceful: the HTTP server stops accepting and lets in-flight responses
@@ -56,9 +56,9 @@ class _Server(uvicorn.Server):
 
 async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     from router.admission import AdmittedBackend
-    from router.grpc_api import start_grpc_server
-    from router.http_api import create_app
-    from router.metrics import AdmissionCollector
+    from router.grpc.server import start_grpc_server
+    from router.http.app import create_app
+    from router.metrics.collector import AdmissionCollector
 
     cluster = None
     if colocated:

@@ -18,7 +18,7 @@ from decode_worker.role_worker import Worker
 from engine.config import EngineConfig
 from prefill_worker.base import WorkerOptions
 from prefill_worker.tp_ranks import TPRank
-from router.policy import Role
+from router.routing.policy import Role
 
 WORKER_RESOURCE = "duet_worker"
 FULL_STATE_INTERVAL_S = 30.0  # Redis index: each worker republishes its whole cached set this often
@@ -33,7 +33,7 @@ def max_pool_workers(config: ClusterConfig) -> int:
 
 def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfig:
     """The engine config of one worker of ``pool``: the pool's num_blocks, if it sets one; on a CPU, the
-    engines that size their KV cache from the same RAM (engine/kv_sizing.py), unless the engine section says:
+    engines that size their KV cache from the same RAM (engine/kv/sizing.py), unless the engine section says:
     every worker the pools may hold, as if they shared one machine (the launcher cannot know the placement)."""
     engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
     if pool.tensor_parallel_size != 1:
@@ -133,7 +133,7 @@ class Spawner:
                 held[new_id] = held.pop(worker_id)
 
     def _sinks(self) -> list:
-        from router.events import MemoryEventLog, RedisEventSink
+        from prefill_worker.event_sinks import MemoryEventLog, RedisEventSink
 
         sinks = [MemoryEventLog()]
         if self.config.router.index != "memory":

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decode_worker.worker import DecodeRole
-from engine.disagg import KVHandoff, PeerBlocks
+from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
 from prefill_worker.base import WorkerBase, WorkerRole

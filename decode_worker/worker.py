@@ -33,8 +33,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.disagg import KVHandoff, RemoteKVPlan
 from engine.engine import Engine
+from engine.kv.handoff import KVHandoff, RemoteKVPlan
 from kvtransfer import PeerInfo, ReleaseNotice, TransferRequest
 from prefill_worker.base import WorkerRole
 

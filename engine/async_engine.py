@@ -72,7 +72,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         request = self.engine.make_request(request_id, prompt, prompt_token_ids, params)
         request.remote_decode = remote_decode
-        request.peer_blocks = peer  # engine.disagg.PeerBlocks lent for the prefix
+        request.peer_blocks = peer  # engine.kv.handoff.PeerBlocks lent for the prefix
         async for out in self.stream(request.request_id, lambda engine: engine.add(request)):
             yield out
 

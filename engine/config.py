@@ -1,363 +1,248 @@
-"""Configuration: small frozen dataclasses, validated on construction, passed down explicitly.
+"""The engine's config tree: ``EngineConfig`` (how one engine runs) and ``SpeculativeConfig`` (its
+``speculative_config``), as vLLM keeps ``vllm/config/speculative.py`` in its config package. Frozen, validated on
+construction; derived runtime values live on the objects that own them. What the checkpoint says is
+``ModelConfig`` (engine/models/config.py).
 
-``ModelConfig`` is what the checkpoint says (parsed once, from config.json or a GGUF file's metadata);
-``EngineConfig`` is how we run it. Derived runtime values (number of KV blocks actually allocated, the
-resolved dtype) live on the objects that own them (the model runner), never written back here.
+``SpeculativeConfig``: the ``--speculative-config`` JSON, as vLLM users write it.
 
-Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is tested both ways):
+Keys (vLLM's ``vllm/config/speculative.py`` names, defaults and checks unless said otherwise):
 
-1. A field that changes the model's arithmetic is either implemented or refused with a ``ModelLoadError``
-   that names the field and its value. Refused today: an activation other than SiLU, partial rotary
-   embeddings outside Phi-3 (engine/config_rope.py), RoPE types other than default / linear / llama3 / longrope,
-   per-layer-type RoPE that differs
-   between layers, layer types other than full and sliding attention, ``quantization_config`` (packed
-   weights), and the fields of other families that a config must not carry with a non-neutral value (logit
-   soft-capping, QK norm outside Qwen3, µP multipliers, experts outside the MoE architectures of
-   engine/config_moe.py, bidirectional attention, ...).
-2. Fields that moved between transformers generations are read in every spelling: ``rope_parameters``
-   (transformers >= 5; flat, or nested per layer type) and ``rope_theta`` + ``rope_scaling`` (< 5);
-   ``dtype`` and ``torch_dtype``. One ``ModelConfig`` comes out, whichever form the file used. When a file
-   carries both spellings they must agree: a conflict is a ``ModelLoadError`` (we cannot know which one
-   the authors meant, and guessing is how a server returns wrong tokens with HTTP 200).
-3. Fields that do not change the math (special-token ids, ``use_cache``, ``initializer_range``,
-   ``attention_dropout``, ``pretraining_tp``, ``transformers_version``, ...) and fields we do not know
-   are ignored.
-4. What the file leaves out takes transformers' default for that architecture.
+- ``method``: ``ngram``, ``suffix`` or ``draft_model``. Absent: ``ngram`` when ``model`` is ``"ngram"``,
+  ``draft_model`` when another ``model`` is given (vLLM also sniffs EAGLE / MTP / Medusa from the draft
+  checkpoint; duet has none of those, so any other method is refused by name).
+- ``num_speculative_tokens`` (>= 1): required for ``ngram`` and ``draft_model`` (vLLM would take a draft
+  checkpoint's ``n_predict``; duet reads no draft checkpoint); for ``suffix`` it defaults to
+  ``suffix_decoding_max_tree_depth`` and is the most drafts per step (vLLM's rule).
+- ``model``: the draft checkpoint, required by ``draft_model``; ``ngram`` / ``suffix`` take none or their own
+  name (what vLLM fills in).
+- ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram, >= 1): both absent -> 5 and 5 (vLLM's defaults,
+  "arbitrarily chosen" in its source); one given -> the other equals it (vLLM's code; its field doc says
+  min defaults to 1); min <= max.
+- ``suffix_decoding_max_tree_depth`` (24, >= 1), ``suffix_decoding_max_cached_requests`` (10000, >= 0; 0
+  turns the worker cache of finished outputs off), ``suffix_decoding_max_spec_factor`` (1.0, >= 0),
+  ``suffix_decoding_min_token_prob`` (0.1, in [0, 1]).
+- ``suffix_decoding_max_cached_nodes`` (duet's own, 262144, >= 1): the node bound of that cache, i.e. its
+  memory bound (~0.4 KB a node in Python, so ~100 MB); vLLM's C++ cache is bounded by requests only.
+
+Stricter than vLLM, by design: an unknown key (vLLM's other keys included, e.g. ``draft_tensor_parallel_size``)
+and a key of another method (``prompt_lookup_max`` with ``suffix``) are a ``ConfigError`` naming the key, where
+vLLM would ignore the second kind; a bool is not a number.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from dataclasses import dataclass
-from pathlib import Path
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.config_gemma import (GELU_TANH, GEMMA_ARCHITECTURES, GemmaFields, gemma3_rope_sources, gemma_layer_types,
-                                 read_gemma)
-from engine.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
-from engine.config_rope import ROPE_TYPES, read_rope
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
-# Architectures whose sliding window is Qwen2's: on when ``use_sliding_window``, for layers from ``max_window_layers`` on.
-_QWEN_LAYOUT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MISTRAL_LAYOUT = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # the window, if any, on every layer
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-# transformers' defaults per architecture, for fields a config.json may leave out.
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
-                         "max_window_layers": 28},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
-                         "sliding_window": 4096, "max_window_layers": 28},
-    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5},
-    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16},
-    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4},
-    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
-    "Gemma2ForCausalLM": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256,
-                          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
-                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True},
-    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256,
-                          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
-                          "tie_word_embeddings": True},
-}
-_GEMMA_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")  # read_gemma2's
-_ROPE_THETA_DEFAULT = {"MixtralForCausalLM": 1e6, "Gemma3ForCausalLM": 1e6}  # transformers' default when the file gives none (else 10,000)
-
-# Fields of other model families that change the math; a Llama / Qwen2 / Mistral config may only carry them
-# with the neutral value. (transformers' Llama would ignore them: the checkpoint is then not what it claims.)
-_FOREIGN_MATH_FIELDS: dict[str, tuple[Any, ...]] = {
-    "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,), "query_pre_attn_scalar": (None,),
-    "use_qk_norm": (None, False), "qk_layernorm": (None, False), "qk_norm": (None, False),
-    "embedding_multiplier": (None, 1), "residual_multiplier": (None, 1), "attention_multiplier": (None,),
-    "logits_scaling": (None, 1), "logit_scale": (None, 1), "scale_emb": (None, 1),
-    "num_experts": (None, 0), "num_local_experts": (None, 0), "use_bidirectional_attention": (None, False),
-    "clip_qkv": (None,), "attention_chunk_size": (None,), "no_rope_layers": (None,),
-}
-_SILU = ("silu", "swish")
-_GGUF_MAGIC = b"GGUF"
-_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|[Ff](?:16|32)|[Bb][Ff]16|TQ\d\w*|MXFP4)$")
-
-
-def is_gguf(path: str | Path) -> bool:
-    """A file (not a directory) that starts with the GGUF magic."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    with open(p, "rb") as f:
-        return f.read(4) == _GGUF_MAGIC
-
-
-def checkpoint_name(path: str | Path) -> str:
-    """The name a checkpoint is served under by default: a directory's name, or a GGUF file's stem without
-    its quantization suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``)."""
-    p = Path(path).resolve()
-    return (_QUANT_SUFFIX.sub("", p.stem) or p.stem) if is_gguf(p) else p.name
+METHODS = ("ngram", "suffix", "draft_model")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_cached_nodes", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+DEFAULT_MAX_TREE_DEPTH = 24
+DEFAULT_MAX_CACHED_REQUESTS = 10000
+DEFAULT_MAX_CACHED_NODES = 1 << 18
+DEFAULT_MAX_SPEC_FACTOR = 1.0
+DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    rope_params: tuple[tuple[str, Any], ...] = ()  # the type's parameters (factor, ...), frozen as sorted items
-    rope_freq_factors: tuple[float, ...] = ()  # GGUF ``rope_freqs``: per-frequency divisors (Llama 3.1 scaling)
-    partial_rotary_factor: float = 1.0  # RoPE on the first ``rotary_dim`` dims of each head (Phi-4-mini: 0.75)
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims on q and k, after the projection, before RoPE
-    moe: MoeFields = MoeFields()  # experts (engine/config_moe.py); num_experts 0: a dense model
-    gemma: GemmaFields = GemmaFields()  # Gemma's departures (engine/config_gemma.py); all off elsewhere
-    rope_local: tuple = ()  # Gemma 3: (rope_type, rope_theta, rope_params) of the sliding layers; () = as the others
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
-    checkpoint_dtype: str = "float32"
-    model_id: str = ""
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None  # set (both) for ngram, None otherwise
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = DEFAULT_MAX_TREE_DEPTH
+    suffix_decoding_max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
+    suffix_decoding_max_cached_nodes: int = DEFAULT_MAX_CACHED_NODES
+    suffix_decoding_max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR
+    suffix_decoding_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ModelLoadError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ModelLoadError(f"num_attention_heads {self.num_heads} not a multiple of num_key_value_heads {self.num_kv_heads}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ModelLoadError(f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-        missing = [k for k in ROPE_TYPES[self.rope_type][0] if k not in self.rope_params_dict]
-        if missing:
-            raise ModelLoadError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ModelLoadError(f"partial_rotary_factor={self.partial_rotary_factor!r} gives rotary_dim "
-                                 f"{self.rotary_dim} of head_dim {self.head_dim}: it must be in (0, 1] and give an "
-                                 "even rotary_dim >= 2")
-        for key in ("short_factor", "long_factor"):
-            given = self.rope_params_dict.get(key)
-            if given is not None and (not isinstance(given, tuple) or len(given) != self.rotary_dim // 2):
-                got = f"{len(given)}" if isinstance(given, tuple) else repr(given)
-                raise ModelLoadError(f"rope {key} must list {self._rotary_dim_origin()} / 2 = {self.rotary_dim // 2} "
-                                     f"factors, got {got}")
-        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:  # GGUF: whole-head RoPE
-            raise ModelLoadError(f"rope_freqs has {len(self.rope_freq_factors)} factors, head_dim {self.head_dim} needs "
-                                 f"{self.head_dim // 2}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ModelLoadError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
-        if not self.layer_types:
-            kind = "sliding_attention" if self.sliding_window else "full_attention"
-            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
-        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ModelLoadError(f"layer_types must hold {self.num_layers} entries of {LAYER_TYPES}")
+        _check_method(self.method)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ConfigError(f"speculative config: model must be a non-empty string, got {self.model!r}")
+        if self.method == "draft_model" and self.model is None:
+            raise ConfigError("speculative config: method draft_model needs a model (the draft checkpoint)")
+        if self.method in ("ngram", "suffix") and self.model not in (None, self.method):
+            raise ConfigError(f"speculative config: method {self.method} takes no model, got {self.model!r}")
+        if self.method == "ngram":
+            _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+            _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ConfigError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                                  f"prompt_lookup_max ({self.prompt_lookup_max})")
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            key = "prompt_lookup_min" if self.prompt_lookup_min is not None else "prompt_lookup_max"
+            raise ConfigError(f"speculative config: {key} applies to method ngram only, not {self.method!r}")
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        _check_int("suffix_decoding_max_cached_nodes", self.suffix_decoding_max_cached_nodes, 1)
+        _check_float("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0, math.inf)
+        _check_float("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
 
     @property
-    def rope_params_dict(self) -> dict[str, Any]:
-        return dict(self.rope_params)
-
-    @property
-    def longrope_original_len(self) -> int | None:
-        """LongRoPE's pre-training length, past which a request takes the long factors (engine/request.py
-        ``admit_rope_factors``); None for every other RoPE type."""
-        if self.rope_type != "longrope":
-            return None
-        return int(self.rope_params_dict["original_max_position_embeddings"])
-
-    @property
-    def rotary_dim(self) -> int:
-        """The dims of each q/k head RoPE rotates (the first ones; the rest pass through): transformers' rule."""
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def _rotary_dim_origin(self) -> str:
-        if self.partial_rotary_factor == 1.0:
-            return "head_dim"
-        return f"rotary_dim (int(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor}))"
-
-    def local_rope_config(self) -> ModelConfig:
-        """This config with the sliding layers' RoPE (Gemma 3's ``rope_local``) as its RoPE."""
-        rope_type, theta, params = self.rope_local
-        return dataclasses.replace(self, rope_type=rope_type, rope_theta=theta, rope_params=params, rope_local=())
-
-    def layer_sliding_window(self, layer: int) -> int | None:
-        """The attention window of ``layer`` (None: it attends to the whole sequence)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+    def needs_draft_model(self) -> bool:
+        """Whether proposing needs a second model (``method`` draft_model: engine/speculative/draft.py)."""
+        return self.method == "draft_model"
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], model_id: str = "") -> ModelConfig:
-        """Parse a config.json by the rule in the module docstring."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ModelLoadError("config.json has no 'architectures' entry")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        cfg = {**_ARCH_DEFAULTS[arch], **cfg}
-        _refuse_unimplemented(cfg, arch)
-        hidden, num_heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
-        num_layers, max_pos = _int(cfg, "num_hidden_layers"), _int(cfg, "max_position_embeddings")
-        vocab, inter = _int(cfg, "vocab_size"), _int(cfg, "intermediate_size")
-        layer_types, window = _attention_layout(cfg, arch, num_layers)
-        rope_local = ()
-        if arch == "Gemma3ForCausalLM":  # the sliding layers have a RoPE of their own
-            glob, local = gemma3_rope_sources(cfg)
-            rope_type, rope_theta, rope_params, partial = read_rope(glob, ("full_attention",), max_pos, 1e6)
-            rope_local = read_rope(local, ("sliding_attention",), max_pos, 1e4)[:3]
-            rope_local = () if rope_local == (rope_type, rope_theta, rope_params) else rope_local
-        else:
-            phi3 = arch == "Phi3ForCausalLM"
-            rope_type, rope_theta, rope_params, partial = read_rope(cfg, layer_types, max_pos,
-                                                                     _ROPE_THETA_DEFAULT.get(arch, 1e4),
-                                                                     legacy_longrope=phi3, partial_rotary=phi3)
-        llama_bias = arch in ("LlamaForCausalLM", *_QK_NORM) and bool(cfg.get("attention_bias", False))
-        qwen_bias = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
-        return cls(
-            architecture=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") else num_heads,
-            head_dim=_int(cfg, "head_dim") if cfg.get("head_dim") else hidden // num_heads,
-            intermediate_size=inter,
-            max_position_embeddings=max_pos,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_type=rope_type,
-            rope_params=rope_params,
-            partial_rotary_factor=partial,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen_bias or llama_bias,
-            o_proj_bias=llama_bias,
-            mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in _QK_NORM,
-            moe=read_moe(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else MoeFields(),
-            gemma=read_gemma(cfg) if arch in GEMMA_ARCHITECTURES else GemmaFields(),
-            rope_local=rope_local,
-            sliding_window=window,
-            layer_types=layer_types,
-            checkpoint_dtype=_read_dtype(cfg),
-            model_id=model_id,
-        )
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
-        """From a Hugging Face checkpoint directory or a GGUF file."""
-        if is_gguf(path):
-            from engine.gguf import open_gguf
-
-            return open_gguf(path).model_config()
-        if not Path(path).exists():
-            raise ModelLoadError(f"model {path}: no such file or directory")
-        return cls.from_dir(path)
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+    def from_json(cls, text: str) -> SpeculativeConfig:
         try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ModelLoadError(f"{path}: the top level must be an object")
-        return cls.from_hf_dict(cfg, model_id=Path(model_dir).resolve().name)
+            data = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"speculative config is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SpeculativeConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"speculative config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"speculative config: unknown key {key!r} (duet knows {', '.join(sorted(known))})")
+        d = dict(data)
+        method = d.get("method")
+        if method is None:
+            model = d.get("model")
+            if model is None:
+                raise ConfigError("speculative config needs a method (ngram, suffix or draft_model) or a model")
+            method = d["method"] = "ngram" if model == "ngram" else "draft_model"
+        _check_method(method)
+        if method != "suffix":
+            for key in SUFFIX_KEYS:
+                if key in d:
+                    raise ConfigError(f"speculative config: {key} applies to method suffix only, not {method!r}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max", SUFFIX_KEYS[0]):
+            if d.get(key) is not None:  # checked before it stands in for another key, so the error names it
+                _check_int(key, d[key], 1)
+        if method == "ngram":
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo = hi = DEFAULT_PROMPT_LOOKUP
+            d["prompt_lookup_min"] = hi if lo is None else lo
+            d["prompt_lookup_max"] = lo if hi is None else hi
+        if method == "suffix" and d.get("num_speculative_tokens") is None:
+            d["num_speculative_tokens"] = d.get("suffix_decoding_max_tree_depth", DEFAULT_MAX_TREE_DEPTH)
+        if d.get("num_speculative_tokens") is None:
+            raise ConfigError(f"speculative config: method {method} needs num_speculative_tokens")
+        return cls(**d)
 
 
-def _int(cfg: dict[str, Any], key: str) -> int:
-    if key not in cfg:
-        raise ModelLoadError(f"config.json is missing required field {key!r}")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ModelLoadError(f"config.json field {key!r} must be an integer, got {value!r}")
-    return int(value)
+def _check_method(method: Any) -> None:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ConfigError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
 
 
-def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in _SILU and not (arch in GEMMA_ARCHITECTURES and act in GELU_TANH):  # Gemma's: config_gemma.py
-        raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ModelLoadError(f"quantization_config (quant_method {method!r}) is not supported: the weights are "
-                             "packed in a format duet does not unpack; use an unquantized checkpoint or a GGUF file")
-    for name, neutral in _FOREIGN_MATH_FIELDS.items():
-        if arch in MOE_ARCHITECTURES and name in ("num_experts", "num_local_experts"):
-            continue  # read by engine/config_moe.py
-        if arch in GEMMA_ARCHITECTURES and name in _GEMMA_FIELDS:
-            continue
-        if name in cfg and cfg[name] not in neutral:
-            raise ModelLoadError(f"{name}={cfg[name]!r} changes the model's math and duet does not implement it")
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"speculative config: {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _attention_layout(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
-    """(layer types, sliding window) the way transformers' modeling code for ``arch`` applies them."""
-    given = cfg.get("layer_types")
-    if given is not None:
-        if not isinstance(given, list) or len(given) != num_layers:
-            raise ModelLoadError(f"layer_types must be a list of {num_layers} entries, got {given!r}")
-        unknown = sorted({t for t in given if t not in LAYER_TYPES})
-        if unknown:
-            raise ModelLoadError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
-    if arch in _QWEN_LAYOUT:
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        if given is None:  # Qwen2Config / Qwen3Config: layers from max_window_layers on slide
-            first = _int(cfg, "max_window_layers")
-            given = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                     for i in range(num_layers)]
-    elif arch in GEMMA_ARCHITECTURES:
-        window = cfg.get("sliding_window")
-        given = given if given is not None else gemma_layer_types(cfg, arch, num_layers)
-    elif arch in _MISTRAL_LAYOUT:
-        window = cfg.get("sliding_window")
-        uniform = "sliding_attention" if window else "full_attention"  # Mistral applies its window to every layer
-        if given is not None and any(t != uniform for t in given):
-            raise ModelLoadError(f"layer_types mixes attention kinds, which {arch} does not do "
-                                 f"(sliding_window={window!r}); this is a different model family")
-        given = [uniform] * num_layers
-    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        # transformers' generations disagree on which layers of these slide (and whether the mask follows):
-        # no released checkpoint uses it, so a file asking for it is refused rather than guessed at
-        if cfg.get("use_sliding_window") or (given is not None and any(t != "full_attention" for t in given)):
-            raise ModelLoadError(f"use_sliding_window / sliding layer_types in a {arch} config are not supported")
-        window, given = None, ["full_attention"] * num_layers
-    else:  # Llama has no sliding window (transformers' Llama ignores a sliding_window field)
-        window = None
-        if given is not None and any(t != "full_attention" for t in given):
-            raise ModelLoadError("layer_types asks for sliding attention, which LlamaForCausalLM does not do")
-        given = ["full_attention"] * num_layers
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
-    if window is None:
-        given = ["full_attention"] * num_layers
-    return tuple(given), window
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+        raise ConfigError(f"speculative config: {name} must be a finite number {bounds}, got {value!r}")
 
 
-def _read_dtype(cfg: dict[str, Any]) -> str:
-    new, old = cfg.get("dtype"), cfg.get("torch_dtype")
-    if new is not None and old is not None and new != old:
-        raise ModelLoadError(f"config.json gives dtype={new!r} and torch_dtype={old!r}")
-    value = new if new is not None else old
-    if value is not None and not isinstance(value, str):
-        raise ModelLoadError(f"dtype must be a string, got {value!r}")
-    return str(value or "float32")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-from engine.engine_config import EngineConfig  # noqa: E402,F401 (split out; imported from here too)
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs. The device KV cache is ``num_blocks`` blocks, else ``kv_cache_bytes``, else sized
+    from the memory free after the weights load (engine/kv/sizing.py states the rule)."""
+
+    model: str  # Hugging Face checkpoint directory or .gguf file
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None  # None: auto (engine/kv/sizing.py)
+    # auto sizing only: the share of memory the cache takes (None: 0.9 of a GPU's total less what is in use;
+    # 0.25 of the RAM available on a CPU) and, on a CPU, how many engines split that RAM (None: 1; `duet serve`
+    # sets it to the workers its pools may hold on the Ray it starts)
+    kv_cache_memory_fraction: float | None = None
+    colocated_engines: int | None = None
+    # lower KV tiers (engine/kv/tiers.py; docs/operating.md "Sizing the KV tiers"): 0 turns a tier off
+    kv_host_bytes: int = 0  # host memory for cached blocks (pinned on CUDA hosts); >= the device tier's bytes
+    kv_disk_bytes: int = 0  # files under kv_disk_dir; >= the host tier's bytes
+    kv_disk_dir: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts at it)
+    # decode role: a handoff is admitted only if the blocks left free still let every sequence already here grow
+    # by this many tokens (or to its max_tokens, if sooner): a full decode worker stops admitting instead of
+    # preempting a running sequence and recomputing its long prompt (engine/engine_handoff.py). 0: no reserve.
+    kv_handoff_reserve_tokens: int = 256
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"
+    device: str = "cpu"
+    kernels: str = "auto"  # auto | torch | cpu | triton (engine/models/kernel_backend.py)
+    quantization: str | None = None  # None | "w8a16"
+    # ranks the model is split over (engine/models/tensor_parallel.py); a worker of N ranks is N processes
+    # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads
+    tensor_parallel_size: int = 1
+    # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
+    # 0 runs every step eagerly. Ignored on a CPU.
+    cuda_graph_max_batch: int = 256
+    # speculative decoding (engine/speculative/): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
+    # --speculative-config takes it; None: off
+    speculative_config: Any = None
+    hash_seed: int = 0
+    hash_namespace: str = ""
+    seed: int = 0  # seeds requests that bring no seed of their own
+    worker_id: str = "local"
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_json(spec) if isinstance(spec, str) else SpeculativeConfig.from_dict(spec)
+            object.__setattr__(self, "speculative_config", spec)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if isinstance(self.kv_handoff_reserve_tokens, bool) or not isinstance(self.kv_handoff_reserve_tokens, int) \
+                or self.kv_handoff_reserve_tokens < 0:
+            raise ConfigError(f"kv_handoff_reserve_tokens must be an integer >= 0, got {self.kv_handoff_reserve_tokens!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch}")
+        if self.kv_cache_bytes is not None and (type(self.kv_cache_bytes) is not int or self.kv_cache_bytes < 1):
+            raise ConfigError(f"kv_cache_bytes must be a positive integer or null (auto), got {self.kv_cache_bytes!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (type(fraction) not in (int, float) or not 0 < fraction <= 1):
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.colocated_engines is not None and (type(self.colocated_engines) is not int or self.colocated_engines < 1):
+            raise ConfigError(f"colocated_engines must be an integer >= 1, got {self.colocated_engines!r}")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ConfigError("kv_host_bytes and kv_disk_bytes must be >= 0 (0: no such tier)")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ConfigError("kv_disk_bytes needs kv_disk_dir (the directory the disk tier writes its files to)")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ConfigError("the disk tier is filled from the host tier: kv_disk_bytes needs kv_host_bytes")
+        if self.kv_disk_bytes and self.kv_disk_bytes < self.kv_host_bytes:
+            raise ConfigError(f"kv_disk_bytes {self.kv_disk_bytes} is smaller than kv_host_bytes {self.kv_host_bytes}: "
+                              "the disk tier should hold at least what the host tier does")
+        if self.quantization not in (None, "w8a16"):
+            raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

@@ -16,23 +16,24 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig
-from engine.disagg import PeerBlocks
-from engine.emitting import EmitMixin
+from engine.config import EngineConfig
+from engine.engine_emit import EmitMixin
+from engine.engine_handoff import RemoteKVMixin
 from engine.errors import ConfigError, InvalidRequestError
-from engine.remote_kv import RemoteKVMixin
-from engine.hashing import BlockHasher
-from engine.kv_events import KVEvent, WorkerLoad
-from engine.kv_mover import build_tiers
+from engine.kv.block_pool import BlockPool
+from engine.kv.events import KVEvent, WorkerLoad
+from engine.kv.handoff import PeerBlocks
+from engine.kv.hashing import BlockHasher
+from engine.kv.mover import build_tiers
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner
+from engine.models.tensor_parallel import TensorParallel
 from engine.outputs import RequestOutput
-from engine.parallel import TensorParallel
 from engine.request import Request, RequestStatus, SamplingParams, admit_rope_factors, check_prompt
-from engine.scheduler import Scheduler
-from engine.spec.decoder import SpecDecoder
-from engine.spec.draft import DraftModel
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.sched.scheduler import Scheduler
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.draft import DraftModel
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -63,20 +64,20 @@ class EngineStats:
 class Engine(EmitMixin, RemoteKVMixin):
     def __init__(self, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
                  tp: TensorParallel | None = None, tier_mirror=None) -> None:
-        """``tp``: rank 0 of a tensor-parallel engine (engine/parallel.py); the other ranks follow this engine's
-        steps until ``close``. ``tier_mirror(job) -> Completion``: they run each KV-tier job on their own tiers
-        (engine/kv_mover.py; without it a tensor-parallel engine has no tiers)."""
+        """``tp``: rank 0 of a tensor-parallel engine (engine/models/tensor_parallel.py); the other ranks follow this
+        engine's steps until ``close``. ``tier_mirror(job) -> Completion``: they run each KV-tier job on their own tiers
+        (engine/kv/mover.py; without it a tensor-parallel engine has no tiers)."""
         self.config = config
-        self.model_config = ModelConfig.from_checkpoint(config.model)
+        self.model_config = load_model_config(config.model)
         mpe = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or mpe, mpe)
-        self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
         spec = config.speculative_config
         draft = DraftModel.load(config, self.model_config, self.max_model_len, self.tokenizer) \
             if spec is not None and spec.needs_draft_model else None  # its weights in memory before the cache is sized
         self.runner = ModelRunner(self.model_config, config, self.max_model_len, tp,
                                   extra_bytes_per_block=draft.bytes_per_block if draft else 0)
-        self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv_sizing.py)
+        self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv/sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
         if tp is not None and tp.enabled and config.kv_host_bytes and tier_mirror is None:
@@ -90,7 +91,7 @@ class Engine(EmitMixin, RemoteKVMixin):
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
-        self._grammars = None  # engine.structured.GrammarBackend, built on the first structured request
+        self._grammars = None  # engine.sampling.structured.GrammarBackend, built on the first structured request
         self._grammar_lock = threading.Lock()  # make_request may run on any thread
         self.spec = SpecDecoder(spec, draft and draft.allocate(self.runner.num_blocks)) if spec is not None else None
         self._decode_only_tokens = 0  # this step's tokens, when it ran only decoding sequences (and drafts)
@@ -135,7 +136,7 @@ class Engine(EmitMixin, RemoteKVMixin):
         """The request's grammar matcher, advanced over what it generated before a migration."""
         with self._grammar_lock:
             if self._grammars is None:
-                from engine.structured import GrammarBackend  # the grammar library loads on first use
+                from engine.sampling.structured import GrammarBackend  # the grammar library loads on first use
                 self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
                                                 self.tokenizer.eos_token_ids)
             grammars = self._grammars
@@ -294,7 +295,7 @@ class Engine(EmitMixin, RemoteKVMixin):
         events = self.pool.snapshot_events()
         return events + self.tiers.snapshot_events() if self.tiers is not None else events
 
-    # ---- lower KV tiers (engine/kv_tiers.py) --------------------------------------------------------
+    # ---- lower KV tiers (engine/kv/tiers.py) --------------------------------------------------------
     def sync_tiers(self, wait_s: float = 0.0) -> None:
         """Apply the mover's finished jobs (loaded requests rejoin the queue) and write newly cached blocks
         through to the host tier. Engine thread only."""

@@ -20,4 +20,4 @@ class ConfigError(DuetError, ValueError):
 
 class RankLostError(DuetError, RuntimeError):
     """A tensor-parallel rank's collective failed (a rank died or left): the engine cannot step again; its
-    worker is replaced (engine/parallel.py)."""
+    worker is replaced (engine/models/tensor_parallel.py)."""

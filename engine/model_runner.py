@@ -3,7 +3,7 @@ pass and returns the logits of every request that completed its sequence this st
 
 The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md):
 all layers of a block are contiguous, so one block moves as one descriptor between workers. It is sized after
-the weights load (engine/kv_sizing.py), and ``max_model_len`` is capped to what it holds; both live here.
+the weights load (engine/kv/sizing.py), and ``max_model_len`` is capped to what it holds; both live here.
 
 On CUDA, decode-only steps replay CUDA graphs (``DecodeGraphs``): a decode step of a small model is a few
 hundred kernel launches of microseconds each, so launching them one by one from Python costs more than the
@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_sizing import cap_max_model_len, size_kv_cache
-from engine.loader import load_model, resolve_dtype
-from engine.moe import SparseMoE
-from engine.ops import get_ops, resolve_backend
-from engine.parallel import TensorParallel
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-
+from engine.config import EngineConfig
+from engine.kv.sizing import cap_max_model_len, size_kv_cache
+from engine.loading.weights import load_model, resolve_dtype
+from engine.models.attention import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.kernel_backend import get_ops, resolve_backend
+from engine.models.moe import SparseMoE
+from engine.models.tensor_parallel import TensorParallel
+from engine.sched.output import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def with_huge_page_malloc(environ: dict[str, str]) -> dict[str, str]:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  tp: TensorParallel | None = None, *, extra_bytes_per_block: int = 0, kv_blocks: bool = True) -> None:
-        """``tp``: this rank's place in a tensor-parallel engine (engine/parallel.py); rank 0's runner sends each
-        step to the others (``execute``, ``logits``), which run it through ``follow``. A draft model's cache
-        (engine/spec/draft.py) is indexed by the same block ids: its target is sized for both
+        """``tp``: this rank's place in a tensor-parallel engine (engine/models/tensor_parallel.py); rank 0's runner
+        sends each step to the others (``execute``, ``logits``), which run it through ``follow``. A draft model's cache
+        (engine/speculative/draft.py) is indexed by the same block ids: its target is sized for both
         (``extra_bytes_per_block``: the draft's bytes per block), the draft loads its weights first with
         ``kv_blocks=False`` (no cache yet) and gets the target's count of blocks by ``allocate_kv``."""
         self.model_cfg = model_cfg
@@ -128,7 +128,7 @@ class ModelRunner:
             self.fallbacks.append(reason)
         if (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
                 and self.ops.fused_moe is None):  # the Triton fused MoE reads nothing on the host: it replays
-            reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/moe.py)"
+            reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/models/moe.py)"
             log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
             self.fallbacks.append(f"cuda graphs: {reason}")
         elif self.device.type == "cuda" and cfg.cuda_graph_max_batch and self.tp.enabled:
@@ -169,7 +169,7 @@ class ModelRunner:
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             input_ids.extend(r.all_token_ids[start:end - s.num_draft_tokens])
             input_ids.extend(s.draft_token_ids)  # verified by this step: their logits are rows too
-            positions.extend(rope.rows(r.params.rope_factors, start, end))  # RoPE table rows (engine/layers.py)
+            positions.extend(rope.rows(r.params.rope_factors, start, end))  # RoPE table rows (engine/models/layers.py)
             block_ids = r.block_ids
             slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
             seq_lens.append(end)
@@ -243,8 +243,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, request, row0: int, rows: int) -> None:
         """Append the logprobs of the prompt tokens this chunk predicts (the chunk's hidden states are ``rows``
-        rows of the step's from ``row0``, positions num_computed_tokens ...): row j predicts token j + 1. Vocabulary-sized logits are made a
-        slice of rows at a time, so a long prompt does not hold [prompt, vocab] at once."""
+        rows of the step's from ``row0``, positions num_computed_tokens ...): row j predicts token j + 1.
+        Vocabulary-sized logits are made a slice of rows at a time, so a long prompt does not hold [prompt, vocab] at
+        once."""
         start = request.num_computed_tokens
         if not request.prompt_logprobs:
             request.prompt_logprobs.append(None)

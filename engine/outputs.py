@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.disagg import KVHandoff
+from engine.kv.handoff import KVHandoff
 
 
 @dataclass

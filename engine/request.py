@@ -64,7 +64,7 @@ class StructuredOutput:
     """Constrained decoding: the output must be JSON (``json_object``), JSON valid against a JSON Schema
     (``json_schema``), match a regular expression (``regex``), be one of a list of strings (``choice``: the
     list as JSON text) or derive from a Lark / GBNF grammar (``grammar``). ``schema`` holds the constraint as
-    text (none for ``json_object``), so the params stay hashable and picklable. engine/structured.py compiles
+    text (none for ``json_object``), so the params stay hashable and picklable. engine/sampling/structured.py compiles
     it into a token mask; the mask is rebuilt from the output tokens on whichever worker samples (after a
     handoff or a migration)."""
 
@@ -94,7 +94,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
     min_tokens: int = 0
-    # penalties (engine/sampler.py has the formulas): OpenAI's presence/frequency over the generated tokens,
+    # penalties (engine/sampling/sampler.py has the formulas): OpenAI's presence/frequency over the generated tokens,
     # transformers'/vLLM's multiplicative repetition penalty over prompt + generated tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -106,7 +106,7 @@ class SamplingParams:
     # tool-call or thinking marker is one (Mistral's [TOOL_CALLS]); the EOS that ends a request never is
     skip_special_tokens: bool = True
     resume: ResumeState | None = None  # set by the router when it migrates a request, never by clients
-    # tenant isolation (engine/hashing.py): both enter the block-hash root, so blocks are shared only by
+    # tenant isolation (engine/kv/hashing.py): both enter the block-hash root, so blocks are shared only by
     # requests with the same two values. cache_salt is the client's (vLLM's field); tenant_salt is derived
     # from the API key by the router (router/tenancy.py), never sent by clients. Kept out of repr (logs).
     cache_salt: str | None = field(default=None, repr=False)
@@ -196,7 +196,7 @@ class SamplingParams:
 
     @property
     def hash_salt(self) -> tuple[str, ...]:
-        """The salt of this request's block hashes (engine/hashing.py ``salted_root``): () when unsalted,
+        """The salt of this request's block hashes (engine/kv/hashing.py ``salted_root``): () when unsalted,
         else (tenant salt, cache salt) with "" for the one that is absent; LongRoPE's long factor set adds a
         third part (its blocks hold other K values for the same tokens), the short set none (so a model served
         within its pre-training length hashes as it always did)."""
@@ -272,23 +272,23 @@ class Request:
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    grammar: object | None = None  # engine.structured.GrammarMatcher for params.structured
+    grammar: object | None = None  # engine.sampling.structured.GrammarMatcher for params.structured
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at the first scheduling
-    blocks: list = field(default_factory=list)  # engine.block_pool.Block, in sequence order
+    blocks: list = field(default_factory=list)  # engine.kv.block_pool.Block, in sequence order
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
-    detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer when text is produced
+    detokenizer: object | None = None  # engine.text.tokenizer.IncrementalDetokenizer when text is produced
     text: str = ""
     num_stop_held_chars: int = 0  # trailing text withheld because it may begin a stop string
     num_prior_output_tokens: int = 0  # a resumed request: outputs generated before (the prompt's tail)
     remote_decode: bool = False  # prefill role: hand the KV off after the first token
     abort_pending: bool = False  # aborted while its KV was in flight: free blocks once the transfer ends
-    peer_blocks: object | None = None  # engine.disagg.PeerBlocks lent by a peer for the prefix, until admitted
-    # speculative decoding (engine/spec/decoder.py): drafts proposed for the next step, verified by it (never
+    peer_blocks: object | None = None  # engine.kv.handoff.PeerBlocks lent by a peer for the prefix, until admitted
+    # speculative decoding (engine/speculative/decoder.py): drafts proposed for the next step, verified by it (never
     # part of all_token_ids: only the accepted ones are appended)
     spec_token_ids: list[int] = field(default_factory=list)
     # prompt + outputs as one list, kept in step by append_output_token (read on every step: no copies)

@@ -15,4 +15,17 @@ were built in interpreter mode: TRITON_INTERPRET=1 must be in the environment *b
 kernel module (Triton 3.9 picks interpreted or compiled functions when ``@triton.jit`` runs). Launchers raise
 a ValueError naming the argument otherwise. ``_paged_kv.attend_kv_tile`` is decode attention's online-softmax
 step (its tanh serves prefill's soft-cap too); prefill attention's tile configs live in ``prefill_tiles``.
+
+Pieces:
+- decode_attention.py   paged_decode_attention: one query token per sequence (flash-decoding on GPU)
+- prefill_attention.py  prefill_attention: variable-length causal attention over the paged cache
+- prefill_tiles.py      the prefill kernel's tile configs, chosen among by the autotuner on CUDA
+- _paged_kv.py          decode attention's step over one tile of paged K/V (online softmax); the tanh both use
+- store_kv.py           store_kv: new K/V rows into their slots of the paged cache
+- fused.py              fused per-token ops: RMSNorm (+ residual add), in-place RoPE, SwiGLU
+- fused_moe.py          fused_moe: every token through its top-k experts
+- gemm.py               gemm: y = x @ weight.T (+ bias), bf16 and int8 weight-only
+- _triton_utils.py      launcher plumbing: can Triton run here, argument checks that name the argument
+- cpu_native.py         the CPU path's kernels in C, loaded with ctypes
+- cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
 """

@@ -6,7 +6,7 @@ named by a hash of the sources and headers, the flags, the compiler's version an
 feature flags, so a library built for another machine is never loaded. It is linked under a temporary name
 and renamed, so concurrent workers building at once are safe. A build takes about two seconds and needs a C
 compiler; without one ``load()`` raises ``NativeKernelError`` with the compiler's message, and the engine
-(engine/ops.py) logs it, counts it, and runs the torch references instead.
+(engine/models/kernel_backend.py) logs it, counts it, and runs the torch references instead.
 
 torch must be imported first: the library's OpenMP runtime is then torch's libgomp (the same soname is
 already loaded), so its threads are torch's threads.

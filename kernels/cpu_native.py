@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from kernels import _triton_utils as tu
-from kernels.cpu_build import NativeKernelError, load  # noqa: F401  (load: engine/ops.py's entry point)
+from kernels.cpu_build import NativeKernelError, load  # noqa: F401  (load: engine/models/kernel_backend.py's entry point)
+
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
     """The launchers' argument check (kernels/_triton_utils.check_tensor), plus: on the CPU, last dim contiguous."""
@@ -319,7 +320,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
     Why: with the few rows of a decode step (M = 4..32) oneDNN's kernels on a packed weight run 11-23 % faster
     than MKL's sgemm on the dense one (the LM head 20-55 %, up to M = 128); one row is 24 % slower and prefill
-    sizes 2-3 % slower (``python -m bench.gemm_backends``, docs/benchmarks.md): a net gain on a serving mix.
+    sizes 2-3 % slower (``python -m bench.kernels.gemm_backends``, docs/benchmarks.md): a net gain on a serving mix.
     The packed copy replaces the dense weight (same memory)."""
     _check("weight", weight, 2, torch.float32)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

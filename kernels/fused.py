@@ -1,6 +1,6 @@
 """Fused per-token ops of the Triton backend: RMSNorm (with the residual add), in-place RoPE, SwiGLU.
 
-In the eager torch code of engine/layers.py each of these is three to six kernels with a temporary between
+In the eager torch code of engine/models/layers.py each of these is three to six kernels with a temporary between
 each: on a GPU a decode step of a small model is mostly such launches. Here each is one kernel, and the
 arithmetic is the torch code's, rounding to the model dtype where torch's separate ops round (bf16/fp16: the
 math in fp32 between those points; the same results as the eager ops, see tests/kernels/test_fused.py):

@@ -1,6 +1,6 @@
 """fused_moe: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token t, each expert a SwiGLU MLP.
 
-The experts' weights are engine/moe.py's ``Experts`` layout: ``gate_up_proj`` [E, 2I, H] (gate rows first),
+The experts' weights are engine/models/moe.py's ``Experts`` layout: ``gate_up_proj`` [E, 2I, H] (gate rows first),
 ``down_proj`` [E, H, I]. ``fused_moe_ref`` is the definition (fp32, one GEMM pair per expert in use).
 
 The Triton path, after vLLM's fused_moe (our own code), reads no value on the host, so it can sit in a CUDA graph

@@ -5,6 +5,9 @@ Pieces (each module's docstring is its design note):
 - wire.py            typed values that cross processes: PeerInfo, TransferRequest, ReleaseNotice (pure)
 - leases.py          LeaseTable: blocks pinned on the owner until the puller's notice or a timeout (pure)
 - nixl_transport.py  NixlTransport: one NIXL agent per worker, registered cache, pull by READ
+- nixl_agent.py      creating a NIXL agent and naming memory for it
+- tp_split.py        handoffs between workers of different tensor-parallel splits: which heads come from which rank
+- split_reader.py    reading a handoff from a worker of another tensor-parallel split
 - errors.py          KVTransferError and its subclasses
 
 Sits low in the dependency DAG: imports only torch, nixl, numpy and the stdlib, never the rest of duet.

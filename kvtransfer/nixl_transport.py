@@ -19,7 +19,7 @@ Lifecycle
   "release the lease on notification" safe. `pull(TransferRequest)` wraps it with the lease protocol:
   ok notice on success; on failure a standalone fail notice (best effort: the peer may be dead).
 
-Pull (READ) vs push (WRITE) — measured with bench/bench_kvtransfer.py: 64 MiB as 256 blocks of
+Pull (READ) vs push (WRITE) — measured with bench/kv/transfer.py: 64 MiB as 256 blocks of
 256 KiB, two processes on one host (2 vCPUs shared with other jobs, so runs vary 2x), READ, WRITE and
 an in-process torch copy of the same runs interleaved in one run, median of 10:
     UCX defaults (cma for get/put): READ 1.3-5.2 GB/s, WRITE 1.3-4.6 GB/s, READ/WRITE 0.93-1.12

@@ -3,8 +3,8 @@ reads each of its heads from. Pure bookkeeping (no torch, no nixl), tested on it
 
 A worker of ``tp`` ranks over a model of ``total`` KV heads: with tp <= total each rank holds ``total / tp``
 consecutive heads; with more ranks than heads each head is replicated and rank r holds head ``r * total // tp``
-(engine/parallel.py, the same rule). A block's bytes on one rank are [layers, K/V, tokens, its heads, head_dim]
-(the block-major layout), so a rank of another split cannot read its heads as one range of a peer's block: it
+(engine/models/tensor_parallel.py, the same rule). A block's bytes on one rank are [layers, K/V, tokens, its heads,
+head_dim] (the block-major layout), so a rank of another split cannot read its heads as one range of a peer's block: it
 reads whole blocks of every peer rank holding some of its heads (a staging buffer, kvtransfer/split_reader.py)
 and copies those heads into place. ``read_plan`` says which.
 """

@@ -5,8 +5,8 @@ they pickle as they are and Ray carries them between actors without a schema. No
 
 - `PeerInfo`: what one worker publishes so another can pull from it (NIXL agent metadata + where its
   cache tensor lives + its layout and protocol version; and its host KV tier, when it has one: the
-  tier's slots are readable block ids after the cache's, so one id space names both). Produced by `NixlTransport.peer_info()`,
-  consumed by `NixlTransport.add_peer()` on the other side.
+  tier's slots are readable block ids after the cache's, so one id space names both). Produced by
+  `NixlTransport.peer_info()`, consumed by `NixlTransport.add_peer()` on the other side.
 - `TransferRequest`: one pull, decode side: which of the peer's blocks go into which of ours, under
   which lease of the peer.
 - `ReleaseNotice`: the message the puller leaves with the owner when it is done with a lease (success

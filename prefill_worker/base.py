@@ -30,11 +30,11 @@ import asyncio
 import logging
 import os
 import platform
-from abc import ABC, abstractmethod
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -45,6 +45,7 @@ from engine.request import SamplingParams
 from kvtransfer import PeerInfo
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 from prefill_worker.engine_facts import hit_sources, kv_compat, spec_stats, tier_stats
+from prefill_worker.event_sinks import EventSink
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
 from proto.kv_codec import encode_batch
@@ -52,12 +53,6 @@ from proto.kv_codec import encode_batch
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound="WorkerRole")
-
-
-class EventSink(Protocol):  # router/events.py's EventSink
-    def publish(self, worker: str, seq: int, data: bytes) -> bool: ...
-
-    def available(self) -> bool: ...
 
 
 @dataclass(frozen=True)

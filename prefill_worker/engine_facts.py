@@ -29,7 +29,7 @@ def hit_sources(engine: Engine) -> dict[str, int]:
 
 
 def tier_stats(engine: Engine) -> dict[str, Any]:
-    """The lower KV tiers' figures for stats() (router/metrics.py renders them); empty without tiers."""
+    """The lower KV tiers' figures for stats() (router/metrics/collector.py renders them); empty without tiers."""
     tiers = engine.tiers
     if tiers is None:
         return {}
@@ -43,8 +43,8 @@ def tier_stats(engine: Engine) -> dict[str, Any]:
 
 
 def spec_stats(engine: Engine) -> dict[str, Any]:
-    """Speculative decoding's counters for stats() (router/metrics_spec.py renders them under vLLM's names); empty
-    when the engine does not speculate."""
+    """Speculative decoding's counters for stats() (router/metrics/speculative.py renders them under vLLM's names);
+    empty when the engine does not speculate."""
     spec = engine.spec
     if spec is None:
         return {}

@@ -5,8 +5,8 @@ block table, events, API, rank 0's shard), ranks 1 .. N-1 are ``TPRank`` objects
 the worker's placement group (cluster/spawn.py), holding its shard of the weights and its KV heads.
 
 Start-up: rank 0 picks a port and calls every rank's ``join(host, port)``; each rank then joins rank 0's gloo
-group (engine/parallel.py), loads its shard, sizes its cache with the others, and follows rank 0's steps on a
-thread of its own (``ModelRunner.follow``) until rank 0 closes the engine — or its connection to rank 0 breaks,
+group (engine/models/tensor_parallel.py), loads its shard, sizes its cache with the others, and follows rank 0's steps
+on a thread of its own (``ModelRunner.follow``) until rank 0 closes the engine — or its connection to rank 0 breaks,
 when the process exits (a rank without its worker has nothing to do; Ray sees the actor die).
 
 KV handoff: every rank has its own NIXL agents on its own cache — the one peers read from (a prefill worker) and
@@ -24,17 +24,15 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from collections.abc import Callable
-
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.kv_mover import TierMover, tier_slots
-from engine.kv_tiers import Completion, Job
+from engine.kv.mover import TierMover, tier_slots
+from engine.kv.tiers import Completion, Job
+from engine.loading.checkpoint import load_model_config
 from engine.model_runner import ModelRunner
-from engine.parallel import check_split, init_group, open_store
-from engine.parallel import TensorParallel
+from engine.models.tensor_parallel import TensorParallel, check_split, init_group, open_store
 from kvtransfer import NixlTransport, PeerInfo, TransferRequest
 from prefill_worker.engine_facts import kv_compat
 from prefill_worker.sources import Sources
@@ -49,7 +47,7 @@ class TPRank:
             import torch
 
             torch.set_num_threads(torch_threads)
-        check_split(ModelConfig.from_checkpoint(engine_config.model), size)
+        check_split(load_model_config(engine_config.model), size)
         self.config, self.rank, self.size = engine_config, rank, size
         self.name = f"{worker_id}/rank{rank}"
         self.role = role
@@ -67,7 +65,7 @@ class TPRank:
     def _serve(self, host: str, port: int) -> None:
         try:
             tp = init_group(self.rank, self.size, host, port)
-            mc = ModelConfig.from_checkpoint(self.config.model)
+            mc = load_model_config(self.config.model)
             mpe = mc.max_position_embeddings
             runner = ModelRunner(mc, self.config, min(self.config.max_model_len or mpe, mpe), tp)
             compat = kv_compat(self.config, runner)
@@ -140,7 +138,7 @@ class TPRank:
             self.role = role
 
     def tier_job(self, job: Job) -> Completion:
-        """Run rank 0's KV-tier job on this rank's tiers (engine/kv_mover.py ``TierMover.run_here``)."""
+        """Run rank 0's KV-tier job on this rank's tiers (engine/kv/mover.py ``TierMover.run_here``)."""
         self._ready.result(timeout=600)
         with self._tier_lock:
             return self.mover.run_here(job)
@@ -166,7 +164,7 @@ class RankGroup:
             return None
         if len(self.handles) != size - 1:
             raise ConfigError(f"tensor_parallel_size {size} needs {size - 1} other ranks, got {len(self.handles)}")
-        check_split(ModelConfig.from_checkpoint(engine_config.model), size)
+        check_split(load_model_config(engine_config.model), size)
         store = open_store("127.0.0.1", size)
         for h in self.handles:
             h.join.remote("127.0.0.1", store.port)

@@ -29,15 +29,14 @@ on the reader's notice or its deadline, as a handoff's does.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import uuid
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.disagg import PeerBlocks
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.kv.handoff import PeerBlocks
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import LeaseTable, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
@@ -189,7 +188,7 @@ class PrefillRole(WorkerRole):
 
 
 class _Importer:
-    """The engine's ``PeerImporter`` (engine/scheduler.py) for this worker: pulls on the importing agent."""
+    """The engine's ``PeerImporter`` (engine/sched/scheduler.py) for this worker: pulls on the importing agent."""
 
     def __init__(self, worker: WorkerBase) -> None:
         self.worker = worker

@@ -1,4 +1,4 @@
-"""engine.kv_events dataclasses <-> the wire (proto/duet/v1/kv_events.proto).
+"""engine.kv.events dataclasses <-> the wire (proto/duet/v1/kv_events.proto).
 
     data = encode_batch(worker, seq, events, load, timestamp_s)
     batch = decode_batch(data)          # DecodedBatch(worker, seq, events, load, timestamp_s)
@@ -11,12 +11,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier, TierUsage, WorkerLoad
+from engine.kv.events import AllCleared, BlockRemoved, BlockStored, KVEvent, Tier, TierUsage, WorkerLoad
 from proto.build import ensure_generated
 
 ensure_generated()
 from proto.duet.v1 import kv_events_pb2 as pb  # noqa: E402  (generated above when missing)
 
+# the shared Redis stream of the KV events: prefill_worker/event_sinks.py writes it, router/routing/redis_feed.py
+# reads it
+DEFAULT_STREAM = "duet:kv-events"
+DEFAULT_STREAM_MAXLEN = 100_000  # entries; router/routing/feed.py "Snapshots and trimming" gives the rule
+STREAM_FIELD = b"b"  # the one field of an entry: an encoded batch
 
 _TIER_TO_PB = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 _TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}

@@ -10,8 +10,8 @@ Closing the iterator early (client gone, task cancelled) aborts the request ever
 frees its KV blocks; implementations guarantee that.
 
 Two implementations: `cluster.local_backend.LocalBackend` (one in-process engine: tests, `duet serve
---colocated`) and `router.dispatch.ClusterBackend` (prefill/decode pools, routing). This module imports no
-torch: the router process never loads the model.
+--colocated`) and `router.dispatch.cluster_backend.ClusterBackend` (prefill/decode pools, routing). This module imports
+no torch: the router process never loads the model.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams, check_prompt
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

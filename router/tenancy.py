@@ -1,7 +1,7 @@
 """Tenant isolation: the salt the router derives from a request's API key (docs/operating.md, "Tenant isolation").
 
 A prefix-cache hit is faster than a miss, so on a shared pool a client can learn whether someone else
-sent a prompt by timing its own request. Salting a request's block hashes (engine/hashing.py) confines
+sent a prompt by timing its own request. Salting a request's block hashes (engine/kv/hashing.py) confines
 its hits to requests with the same salt. Two salts apply, both optional and both part of the hash root:
 
 - ``cache_salt``, sent by the client (vLLM's field, on both HTTP endpoints and on gRPC);

@@ -12,7 +12,7 @@ from pathlib import Path
 # One intra-op thread for the test process (OMP_NUM_THREADS=2 in the environment restores two). On the 2-vCPU dev VM
 # the suite's other processes (Ray workers, `duet serve`, a second checkout's tests) hold a core much of the time, and
 # a 2-thread OpenMP region then waits for a descheduled peer at every op: 5-7x the wall time of one thread there
-# (tests/engine/test_kv_tiers.py: 99-127 s against 18-23 s), the same on an idle machine. The kernels' own 2-thread
+# (tests/engine/kv/test_tiers.py: 99-127 s against 18-23 s), the same on an idle machine. The kernels' own 2-thread
 # paths keep their tests (tests/kernels/test_cpu_native.py's two_threads fixture).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a GPU, Triton kernels run in the interpreter. It must be chosen before anything imports triton.
@@ -38,7 +38,7 @@ def loop():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """``tiny_model(arch, **make_tiny_model kwargs) -> Path``, cached by arguments."""
-    from engine.tiny import make_tiny_model
+    from engine.loading.tiny import make_tiny_model
 
     cache: dict[str, object] = {}
 
@@ -71,7 +71,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The default model's GGUF file (installed by `make install`; its absence is a failure, not a skip)."""
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     return default_model_path()
 
@@ -82,7 +82,7 @@ def smollm2_dir(smollm2_gguf):
 
     The same checkpoint as bench/hf_model.py's (transformers' save_pretrained of the GGUF dequantized to fp32:
     config, generation config, tokenizer, chat template and weights byte for byte equal to
-    ``tests.real_model.save_smollm2_with_transformers``'s), which tests/bench/test_lm_eval_compare.py needs too:
+    ``tests.real_model.save_smollm2_with_transformers``'s), which tests/bench/api/test_lm_eval_compare.py needs too:
     written once per checkout (~25-50 s on the 2-core dev VM), not once more per session."""
     from bench.hf_model import DEFAULT_DIR, ensure_hf_model
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.engine.hf_saved import hf_reference
+from tests.engine.loading.hf_saved import hf_reference
 
 CHATS = {
     "one-turn": [{"role": "user", "content": "What is the capital of France?"}],

@@ -17,8 +17,8 @@ from collections import deque
 from typing import Any
 
 from cluster.autoscaler import percentile
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _counters(stats: dict[str, Any]) -> dict[str, float]:
 class Timeline:
     def __init__(self, pools, metrics, interval_s: float = 1.0, keep: int = POINTS_KEPT) -> None:
         self.pools = pools  # cluster.pools.PoolManager: registry, targets, backend
-        self.metrics = metrics  # router.metrics.RouterMetrics
+        self.metrics = metrics  # router.metrics.collector.RouterMetrics
         self.interval_s = interval_s
         self.points: deque[dict[str, Any]] = deque(maxlen=keep)
         self._worker_last: dict[str, dict[str, float]] = {}

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from bench import workloads
-from bench.serve_clients import compare_clients, from_vllm_result
 from bench.client import RequestResult, run, summarize
-from bench.metrics import stats as percentiles
+from bench.serve.clients import compare_clients, from_vllm_result
+from bench.summary import stats as percentiles
 from bench.workloads import BenchRequest
 
 
@@ -97,8 +97,8 @@ def test_duet_bench_against_a_real_engine(tiny_model):
     (ignore_eos), the timings are consistent, a bad request is a recorded failure, not a crash."""
     from cluster.local_backend import LocalBackend
     from engine.config import EngineConfig
-    from router.http_api import create_app
-    from tests.router.http_harness import ServerThread
+    from router.http.app import create_app
+    from tests.router.http.http_harness import ServerThread
 
     backend = LocalBackend.from_config(EngineConfig(model=str(tiny_model()), num_blocks=256, max_model_len=256))
     vocab = backend.engine.model_config.vocab_size

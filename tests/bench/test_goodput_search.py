@@ -7,8 +7,16 @@ import math
 
 import pytest
 
-from bench.goodput_search import (ATTAINMENT, CEILING, FIRST_FAILED, MAX_PROBES, RESOLVED, RateSearch,
-                                  highest, search_rate)
+from bench.goodput_search import (
+    ATTAINMENT,
+    CEILING,
+    FIRST_FAILED,
+    MAX_PROBES,
+    RESOLVED,
+    RateSearch,
+    highest,
+    search_rate,
+)
 
 
 def test_highest_finds_the_last_passing_grid_index_from_any_guess():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide
-from router.policy import Role
+from router.routing.policy import Role
 
 P, D = Role.PREFILL, Role.DECODE
 CFG = AutoscalerConfig(enabled=True, interval_s=2, min_prefill=1, max_prefill=3, min_decode=1, max_decode=3,

@@ -202,8 +202,8 @@ async def until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
 
 
 async def recovered(cluster, targets: dict) -> bool:
-    from router.policy import Role
-    from router.registry import WorkerState
+    from router.routing.policy import Role
+    from router.workers.registry import WorkerState
 
     registry = cluster.registry
     if any(len(registry.ready(role)) != targets[role] for role in (Role.PREFILL, Role.DECODE)):
@@ -252,7 +252,7 @@ async def scenario(args, ray_cluster, node_a) -> dict:
 async def fault_round(cluster, ray_cluster, node, mode: str, args) -> dict:
     """Load the cluster, lose ``node`` (``mode``: kill or freeze) once one of its workers streams and the other
     prefills, and record every request's end, the recovery and a batch served afterwards."""
-    from router.policy import Role
+    from router.routing.policy import Role
 
     result: dict = {"mode": mode, "node": node.node_id}
     placement = actor_nodes(cluster)
@@ -329,6 +329,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import proto.kv_codec  # noqa: F401 - before Ray is imported: a fresh checkout generates its protobuf code here
+
+    # isort: split
     import psutil
     import ray
 

@@ -5,7 +5,7 @@ cut's dropped calls counted in the router's ``/metrics``.
 
 SmolLM2, asked for pydantic-ai's one output tool (``tool_choice: "required"``, parallel calls allowed), greedily writes
 ``final_result`` for Paris, then for other cities, then Sydney's again: the repeat rule ends the list there
-(engine/call_lists.py) and pydantic-ai takes the first call."""
+(engine/sampling/call_lists.py) and pydantic-ai takes the first call."""
 from __future__ import annotations
 
 import asyncio

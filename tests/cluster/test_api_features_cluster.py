@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from engine.request import SamplingParams, StructuredOutput
 from tests.cluster.test_disagg_cluster import stats, wait_for
 from tests.cluster.test_front_doors_cluster import doors, reference  # noqa: F401  (module fixtures)
-from tests.router.test_http_features import SCHEMAS, chat_text
+from tests.router.http.test_features import SCHEMAS, chat_text
 
 pytestmark = pytest.mark.slow
 

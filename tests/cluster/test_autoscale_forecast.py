@@ -12,9 +12,9 @@ import pytest
 from cluster.autoscale_estimate import estimate
 from cluster.autoscaler import AutoscalerConfig, decide
 from cluster.observe import PoolObserver
-from router.demand import DecodeDemand, kv_block_tokens
-from router.policy import Role
-from router.registry import WorkerRegistry
+from router.routing.demand import DecodeDemand, kv_block_tokens
+from router.routing.policy import Role
+from router.workers.registry import WorkerRegistry
 from tests.cluster.autoscale_cases import BUDGET4, loaded, steady
 
 P, D = Role.PREFILL, Role.DECODE

@@ -15,7 +15,7 @@ import pytest
 from cluster.autoscale_moves import failed_move_held, recent_move_undone
 from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide, history_kept
 from engine.errors import ConfigError
-from router.policy import Role
+from router.routing.policy import Role
 
 P, D = Role.PREFILL, Role.DECODE
 FAIL_S, HOLD_S = 120.0, 600.0

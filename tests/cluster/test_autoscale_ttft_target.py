@@ -9,7 +9,7 @@ import pytest
 from cluster.autoscale_signals import distress, misfit, signals, ttft_targets
 from cluster.autoscaler import AutoscalerConfig, Observation, PoolState, WorkerSample, decide
 from engine.errors import ConfigError
-from router.policy import Role
+from router.routing.policy import Role
 
 P, D = Role.PREFILL, Role.DECODE
 FLAT = AutoscalerConfig(enabled=True, interval_s=2, ttft_slo_s=2.0, itl_slo_s=0.1, warmup_s=5)

@@ -164,8 +164,8 @@ def test_blocks_held_for_decode_are_its_kv_need_only_while_decode_backs_up():
     room = loaded(0, p=2, d=1, held=4, held_blocks=80, used=40, running=4)  # decode 40 % full, nothing waits
     full = loaded(0, p=2, d=1, held=4, held_blocks=80, used=85, running=4)  # at decode_kv_usage_high (0.8)
     waits = loaded(0, p=2, d=1, held=4, held_blocks=80, used=40, running=4, waiting_handoffs=1)
-    for obs, want in ((room, 40), (full, 85 + 80), (waits, 40 + 80)):
-        assert estimate([obs], CFG).decode.signals["decode_kv_blocks_needed"] == want
+    for seen, want in ((room, 40), (full, 85 + 80), (waits, 40 + 80)):
+        assert estimate([seen], CFG).decode.signals["decode_kv_blocks_needed"] == want
     assert decide([room], steady(2, 1), CFG)[D].signals["decode_kv_blocks_needed"] == 40
 
 

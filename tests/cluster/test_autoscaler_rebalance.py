@@ -28,7 +28,7 @@ def test_rebalance_moves_workers_at_the_budget_when_the_intervals_agree():
 
 
 def test_a_rebalance_names_the_signals_each_load_was_estimated_from():
-    """Live (bench/bench_autoscale_live.py) the reason said only "load prefill 0.07 / decode 2.67 workers": it
+    """Live (bench/cluster/autoscale_live.py) the reason said only "load prefill 0.07 / decode 2.67 workers": it
     now quotes each role's demand and capacity by their signal names, with the values and the pressure."""
     busy = [loaded(t * 2, arrived=2100, busy=4.0, computed=2000) for t in range(2)]
     reason = decide(busy, steady(2, 2), BUDGET4)[P].reason

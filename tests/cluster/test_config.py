@@ -4,7 +4,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
-from router.policy import TierWeights
+from router.routing.policy import TierWeights
 
 
 def test_router_tier_weights_parse_with_defaults_for_missing_keys():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.policy import Role
+from router.routing.policy import Role
 from tests.cluster.test_disagg_cluster import wait_for
 from tests.cluster.test_operating import Load
 
@@ -97,7 +97,7 @@ def points(driver, chart: str) -> int:
 
 def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread, browser):
     from cluster.dashboard import mount_dashboard
-    from router.http_api import create_app
+    from router.http.app import create_app
 
     app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,
                      metrics=cluster.metrics)
@@ -143,7 +143,7 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
 
 def test_dashboard_is_read_only_until_the_admin_key_is_entered(cluster, loop_thread, browser):
     from cluster.dashboard import mount_dashboard
-    from router.http_api import create_app
+    from router.http.app import create_app
 
     app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,
                      metrics=cluster.metrics, admin_key="s3cret", bind_host="0.0.0.0")
@@ -171,7 +171,7 @@ def test_dashboard_shows_speculative_decoding_while_a_worker_speculates(cluster,
     with each poll: the chart appears, with its acceptance rate and mean acceptance length; when they stop
     carrying them, it goes away again."""
     from cluster.dashboard import mount_dashboard
-    from router.http_api import create_app
+    from router.http.app import create_app
 
     registry = cluster.registry
     real_update, polls = registry.update_stats, itertools.count(1)

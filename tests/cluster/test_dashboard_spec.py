@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.dashboard import Timeline
-from router.metrics import RouterMetrics
-from router.policy import Role
-from router.registry import WorkerRegistry
+from router.metrics.collector import RouterMetrics
+from router.routing.policy import Role
+from router.workers.registry import WorkerRegistry
 
 
 def spec(drafts: int, draft_tokens: int, accepted: int, method: str = "ngram") -> dict:

@@ -17,7 +17,7 @@ import ray
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
-from router.index import NO_MATCH
+from router.routing.index import NO_MATCH
 
 pytestmark = pytest.mark.slow
 
@@ -190,7 +190,7 @@ def _dead_prefill_handoff(faulty, loop_thread, tiny_model, rid, ids, params, dec
     """A prefill worker that hands off and dies before the decode worker pulls."""
     from cluster.launcher import _spawner
     from cluster.ray_client import RayWorkerClient
-    from router.policy import Role
+    from router.routing.policy import Role
 
     handle = _spawner(faulty.config, True)(Role.PREFILL, f"prefill-x-{rid}")
     info = ray.get(handle.info.remote())
@@ -237,7 +237,7 @@ def test_failed_transfer_without_recompute_ends_with_a_clear_error(faulty, loop_
     from cluster.config import TransferConfig
     from cluster.launcher import _spawner
     from cluster.ray_client import RayWorkerClient
-    from router.policy import Role
+    from router.routing.policy import Role
 
     config = dataclasses.replace(faulty.config, transfer=TransferConfig(2.0, 1.5, recompute_on_failure=False))
     handle = _spawner(config, True)(Role.DECODE, "decode-strict")
@@ -261,10 +261,10 @@ def test_failed_transfer_without_recompute_ends_with_a_clear_error(faulty, loop_
 def test_shared_redis_index_feeds_the_router(cluster_factory, loop_thread, redis_url, tiny_model):
     """`router.index: redis://`: workers publish to a real redis-server; the router's index follows the stream,
     and a second router (a fresh feed restored from the same stream) holds the same index."""
-    from router.events import IndexFeed
-    from router.index import PrefixIndex
-    from router.load import LoadTracker
-    from router.redis_events import RedisEventSource
+    from router.routing.feed import IndexFeed
+    from router.routing.index import PrefixIndex
+    from router.routing.load import LoadTracker
+    from router.routing.redis_feed import RedisEventSource
 
     cluster = cluster_factory(**{"router.index": redis_url, "router.local_prefill_max_tokens": 0})
     prompts = prompts_for(11, lengths=(48, 80))

@@ -28,8 +28,8 @@ from cluster.health import PROBE_TIMEOUT_S
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 from tests.cluster.test_disagg_cluster import stats, wait_for
 
 pytestmark = pytest.mark.slow

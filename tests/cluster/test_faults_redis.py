@@ -18,13 +18,13 @@ import time
 
 import pytest
 
+from engine.kv.events import AllCleared, BlockStored
 from proto.kv_codec import decode_batch
-from engine.kv_events import AllCleared, BlockStored
-from router.events import IndexFeed
-from router.index import PrefixIndex
-from router.load import LoadTracker
-from router.redis_events import RedisEventSource
-from router.registry import WorkerState
+from router.routing.feed import IndexFeed
+from router.routing.index import PrefixIndex
+from router.routing.load import LoadTracker
+from router.routing.redis_feed import RedisEventSource
+from router.workers.registry import WorkerState
 from tests.cluster.test_disagg_cluster import wait_for
 from tests.cluster.test_faults import HANG_BOUND_S, OUT, Outcome, judge, reference, stream, workload  # noqa: F401
 from tests.redis_server import RedisProcess

@@ -16,9 +16,7 @@ import time
 
 import pytest
 
-from router.policy import Role
-from tests.cluster.test_faults import (HANG_BOUND_S, Outcome, before, finish, judge, reference,  # noqa: F401
-                                       run_with_fault, workload)
+from tests.cluster.test_faults import HANG_BOUND_S, Outcome, before, finish, judge, reference, run_with_fault, workload  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.flip import FlipMove, PoolCounts, choose_flip, flip_blockers, prefer_flip
 from engine.errors import ConfigError
-from router.policy import Role
+from router.routing.policy import Role
 
 P, D = Role.PREFILL, Role.DECODE
 

@@ -4,8 +4,6 @@ cancellation over HTTP and gRPC leaves no block behind on any worker."""
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -16,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from tests.cluster.test_disagg_cluster import stats, wait_for
-from tests.router.http_harness import assert_error_shape
+from tests.router.http.http_harness import assert_error_shape
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +28,8 @@ def doors(cluster_factory, loop_thread):
     import uvicorn
 
     from proto.duet.v1 import generate_pb2_grpc as pb_grpc
-    from router.grpc_api import start_grpc_server
-    from router.http_api import create_app
+    from router.grpc.server import start_grpc_server
+    from router.http.app import create_app
 
     # the decode pool's KV cache holds less than the checkpoint's 1024 tokens: the served context is its 768
     cluster = cluster_factory(**{"router.local_prefill_max_tokens": 0, "prefill.num_blocks": 64,

@@ -1,5 +1,5 @@
 """Issue 26, must-show 2, served: a tiny llama-architecture GGUF whose vocabulary is SentencePiece (trained here,
-written as llama.cpp writes one: scores, <0xNN> byte tokens, no merges; tests/engine/test_gguf_spm.py) through
+written as llama.cpp writes one: scores, <0xNN> byte tokens, no merges; tests/engine/loading/test_gguf_spm.py) through
 `duet serve` — 1 prefill + 1 decode Ray actor, every prompt's KV pulled over NIXL — greedy, token for token with
 transformers loading the same file (its tokenizer and its model): raw completions (one through byte fallback)
 and chat with the file's own chat template, through the official openai client.
@@ -18,11 +18,11 @@ import openai
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.tiny import make_tiny_model
+from engine.loading.tiny import make_tiny_model
 from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.engine.loading.gguf_files import write_gguf
+from tests.engine.loading.test_gguf_spm import spm_vocab
 from tests.ports import free_port
-from tests.engine.gguf_files import write_gguf
-from tests.engine.test_gguf_spm import spm_vocab
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cluster.config import ClusterConfig
-from cluster.launcher import max_pool_workers, worker_engine_config
+from cluster.spawn import max_pool_workers, worker_engine_config
 
 
 def test_cpu_workers_split_the_ram_among_every_worker_the_pools_may_hold():

@@ -20,9 +20,9 @@ import transformers
 import yaml
 
 from tests.cluster.serve_process import serve_worker_stats, serving
-from tests.engine.hf_saved import save_with_transformers
+from tests.engine.loading.hf_saved import save_with_transformers
+from tests.engine.models.test_parity import hf_greedy, random_prompts
 from tests.engine.test_longrope_sets import ORIGINAL, hf_greedy_long_set, phi3_longrope
-from tests.engine.test_parity import hf_greedy, random_prompts
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow

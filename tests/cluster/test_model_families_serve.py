@@ -13,10 +13,10 @@ import openai
 import pytest
 import transformers
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.engine.loading.hf_saved import save_with_transformers
 from tests.ports import free_port
-from tests.engine.hf_saved import save_with_transformers
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ FAMILIES = {
                                                     query_pre_attn_scalar=24),
     # Phi-4-mini's shape of Phi-3: LongRoPE on 3/4 of each head (partial_rotary_factor 0.75: 6 factors for
     # head_dim 16), tied embeddings; served within its pre-training length (--max-model-len 512 of 2,048): the
-    # short factors. (Whole-head Phi-3 is checked against transformers in tests/engine/test_parity.py.)
+    # short factors. (Whole-head Phi-3 is checked against transformers in tests/engine/models/test_parity.py.)
     "phi3": lambda: transformers.Phi3Config(**{**SHAPE, "max_position_embeddings": 2048}, sliding_window=16,
                                             original_max_position_embeddings=512, pad_token_id=0,
                                             tie_word_embeddings=True, partial_rotary_factor=0.75, rope_parameters={
@@ -52,7 +52,7 @@ FAMILIES = {
 
 
 # `make test` serves three families through `duet serve` (~20 s each: the suite's 25-minute budget) — an MoE, soft
-# caps and sandwich norms, LongRoPE on part of each head —, `make soak` all seven; tests/engine/test_parity.py
+# caps and sandwich norms, LongRoPE on part of each head —, `make soak` all seven; tests/engine/models/test_parity.py
 # checks every family against transformers in `make test`
 IN_MAKE_TEST = ("qwen3-moe", "gemma2", "phi3")
 

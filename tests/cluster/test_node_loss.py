@@ -28,8 +28,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.cluster.node_loss_run import (HANG_BOUND_S, RECOVERY_BOUND_S, ROUND_SEEDS, SEED, params_for,
-                                         round_workloads)
+from tests.cluster.node_loss_run import HANG_BOUND_S, RECOVERY_BOUND_S, ROUND_SEEDS, SEED, params_for, round_workloads
 
 pytestmark = pytest.mark.slow  # ~2 min on the 2-core dev VM: five raylets, eight workers, two rounds
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 from cluster.autoscaler import AutoscalerConfig
 from cluster.observe import PoolObserver
-from engine.kv_events import WorkerLoad
+from engine.kv.events import WorkerLoad
 from engine.outputs import RequestOutput
-from router.metrics import RouterMetrics
-from router.policy import Role
-from router.registry import WorkerRegistry
+from router.metrics.collector import RouterMetrics
+from router.routing.policy import Role
+from router.workers.registry import WorkerRegistry
 
 
 def stats(busy, prefill, steps, tokens, **kw):
@@ -54,7 +54,7 @@ def test_an_interval_is_the_difference_of_the_workers_counters_and_the_backlog_w
 
 
 def test_the_decode_backlog_is_bounded_by_the_requests_the_router_committed_to_decode():
-    """Live, a burst of 16 requests read as 32 sequences (bench/bench_autoscale_live.py): the prompts a prefill
+    """Live, a burst of 16 requests read as 32 sequences (bench/cluster/autoscale_live.py): the prompts a prefill
     worker's stats() snapshot (polled each second) still showed held for decode were already running on the
     decode worker, whose load came fresh from its events. The router's placed-and-not-done count bounds it."""
     import collections
@@ -82,7 +82,7 @@ def test_queued_prefill_tokens_include_what_the_router_sent_while_the_worker_is_
     """Live (SmolLM2, a loaded 2-vCPU machine), 8 prompts of 512 tokens went into one prefill step of ~30 s; the
     worker reports its load between steps, so the autoscaler saw 0 queued tokens and held for 12 s. The router's
     tracker knows what it sent and has not seen prefilled: the larger of the two counts."""
-    from router.load import LoadTracker
+    from router.routing.load import LoadTracker
 
     reg = WorkerRegistry()
     reg.add("prefill-0", Role.PREFILL, 0.0)

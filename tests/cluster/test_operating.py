@@ -18,10 +18,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_autoscale_live import Clients, Phase
+from bench.cluster.autoscale_live import Clients, Phase
 from engine.request import SamplingParams
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 from tests.cluster.test_disagg_cluster import stats, wait_for
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def all_blocks_free(loop_thread, cluster) -> bool:
 
 
 class Load(Clients):
-    """Closed-loop clients on the cluster's loop (bench/bench_autoscale_live.py's), sized by keyword."""
+    """Closed-loop clients on the cluster's loop (bench/cluster/autoscale_live.py's), sized by keyword."""
 
     def __init__(self, backend, clients: int, prompt_len: int, max_tokens: int, seed: int) -> None:
         super().__init__(backend, Phase("load", clients, prompt_len, max_tokens, max_s=0, settle_s=0), 500, seed)
@@ -51,7 +51,7 @@ AUTOSCALE = {
 }
 
 
-@pytest.mark.soak  # ~60 s; `make test` follows a traffic mix live in tests/bench/test_bench_autoscale_live.py
+@pytest.mark.soak  # ~60 s; `make test` follows a traffic mix live in tests/bench/cluster/test_autoscale_live.py
 def test_autoscaler_follows_the_traffic_mix_and_drains_back(cluster_factory, loop_thread):
     """Long prompts add a prefill worker (and not a decode one), long outputs add a decode worker, silence
     drains both pools back to one — with no failed request and every block back in the pools."""
@@ -132,8 +132,8 @@ TOOL_REQUESTS = (2, 5)  # these carry a required tool call's grammar (the generi
 
 def tool_call_constraint():
     """What the router sends the engine for ``tool_choice: "required"`` with one tool in the generic format."""
-    from router.openai_tools import ToolDef, ToolPlan
-    from router.tool_formats import FORMATS
+    from router.openai.tool_parsers import FORMATS
+    from router.openai.tools import ToolDef, ToolPlan
 
     tool = ToolDef.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}})
@@ -149,7 +149,7 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
     call is the same valid call."""
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from router.tool_formats import Call, GenericParser
+    from router.openai.tool_parsers import Call, GenericParser
 
     cluster = cluster_factory(**{"decode.num_workers": 2, "router.local_prefill_max_tokens": 0})
     backend = cluster.backend
@@ -206,7 +206,7 @@ def test_metrics_scrape_under_load_matches_the_requests(cluster_factory, loop_th
     import openai
     import uvicorn
 
-    from router.http_api import create_app
+    from router.http.app import create_app
 
     cluster = cluster_factory(**{"router.local_prefill_max_tokens": 0})
     app = create_app(cluster.backend, served_model_names=[cluster.config.model_name], operator=cluster.pools,

@@ -29,8 +29,8 @@ import transformers
 from pydantic import BaseModel, Field
 
 from tests.cluster.serve_process import serve_worker_stats, serving
+from tests.engine.loading.hf_saved import save_with_transformers
 from tests.ports import free_port
-from tests.engine.hf_saved import save_with_transformers
 from tests.real_model import CHATS, RAW_PROMPTS, Reference
 
 pytestmark = pytest.mark.slow
@@ -68,10 +68,10 @@ def readme_curl_chat(port: int) -> tuple[dict, str]:
     return json.loads(out.stdout), shown
 
 
-# `make test` serves SmolLM2's GGUF file (by `make run` itself) and a transformers-5 directory (the Llama-3 one); SmolLM2
-# saved by transformers 5 goes through the engine there (tests/engine/test_real_model.py) and through `duet serve`
-# in `make soak` only (80 s: the suite's 25-minute budget). `make run` comes last: its server stays up for the API
-# features and agent clients below (one SmolLM2 server for the module, not two), so no two servers overlap.
+# `make test` serves SmolLM2's GGUF file (by `make run` itself) and a transformers-5 directory (the Llama-3 one);
+# SmolLM2 saved by transformers 5 goes through the engine there (tests/engine/test_real_model.py) and through `duet
+# serve` in `make soak` only (80 s: the suite's 25-minute budget). `make run` comes last: its server stays up for the
+# API features and agent clients below (one SmolLM2 server for the module, not two), so no two servers overlap.
 SOAK = int(os.environ.get("DUET_FAULT_SCALE", "1")) > 1
 CASES = ["llama3-rope-transformers-5-dir"] + (["smollm2-transformers-5-dir"] if SOAK else []) + ["smollm2-gguf-make-run"]
 
@@ -167,7 +167,7 @@ def test_served_smollm2_api_features_equal_transformers(ray_session, smollm2_ser
     import jsonschema
     import torch
 
-    from tests.router.test_http_features import chat_text
+    from tests.router.http.test_features import chat_text
 
     reference, name = smollm2_reference, SMOLLM2
     handoffs_before = serve_worker_stats(ray_session)["prefill-0"]["num_handoffs"]

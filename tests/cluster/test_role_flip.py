@@ -14,8 +14,8 @@ from ray.exceptions import RayTaskError
 
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerBusyError
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 from tests.cluster.test_disagg_cluster import wait_for
 from tests.cluster.test_operating import Load, all_blocks_free, on_loop, ready
 

@@ -1,8 +1,8 @@
 """Speculative decoding through `duet serve` (issue 28 must-show 1c): SmolLM2's GGUF, 1 prefill + 1 decode worker,
 ``--speculative-config`` as vLLM users write it; greedy chat answers to many prompts (input-grounded and open chat,
-bench/spec_workloads.py) equal, token for token, what the engine gives without speculation — and any difference
-must be a near-tie of the target's top two logits where the two parted. The decode worker's speculation shows in
-its stats and on /metrics under vLLM's names."""
+bench/engine/speculative_prompts.py) equal, token for token, what the engine gives without speculation — and any
+difference must be a near-tie of the target's top two logits where the two parted. The decode worker's speculation shows
+in its stats and on /metrics under vLLM's names."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,10 +14,11 @@ import httpx
 import openai
 import pytest
 
-from bench.spec_workloads import prompts
+from bench.engine.speculative_prompts import prompts
+from engine.loading.checkpoint import load_tokenizer
 from tests.cluster.serve_process import ROOT, serve_worker_stats, serving
-from tests.ports import free_port
 from tests.cluster.test_disagg_cluster import wait_for
+from tests.ports import free_port
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 6}
 MAX_TOKENS = 40
@@ -78,9 +79,8 @@ def test_served_greedy_with_speculation_equals_without(ray_session, smollm2_gguf
         want, url = stats["decode-0"]["spec_decode"]["num_accepted_tokens"], f"http://127.0.0.1:{port}/metrics"
         wait_for(lambda: accepted_total(httpx.get(url, timeout=30).text) == want, timeout_s=10, interval_s=0.2)
         metrics = httpx.get(url, timeout=30).text
-    from engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_checkpoint(str(smollm2_gguf))
+    tokenizer = load_tokenizer(str(smollm2_gguf))
     differ = []
     for content, got_text, (want_ids, want_tops) in zip(cases, served, without_speculation):
         want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
@@ -107,11 +107,11 @@ def test_served_draft_model_disaggregated_equals_without(ray_session, tiny_model
     accepted and rejected), `duet serve` 1 P + 1 D — the prefill worker hands the prompt's KV over NIXL, the decode
     worker computes the draft's own KV of the prompt and speculates. Greedy completions equal the engine's without
     speculation. (Seeded sampled ones are distributed as without speculation, not token for token: which
-    positions a draft model's drafts cover changes the draws — tests/engine/spec/test_draft_model.py.)"""
+    positions a draft model's drafts cover changes the draws — tests/engine/speculative/test_draft_model.py.)"""
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from engine.loading.tiny_draft import derive_draft
     from engine.request import SamplingParams
-    from engine.tiny_draft import derive_draft
 
     model = tiny_model("llama")
     draft = derive_draft(model, tmp_path / "draft", noise=0.05)

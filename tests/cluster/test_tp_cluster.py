@@ -14,8 +14,8 @@ import time
 import pytest
 import ray
 
-from router.policy import Role
-from router.registry import WorkerState
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
 from tests.cluster.test_faults import Outcome, finish, judge, pick, reference, run_with_fault, workload  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -120,9 +120,9 @@ def test_a_rank_lost_while_idle_is_found_by_the_health_probe(tp_cluster, loop_th
 def test_tensor_parallel_workers_flip_roles_with_their_ranks(tp_cluster, loop_thread):
     """prefill 2 -> 1 with decode 1 -> 2 is a flip, and back: each rank's agents follow rank 0's role (a prefill
     rank opens the agent peers read from, a decode rank closes it); the flipped workers serve the same tokens."""
-    from tests.cluster.test_role_flip import client, flipped_to, serve_through, settled
     from tests.cluster.test_disagg_cluster import wait_for
     from tests.cluster.test_operating import on_loop
+    from tests.cluster.test_role_flip import client, flipped_to, serve_through, settled
 
     cluster = tp_cluster(**{"prefill.num_workers": 2, "prefill.tensor_parallel_size": 2,
                             "decode.tensor_parallel_size": 2, "router.local_prefill_max_tokens": 0})

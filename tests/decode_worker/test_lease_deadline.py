@@ -17,8 +17,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
+from prefill_worker.event_sinks import MemoryEventLog
 from prefill_worker.puller import LEASE_CLOCK_MARGIN_S
-from router.events import MemoryEventLog
 
 B = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

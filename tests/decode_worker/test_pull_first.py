@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from prefill_worker.base import WorkerOptions
-from router.events import MemoryEventLog
+from prefill_worker.event_sinks import MemoryEventLog
 
 B = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -13,11 +13,11 @@ import pytest
 
 from decode_worker.role_worker import Worker
 from engine.config import EngineConfig
-from engine.kv_events import AllCleared, BlockStored
+from engine.kv.events import AllCleared, BlockStored
 from engine.request import SamplingParams
 from prefill_worker.base import FlipRefusedError, WorkerBusyError, WorkerOptions, WrongRoleError
+from prefill_worker.event_sinks import MemoryEventLog
 from proto.kv_codec import decode_batch
-from router.events import MemoryEventLog
 
 B = 16
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -17,8 +17,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
-from tests.engine.test_kv_tiers import drain, families, run_rounds
-from tests.engine.test_parity import hf_greedy, random_prompts
+from tests.engine.kv.test_tiers import drain, families, run_rounds
+from tests.engine.models.test_parity import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CPU suite has no GPU; `make gpu-check` runs these on one")]
 

@@ -16,12 +16,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.moe import SparseMoE
-from tests.engine.hf_saved import hf_reference, save_with_transformers
+from engine.models.moe import SparseMoE
 from tests.engine import test_cuda_engine as cuda_tests
-from tests.engine.test_cuda_engine import (NUM_TOKENS, assert_greedy_in_graphs_equals_transformers, cuda_engine,
-                                           first_difference)
-from tests.engine.test_parity import SAVED_BY_TRANSFORMERS, _phi3, random_prompts
+from tests.engine.loading.hf_saved import hf_reference, save_with_transformers
+from tests.engine.models.test_parity import SAVED_BY_TRANSFORMERS, _phi3, random_prompts
+from tests.engine.test_cuda_engine import (
+    NUM_TOKENS,
+    assert_greedy_in_graphs_equals_transformers,
+    cuda_engine,
+    first_difference,
+)
 
 pytestmark = cuda_tests.pytestmark  # a CUDA device, else skipped: `make gpu-check` runs them on one
 
@@ -45,7 +49,7 @@ def test_float32_greedy_equals_transformers_in_graphs_on_every_family(tiny_model
 
 
 def test_gemma2_soft_capped_logits_equal_transformers(tiny_model, tmp_path):
-    from tests.engine.test_kernel_backends import prompt_logits
+    from tests.engine.models.test_kernel_backends import prompt_logits
 
     model_dir = save_with_transformers(tmp_path / "gemma2", SAVED_BY_TRANSFORMERS["gemma2"](), tiny_model("llama"))
     prompt = random_prompts(512, lens=(60,))[0]
@@ -59,8 +63,8 @@ def test_gemma2_soft_capped_logits_equal_transformers(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_speculative_decoding_gives_plain_greedy_tokens(tiny_model, tmp_path, method):
-    from engine.tiny_draft import derive_draft
-    from tests.engine.spec.test_engine_spec import METHODS, PARAMS, prompts, run
+    from engine.loading.tiny_draft import derive_draft
+    from tests.engine.speculative.test_engine_spec import METHODS, PARAMS, prompts, run
 
     model_dir = tiny_model("llama")
     spec = METHODS.get(method) or {"method": "draft_model", "num_speculative_tokens": 4,
@@ -72,7 +76,7 @@ def test_speculative_decoding_gives_plain_greedy_tokens(tiny_model, tmp_path, me
     got = run(engine, cases)
     if method == "suffix":  # again: the cache of finished outputs now proposes whole continuations
         got = run(engine, cases)
-    for (p, sp), g, w in zip(cases, got, want):
+    for (p, _sp), g, w in zip(cases, got, want):
         assert (g["tokens"], g["finish"]) == (w["tokens"], w["finish"]), \
             (len(p), first_difference(g["tokens"], w["tokens"]))
     st = engine.spec.stats
@@ -82,7 +86,7 @@ def test_speculative_decoding_gives_plain_greedy_tokens(tiny_model, tmp_path, me
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa-kv-split", "kv-replicated"])
 def test_two_ranks_on_one_device_give_the_one_rank_tokens(tiny_model, kv_heads):
-    from tests.engine.test_tensor_parallel import assert_same, run
+    from tests.engine.models.test_tensor_parallel import assert_same, run
     from tests.engine.tp_engines import tp_engine
 
     model = tiny_model("llama", num_heads=4, num_kv_heads=kv_heads, vocab_size=511)

@@ -140,9 +140,9 @@ def test_moe_layers_count_the_real_rows_of_a_padded_batch(tiny_model, tmp_path):
     row is routed like any other), and the layers count every row again outside the padded path."""
     import transformers
 
-    from engine.moe import SparseMoE
-    from tests.engine.hf_saved import save_with_transformers
-    from tests.engine.test_parity import SHAPE
+    from engine.models.moe import SparseMoE
+    from tests.engine.loading.hf_saved import save_with_transformers
+    from tests.engine.models.test_parity import SHAPE
 
     model_dir = save_with_transformers(tmp_path / "moe", transformers.MixtralConfig(
         **SHAPE, num_local_experts=4, num_experts_per_tok=2), tiny_model("llama"))

@@ -12,8 +12,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.hashing import BlockHasher
-from engine.kv_events import BlockStored
+from engine.kv.events import BlockStored
+from engine.kv.hashing import BlockHasher
 from engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -164,8 +164,8 @@ def test_stop_string_cuts_text_and_never_streams_it(model_dir):
     text = full["text"]
     assert len(text) > 12
     stop = text[8:11]
-    req = engine.add_request(prompt_token_ids=prompt,
-                             params=SamplingParams(max_tokens=40, temperature=0, stop=(stop,), ignore_eos=True))
+    engine.add_request(prompt_token_ids=prompt,
+                       params=SamplingParams(max_tokens=40, temperature=0, stop=(stop,), ignore_eos=True))
     streamed = ""
     finish = None
     while engine.has_unfinished_requests():

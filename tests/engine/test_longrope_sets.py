@@ -21,9 +21,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
 from engine.request import LONG_ROPE_SALT, SamplingParams, admit_rope_factors
-from tests.engine.hf_saved import save_with_transformers
-from tests.engine.test_kernel_backends import DEVICE
-from tests.engine.test_parity import hf_greedy, random_prompts
+from tests.engine.loading.hf_saved import save_with_transformers
+from tests.engine.models.test_kernel_backends import DEVICE
+from tests.engine.models.test_parity import hf_greedy, random_prompts
 
 ORIGINAL = 64  # L0; the checkpoint's context is 4x that
 NUM_TOKENS = 20

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
 from tests.real_model import CHATS, RAW_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ MAX_TOKENS = 48
 def test_gguf_and_transformers_5_directory_parse_to_the_same_model(smollm2_gguf, smollm2_dir):
     saved = json.loads((smollm2_dir / "config.json").read_text())
     assert "rope_parameters" in saved and "rope_theta" not in saved  # the form that used to be misread
-    from_gguf, from_dir = ModelConfig.from_checkpoint(smollm2_gguf), ModelConfig.from_checkpoint(smollm2_dir)
+    from_gguf, from_dir = load_model_config(smollm2_gguf), load_model_config(smollm2_dir)
     assert from_gguf.rope_theta == from_dir.rope_theta == 100000.0
     fields = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_type",
@@ -29,7 +29,7 @@ def test_gguf_and_transformers_5_directory_parse_to_the_same_model(smollm2_gguf,
 
 
 def test_gguf_tokenizer_equals_transformers(smollm2_gguf, smollm2_reference):
-    ours, ref = Tokenizer.from_checkpoint(smollm2_gguf), smollm2_reference.tokenizer
+    ours, ref = load_tokenizer(smollm2_gguf), smollm2_reference.tokenizer
     texts = RAW_PROMPTS + ["In 2024 there were 12345 cats, x1y22z333 and $3.50.", "héllo wörld ñ 中文 🙂",
                            "a\n\n  b\t\tc   ", "<|im_start|>user\nhi<|im_end|>", "don't I'LL  you've", ""]
     for text in texts:

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.request import ResumeState, SamplingParams, StructuredOutput
-from tests.engine.test_disagg import copy_blocks
+from tests.engine.test_engine_handoff import copy_blocks
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,12 @@ def _resource_usage(cubin: bytes) -> dict:
 
 def _cases(full: bool):
     """(label, thunk) for the configs each launcher picks at serving shapes; ``full`` = every combination."""
-    from kernels import decode_attention as da, fused as fu, fused_moe as fm, gemm, prefill_attention as pa, store_kv as sk
+    from kernels import decode_attention as da
+    from kernels import fused as fu
+    from kernels import fused_moe as fm
+    from kernels import gemm
+    from kernels import prefill_attention as pa
+    from kernels import store_kv as sk
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     if full:

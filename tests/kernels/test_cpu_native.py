@@ -23,7 +23,6 @@ from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 from tests.kernels.paged import assert_close, block_tables, kv_cache, layer_views, lens_tensor
 
-
 # (head_dim, q_heads, kv_heads): GQA groups of 1, 2, 3, 4, 6 (one chunk of 4 query heads and one of 2) and 8; head
 # dims on the C kernels' 32-column tiles (64, 128), with an 8-column tail (80), and off the vector path (20)
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
@@ -112,8 +111,8 @@ def test_attention_rejects_bad_tables_and_lengths():
 
 
 def test_fused_token_ops_match_the_torch_layers():
-    from engine.config import ModelConfig
-    from engine.layers import RMSNorm, RotaryEmbedding
+    from engine.models.config import ModelConfig
+    from engine.models.layers import RMSNorm, RotaryEmbedding
 
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5)
@@ -156,8 +155,8 @@ def test_fused_token_ops_match_the_torch_layers():
 def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
     """The C rotary with rotary_dim < head_dim: the first rotary_dim dims of each q/k head as the torch layer
     rotates them (transformers' Phi-3 arithmetic), the rest of each head and the v heads untouched."""
-    from engine.config import ModelConfig
-    from engine.layers import RotaryEmbedding
+    from engine.models.config import ModelConfig
+    from engine.models.layers import RotaryEmbedding
 
     cfg = ModelConfig(architecture="Phi3ForCausalLM", vocab_size=64, hidden_size=8 * head_dim, num_layers=1,
                       num_heads=8, num_kv_heads=2, head_dim=head_dim, intermediate_size=8,
@@ -208,7 +207,7 @@ def test_engine_cpu_backend_same_greedy_tokens_as_torch(tiny_model, arch):
     assert tied == (arch == "qwen2")
     assert model.lm_head.packed is not None
     assert model.lm_head.weight is (model.embed_tokens.weight if tied else None)
-    from tests.engine.test_kernel_backends import prompt_logits
+    from tests.engine.models.test_kernel_backends import prompt_logits
 
     a = prompt_logits(cpu_engine, prompts[2])
     b = prompt_logits(torch_engine, prompts[2])

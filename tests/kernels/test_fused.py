@@ -1,4 +1,5 @@
-"""The Triton fused per-token ops (kernels/fused.py) against the eager torch code they replace (engine/layers.py).
+"""The Triton fused per-token ops (kernels/fused.py) against the eager torch code they replace
+(engine/models/layers.py).
 
 fp32: equal within 1e-5 relative (the row sum of RMSNorm is added in another order). bf16 / fp16: the kernels
 round where torch's separate ops round, so the values are the same (measured in the interpreter: every bf16 case
@@ -15,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.layers import RMSNorm, RotaryEmbedding
+from engine.models.config import ModelConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding
 from kernels import fused
 from tests.kernels.paged import DEVICE
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention_ref
 from kernels import prefill_attention as pa
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels import prefill_tiles as tiles
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from kernels.prefill_tiles import TileConfig
 from kernels.store_kv import store_kv
 from tests.kernels.paged import DEVICE, assert_close, block_tables, kv_cache, layer_views, lens_tensor
+
 
 @pytest.fixture(autouse=True)
 def untuned(monkeypatch):

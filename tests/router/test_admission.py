@@ -16,14 +16,13 @@ import pytest
 
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
-from router import choice_run
-from router.admission import (AdmissionConfig, AdmittedBackend, DeadlineExceededError, OverloadedError,
-                              QueueTimeoutError)
+from engine.text.tokenizer import Tokenizer
+from router.admission import AdmissionConfig, AdmittedBackend, DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend, Health, ModelCard
-from router.http_api import create_app
-from router.policy import NoWorkersError
-from tests.router.http_harness import ServerThread, assert_error_shape
+from router.http import choice_streams as choice_run
+from router.http.app import create_app
+from router.routing.policy import NoWorkersError
+from tests.router.http.http_harness import ServerThread, assert_error_shape
 
 
 class Slow(Backend):
@@ -78,7 +77,7 @@ async def test_slots_queue_in_order_and_overflow_is_refused(tokenizer):
     assert backend.counters == {"admitted": 4, "overloaded": 1}
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from router.metrics import AdmissionCollector
+    from router.metrics.collector import AdmissionCollector
 
     registry = CollectorRegistry()
     registry.register(AdmissionCollector(backend))
@@ -205,7 +204,7 @@ def test_a_client_that_stops_reading_is_cut_off(tokenizer, monkeypatch):
 async def test_grpc_status_per_condition(tokenizer):
     from proto.duet.v1 import generate_pb2 as pb
     from proto.duet.v1 import generate_pb2_grpc as pb_grpc
-    from router.grpc_api import start_grpc_server
+    from router.grpc.server import start_grpc_server
 
     inner = Slow(tokenizer, n_tokens=3, delay_s=0.3)
     backend = AdmittedBackend(inner, AdmissionConfig(max_concurrent=1, max_queued=0, request_timeout_s=2.0))

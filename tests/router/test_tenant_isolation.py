@@ -8,10 +8,10 @@ import itertools
 import openai
 import pytest
 
-from router.http_api import create_app
+from router.http.app import create_app
 from router.tenancy import bearer_token, tenant_salt
-from tests.router.http_harness import ServerThread, assert_error_shape
-from tests.router.test_http_api import served  # noqa: F401  (the module's server fixture)
+from tests.router.http.http_harness import ServerThread, assert_error_shape
+from tests.router.http.test_app import served  # noqa: F401  (the module's server fixture)
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
 _fresh = itertools.count()

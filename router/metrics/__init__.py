@@ -1,0 +1,7 @@
+"""router.metrics: /metrics, one Prometheus scrape target for the whole cluster.
+
+Pieces (each module's docstring is its design note):
+- collector.py    RouterMetrics: the router's own counters and histograms, and the workers' snapshots
+- speculative.py  speculative decoding families, under vLLM's names
+- tiers.py        KV tier and pool families
+"""
