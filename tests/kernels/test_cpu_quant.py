@@ -1,0 +1,139 @@
+"""GGUF block-quantized weights: the torch reference against gguf-py, the C kernels against the reference.
+
+Every format of kernels/quant.GGUF_BLOCKS: dequantize_ref is bit-exact with ``gguf.dequantize`` on random bytes
+(finite fp16 scales, subnormals among them); pack/unpack gives the bytes back and the packed form dequantizes to
+exactly the reference (AVX2 and scalar); linear at M = 1, 3, 16, 64 with an odd row count, bias, widths with and
+without a partial scale chunk, both activation paths, AVX2 and scalar; embedding rows; bad input.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_quant
+from kernels.quant import GGUF_BLOCKS, QuantWeight, dequantize_ref, quant_linear_ref, quant_rows_ref
+
+FORMATS = list(GGUF_BLOCKS)
+PATHS = [False, True]  # scalar: the AVX2 path (where the CPU has it), then the forced scalar twin
+FP32_TOL = 1e-5  # max |error| / max |reference|: reordered fp32 sums
+INT8_TOL = 1e-2  # RMS error / RMS of the reference: 8-bit activations per 32-block
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_bytes(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
+    """Random blocks whose fp16 scale and min are finite (some subnormal)."""
+    f = GGUF_BLOCKS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    nb = cols // 32
+    blocks = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, generator=gen)
+    for lo in (0, 2) if f.has_min else (0,):
+        scale = torch.randn(rows, nb, generator=gen) * 0.05
+        scale[0, 0] = 3e-7  # fp16 subnormal
+        blocks[..., lo:lo + 2] = scale.half().view(torch.uint8).reshape(rows, nb, 2)
+    return QuantWeight(fmt, rows, cols, blocks.reshape(rows, -1))
+
+
+def quantized(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
+    """A Gaussian weight quantized by gguf-py (realistic scales and quants)."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).numpy()
+    data = gguf.quantize(w, gguf.GGMLQuantizationType[fmt])
+    return QuantWeight(fmt, rows, cols, torch.from_numpy(np.ascontiguousarray(data)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_ref_matches_gguf_bit_exactly(fmt):
+    w = random_bytes(fmt, 7, 96, seed=1)
+    expected = gguf.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[fmt])
+    assert torch.equal(dequantize_ref(w), torch.from_numpy(expected))
+    assert w.num_bytes == 7 * 3 * GGUF_BLOCKS[fmt].block_bytes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scalar", PATHS)
+def test_pack_is_lossless(fmt, scalar, two_threads):
+    w = random_bytes(fmt, 300, 2112, seed=2)  # 66 blocks: a full and a partial chunk of 64 scales
+    p = cpu_quant.pack(w)
+    assert torch.equal(cpu_quant.unpack(p).data, w.data)
+    assert p.num_bytes == w.num_bytes
+    assert torch.equal(cpu_quant.dequantize(p, scalar=scalar), dequantize_ref(w))
+
+
+def _assert_linear_close(out, ref, acts):
+    if acts == "int8":
+        assert ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item() < INT8_TOL
+    else:
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < FP32_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("acts", ["int8", "fp32", None])  # None: the default (M >= GEMM_ROWS: tiles + GEMM)
+@pytest.mark.parametrize("scalar", PATHS)
+def test_linear_matches_reference(fmt, m, acts, scalar, two_threads):
+    cols = 2112 if m == 3 else 160
+    w = quantized(fmt, 37, cols, seed=m)
+    gen = torch.Generator().manual_seed(10 + m)
+    x, bias = torch.randn(m, cols, generator=gen), torch.randn(37, generator=gen)
+    out = cpu_quant.linear(x, cpu_quant.pack(w), bias, activations=acts, scalar=scalar)
+    path = acts or (cpu_quant.ACTIVATIONS if m < cpu_quant.GEMM_ROWS else "fp32")  # tiles + GEMM: fp32
+    _assert_linear_close(out, quant_linear_ref(x, w, bias), path)
+    no_bias = cpu_quant.linear(x, cpu_quant.pack(w), activations=acts, scalar=scalar)
+    _assert_linear_close(no_bias, quant_linear_ref(x, w), path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scalar_twin_has_the_same_integer_dots(fmt, two_threads, monkeypatch):
+    w, x = quantized(fmt, 19, 576, seed=5), torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    p = cpu_quant.pack(w)
+    simd = cpu_quant.linear(x, p, activations="int8")
+    monkeypatch.setenv("DUET_QUANT_SCALAR", "1")  # the env var forces the scalar path too
+    scalar = cpu_quant.linear(x, p, activations="int8")
+    assert ((simd - scalar).abs().max() / simd.abs().max()).item() < 1e-5
+
+
+def test_linear_strided_x_and_empty():
+    w = quantized("Q4_1", 9, 64, seed=3)
+    p = cpu_quant.pack(w)
+    wide = torch.randn(4, 100)
+    x = wide[:, 10:74]  # rows strided, last dim contiguous
+    _assert_linear_close(cpu_quant.linear(x, p, activations="fp32"), quant_linear_ref(x, w), "fp32")
+    assert cpu_quant.linear(torch.empty(0, 64), p).shape == (0, 9)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_gathers_embeddings(fmt):
+    w = random_bytes(fmt, 50, 64, seed=4)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    assert torch.equal(cpu_quant.rows(cpu_quant.pack(w), ids), quant_rows_ref(w, ids))
+    assert torch.equal(cpu_quant.rows(cpu_quant.pack(w), ids, scalar=True), quant_rows_ref(w, ids))
+    with pytest.raises(ValueError, match="ids must be in"):
+        cpu_quant.rows(cpu_quant.pack(w), torch.tensor([50]))
+
+
+def test_bad_input_is_a_clear_value_error():
+    with pytest.raises(ValueError, match="unsupported quantized format 'Q4_K'.*Q8_0, Q4_0, Q4_1"):
+        QuantWeight("Q4_K", 2, 32, torch.zeros(2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantWeight("Q4_0", 2, 40, torch.zeros(2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        QuantWeight("Q4_0", 2, 32, torch.zeros(2, 18, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"shape \(2, 18\)"):
+        QuantWeight("Q4_0", 2, 32, torch.zeros(2, 20, dtype=torch.uint8))
+    p = cpu_quant.pack(QuantWeight("Q4_0", 2, 32, torch.zeros(2, 18, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="32 columns"):
+        cpu_quant.linear(torch.zeros(1, 64), p)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_quant.linear(torch.zeros(1, 32, dtype=torch.float64), p)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_quant.linear(torch.zeros(1, 32), p, torch.zeros(3))
+    with pytest.raises(ValueError, match="activations"):
+        cpu_quant.linear(torch.zeros(1, 32), p, activations="int4")
