@@ -187,6 +187,9 @@ class EngineConfig:
     device: str = "cpu"
     kernels: str = "auto"  # auto | torch | cpu | triton (engine/models/kernel_backend.py)
     quantization: str | None = None  # None | "w8a16"
+    # a quantized checkpoint's weights (GGUF blocks): "auto" keeps those the kernel backend takes packed
+    # (engine/loading/quantized.py); "dense" dequantizes every one at load (the reference for the packed path)
+    quantized_weights: str = "auto"
     # ranks the model is split over (engine/models/tensor_parallel.py); a worker of N ranks is N processes
     # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads
     tensor_parallel_size: int = 1
@@ -241,6 +244,8 @@ class EngineConfig:
                               "the disk tier should hold at least what the host tier does")
         if self.quantization not in (None, "w8a16"):
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
+        if self.quantized_weights not in ("auto", "dense"):
+            raise ConfigError(f"quantized_weights must be 'auto' or 'dense', got {self.quantized_weights!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

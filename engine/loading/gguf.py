@@ -4,10 +4,13 @@
     ckpt.model_config()        # -> ModelConfig, from the file's metadata
     ckpt.tokenizer()           # -> Tokenizer (engine/loading/gguf_tokenizer.py): vocabulary, merges, chat template
     ckpt.tensors()             # -> (HF tensor name, float32 numpy array), dequantized
+    ckpt.tensors(keep={"Q8_0"})  # ... Q8_0 weights as QuantTensor: the file's blocks, not dequantized
 
 No torch here (the router reads configs and tokenizers too); parsing and dequantization are the ``gguf``
 package's (every tensor type it can dequantize: F32, F16, BF16, Q4_0 … Q8_0, the K-quants, the IQ types).
-The loader turns the arrays into the serving dtype.
+The loader turns the arrays into the serving dtype. Weights of the block types the kernel backend takes packed
+(``keep``; engine/loading/quantized.py) come as :class:`QuantTensor`: the file's bytes, one row of blocks per
+output row, Q/K rows restored to HF order like the dequantized ones (a row permutation moves whole rows of blocks).
 
 Being exact about what the file says: which architectures run, and what their metadata keys and tensors mean,
 is engine/loading/gguf_config.py (every ``<arch>.*`` key must be one it reads; any other refuses the file, naming it).
@@ -24,6 +27,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,17 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row interleave (``convert_hf_to_gguf.LlamaModel.permute``) on a weight or bias."""
     dim = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A quantized weight as the file stores it: ``data`` uint8 [rows, bytes per row] of ggml blocks along each row
+    (``fmt``: the ggml type's name, e.g. ``Q4_1``), for ``rows`` x ``cols`` weights."""
+
+    fmt: str
+    rows: int
+    cols: int
+    data: np.ndarray
 
 
 class GGUFCheckpoint:
@@ -98,8 +113,13 @@ class GGUFCheckpoint:
     def num_bytes(self) -> int:
         return sum(int(t.n_bytes) for t in self._reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray, int]]:
-        """(HF name, float32 array, bytes read from the file) per weight, Q/K rows in HF order, Gemma's norms w."""
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> ggml type name of every weight (what the loader decides to keep packed from)."""
+        return {self.hf_name(t.name): t.tensor_type.name for t in self._reader.tensors if t.name not in CONFIG_TENSORS}
+
+    def tensors(self, keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, np.ndarray | QuantTensor, int]]:
+        """(HF name, float32 array, bytes read from the file) per weight, Q/K rows in HF order, Gemma's norms w;
+        a 2-D weight whose type is in ``keep``: a :class:`QuantTensor` instead of the array."""
         import gguf
 
         cfg = self.model_config()
@@ -107,6 +127,15 @@ class GGUFCheckpoint:
             if t.name in CONFIG_TENSORS:  # part of the config (RoPE), not a weight
                 continue
             name = self.hf_name(t.name)
+            heads = None
+            if self.gguf_arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+            if t.tensor_type.name in keep and len(t.shape) == 2:
+                cols, rows = (int(n) for n in t.shape)  # ggml lists the fastest dimension first
+                data = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+                data = unpermute_rows(data, heads) if heads else np.array(data)  # a copy: the file stays mapped
+                yield name, QuantTensor(t.tensor_type.name, rows, cols, data), int(t.n_bytes)
+                continue
             try:
                 array = gguf.dequantize(t.data, t.tensor_type)
             except NotImplementedError:
@@ -115,8 +144,8 @@ class GGUFCheckpoint:
             array = np.array(array, dtype=np.float32)  # a writable copy (F32 tensors are read-only memmap views)
             if t.name.endswith(".ffn_gate_inp_shexp.weight") and array.ndim == 1:
                 array = array[None, :]  # the shared expert's gate: a [1, hidden] projection, stored as a vector
-            if self.gguf_arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-                array = unpermute_rows(array, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+            if heads:
+                array = unpermute_rows(array, heads)
             if cfg.gemma.norm_plus_one and name.endswith("norm.weight"):
                 array -= 1.0  # stored as 1 + w (the loader adds the 1 back, for checkpoints of either kind)
             yield name, array, int(t.n_bytes)

@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.loading.gguf import open_gguf
+from engine.loading.gguf import QuantTensor, open_gguf
 from engine.loading.paths import is_gguf
+from engine.loading.quantized import PackedPieces, drop_dense, packed_params, report
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import KernelOps
 from engine.models.llama import CausalLM
@@ -56,12 +57,15 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF tensor name, tensor) for every tensor of a checkpoint directory or GGUF file."""
+def checkpoint_tensors(path: str | Path, keep: frozenset[str] = frozenset()
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """(HF tensor name, tensor) for every tensor of a checkpoint directory or GGUF file; a GGUF weight of a block
+    type in ``keep``: its blocks as they are (``QuantTensor``)."""
     if is_gguf(path):
         ckpt = open_gguf(path)
         total = ckpt.num_bytes
-        items = ((name, torch.from_numpy(array), nbytes) for name, array, nbytes in ckpt.tensors())
+        items = ((name, t if isinstance(t, QuantTensor) else torch.from_numpy(t), nbytes)
+                 for name, t, nbytes in ckpt.tensors(keep))
     else:
         files = weight_files(Path(path))
         total = sum(f.stat().st_size for f in files)
@@ -106,27 +110,40 @@ def load_model(
     device: str,
     max_positions: int,
     tp: TensorParallel | None = None,
+    keep_quantized: bool = True,
 ) -> CausalLM:
     """``tp``: load this rank's part of every split parameter (engine/models/tensor_parallel.py); each rank reads the
-    checkpoint itself (memory-mapped: only its parts are copied)."""
+    checkpoint itself (memory-mapped: only its parts are copied). ``keep_quantized``: a GGUF file's quantized
+    weights the backend takes stay packed (engine/loading/quantized.py); False: all dequantized."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_positions, tp)
+    kept: dict[str, str] = {}
+    if is_gguf(model_path):
+        types = open_gguf(model_path).tensor_types()
+        reason = None if keep_quantized else "quantized_weights: dense, or quantization: w8a16"
+        kept = packed_params(model, types, ops) if keep_quantized and device == "cpu" else {}
+        report(model, kept, types, ops, reason or (None if device == "cpu" else f"no quantized kernels on {device}"))
+        drop_dense(model, kept)
+    pieces = PackedPieces(model, kept)
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_counters()  # to_empty left the counting buffers uninitialised
     model.rope = model.rope.__class__(cfg, max_positions).to(device)  # buffers are not checkpoint data
     if model.rope_local is not None:
         model.rope_local = model.rope.__class__(cfg.local_rope_config(), max_positions).to(device)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.embed_tokens.weight is not None:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[int]] = {}
     with torch.no_grad():
-        for hf_name, tensor in checkpoint_tensors(model_path):
+        for hf_name, tensor in checkpoint_tensors(model_path, frozenset(kept.values())):
             target = model.checkpoint_to_param(hf_name)
             if target is None:
                 continue
             name, piece = target
+            if isinstance(tensor, QuantTensor):
+                pieces.add(name, piece, tensor)
+                continue
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
@@ -149,7 +166,8 @@ def load_model(
         for name, param in params.items():
             if name.endswith("norm.weight"):
                 param.data.add_(1.0)
-    missing = []
+    packed = pieces.install(ops)
+    missing = [name for name in kept if name not in packed]
     for name, _param in params.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue

@@ -52,6 +52,13 @@ class KernelOps:
     # the whole MoE expert block in one call (kernels/fused_moe.py, triton only); None: engine/models/moe.py's grouped
     # GEMMs through ``linear``
     fused_moe: Callable | None = None
+    # quantized checkpoint weights kept packed (engine/loading/quantized.py): the block types (ggml names) this
+    # backend takes; ``pack_quant(kernels.quant.QuantWeight)`` once at load, then ``quant_linear(x, packed, bias)``
+    # and ``quant_rows(packed, ids)`` (a quantized token table). Empty: such weights are dequantized at load.
+    quant_formats: frozenset[str] = frozenset()
+    pack_quant: Callable | None = None
+    quant_linear: Callable | None = None
+    quant_rows: Callable | None = None
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
@@ -120,8 +127,12 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
             linear_packed=cpu_native.linear_packed,
         )
     if backend == "torch":
+        from kernels import quant
+
         return KernelOps(
             name="torch",
+            quant_formats=frozenset(quant.GGUF_BLOCKS),  # the references: dequantized per call, exactly
+            pack_quant=lambda w: w, quant_linear=quant.quant_linear_ref, quant_rows=quant.quant_rows_ref,
             store_kv=store_kv.store_kv_ref,
             prefill_attention=prefill_attention.prefill_attention_ref,
             decode_attention=decode_attention.paged_decode_attention_ref,

@@ -45,16 +45,19 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` through the backend; ``quantize_int8`` swaps W for int8 + scales (w8a16), ``pack``
-    for the backend's packed layout (the CPU path: oneDNN)."""
+    for the backend's packed layout (the CPU path: oneDNN); ``quant``: a checkpoint's quantized weight kept packed
+    (``KernelOps.quant_linear``; engine/loading/quantized.py), W then absent."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.ops = ops
         self.qweight: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        self.quant = None  # the backend's packed form of a quantized checkpoint weight (KernelOps.pack_quant)
         self.shards: list[int] | None = None  # row blocks of a fused projection (q/k/v, gate/up), for the loader
         # tensor parallelism (engine/models/tensor_parallel.py): (dim, this rank's Split of each shard) of the
         # checkpoint's weight — dim 0 column-parallel (bias split alike), 1 row-parallel (bias whole); and,
@@ -64,7 +67,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None else None
-        if self.packed is not None:
+        if self.quant is not None:
+            out = self.ops.quant_linear(x, self.quant, bias)
+        elif self.packed is not None:
             out = self.ops.linear_packed(x, self.packed, bias)
         elif self.qweight is not None:
             out = self.ops.w8a16_linear(x, self.qweight, self.scales, bias)
@@ -83,7 +88,9 @@ class Linear(nn.Module):
 
     def pack(self, keep_dense: bool = False) -> None:
         """Reorder the weight once into the backend's packed layout; the dense one is dropped unless it is
-        shared (a tied LM head is the embedding table)."""
+        shared (a tied LM head is the embedding table). A weight kept quantized is packed already."""
+        if self.quant is not None:
+            return
         self.packed = self.ops.pack_linear(self.weight.data)
         if not keep_dense:
             self.weight = None

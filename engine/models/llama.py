@@ -169,13 +169,17 @@ class CausalLM(nn.Module):
             self.embed_tokens.tp_split = self.lm_head.tp_split = (0, [vocab])
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.embed_quant = None  # the token table kept quantized (engine/loading/quantized.py); else the dense one
         self.rope = RotaryEmbedding(cfg, max_positions)
         # Gemma 3: the sliding layers' own RoPE (None: every layer uses ``rope``)
         self.rope_local = RotaryEmbedding(cfg.local_rope_config(), max_positions) if cfg.rope_local else None
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
-        h, residual = self.tp.embed(self.embed_tokens.weight, input_ids, self.cfg.vocab_size), None
+        if self.embed_quant is not None:  # a quantized token table kept packed: its rows dequantized
+            h, residual = self.ops.quant_rows(self.embed_quant, input_ids), None
+        else:
+            h, residual = self.tp.embed(self.embed_tokens.weight, input_ids, self.cfg.vocab_size), None
         if self.cfg.gemma.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype first (as transformers)
             h = h * float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype))
         for i, layer in enumerate(self.layers):
@@ -280,7 +284,7 @@ class CausalLM(nn.Module):
         A tied LM head keeps the dense table too (the embedding lookup reads it). Expert tensors stay dense."""
         for lin in self._linears():
             lin.pack()
-        self.lm_head.pack(keep_dense=self.cfg.tie_word_embeddings)
+        self.lm_head.pack(keep_dense=self.cfg.tie_word_embeddings and self.embed_quant is None)
 
     def reset_counters(self) -> None:
         for layer in self.layers:
