@@ -34,6 +34,7 @@ from kernels.quant import BLOCK_SIZE, GGUF_BLOCKS, QuantWeight, block_format
 ACTIVATIONS = "int8"
 GEMM_ROWS = 64  # M at and above which linear dequantizes tiles for torch's GEMM
 _TILE_ROWS = 512
+FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ class PackedQuant:
     d: torch.Tensor  # float16 [rows, nb]
     m: torch.Tensor | None  # float16 [rows, nb] (Q4_1, Q5_1)
     qh: torch.Tensor | None  # int32 [rows, nb] (Q5_0, Q5_1): bit j is bit 4 of weight j
+
+    def __post_init__(self) -> None:  # the C calls' leading arguments, once (a decode step makes ~120 calls)
+        f = block_format(self.fmt)
+        object.__setattr__(self, "_c_args", (f.ggml_type, self.qs.data_ptr(),
+                                             self.qh.data_ptr() if self.qh is not None else None, self.d.data_ptr(),
+                                             self.m.data_ptr() if self.m is not None else None))
 
     @property
     def num_bytes(self) -> int:
@@ -101,20 +108,14 @@ def simd_available() -> bool:
 
 
 def _scalar(scalar: bool | None) -> int:
-    return int(scalar if scalar is not None else os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0"))
-
-
-def _weight_args(p: PackedQuant) -> list:
-    block_format(p.fmt)
-    return [GGUF_BLOCKS[p.fmt].ggml_type, p.qs.data_ptr(), p.qh.data_ptr() if p.qh is not None else None,
-            p.d.data_ptr(), p.m.data_ptr() if p.m is not None else None]
+    return int(scalar if scalar is not None else FORCE_SCALAR)
 
 
 def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int,
                      scalar: bool | None) -> torch.Tensor:
     out = torch.empty(count, p.cols, dtype=torch.float32)
     if count:
-        _lib().duet_quant_dequantize(*_weight_args(p), p.cols, ids.data_ptr() if ids is not None else None, row0,
+        _lib().duet_quant_dequantize(*p._c_args, p.cols, ids.data_ptr() if ids is not None else None, row0,
                                      count, out.data_ptr(), _scalar(scalar), torch.get_num_threads())
     return out
 
@@ -156,7 +157,7 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
         return out
-    rc = _lib().duet_quant_linear(*_weight_args(p), p.rows, p.cols, x.data_ptr(), x.stride(0), m,
+    rc = _lib().duet_quant_linear(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
                                   bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
                                   int(acts == "int8"), _scalar(scalar), torch.get_num_threads())
     if rc:

@@ -4,4 +4,5 @@ Pieces (each module's docstring is its design note):
 - triton_kernels.py  make bench-kernels: duet's Triton kernels against torch's and the roofline
 - gemm_sweep.py      tile configs of the Triton GEMM at decode shapes
 - gemm_backends.py   MKL sgemm vs oneDNN on packed weights (the CPU path)
+- quant_gemv.py      GGUF-quantized GEMVs (kernels/cpu_quant.py) vs torch's fp32 GEMM on the dequantized weight
 """

@@ -127,15 +127,16 @@ static void row_scalar(const Weights *w, int64_t n, int int8, const int8_t *xq, 
 // ------------------------------------------------------------------------------------------ AVX2 + FMA + F16C
 #ifdef HAVE_X86
 
-// block b of row n as 32 bytes of quants in weight order (fmt a constant after inlining)
-AVX2 static inline __attribute__((always_inline)) __m256i expand_avx2(const Weights *w, const int fmt, int64_t n,
-                                                                       int64_t b) {
-    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(w->qs + (n * w->nb + b) * 32));
-    __m128i t = _mm_loadu_si128((const __m128i *)(w->qs + (n * w->nb + b) * 16));
+// block b of a row (its quants at qrow, its high bits at hrow) as 32 bytes in weight order (fmt a constant
+// after inlining)
+AVX2 static inline __attribute__((always_inline)) __m256i expand_avx2(const int fmt, const uint8_t *qrow,
+                                                                       const uint32_t *hrow, int64_t b) {
+    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(qrow + b * 32));
+    __m128i t = _mm_loadu_si128((const __m128i *)(qrow + b * 16));
     __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
     if (fmt == Q5_0 || fmt == Q5_1) {  // llama.cpp's bytes_from_bits_32: bit j -> byte j all ones
         const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-        __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w->qh[n * w->nb + b]), shuf);
+        __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)hrow[b]), shuf);
         bytes = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                                   _mm256_set1_epi64x(-1));
         q = _mm256_or_si256(q, _mm256_and_si256(bytes, _mm256_set1_epi8(16)));
@@ -159,11 +160,22 @@ AVX2 static inline float hsum_avx2(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// one block's contribution to acc[0..mc) (inlined with a constant mc: the accumulators stay in registers)
+// sum_k a[k] * b[k] in 8 lanes (a scalar chain of adds would cost an add's latency per block)
+AVX2 static inline float dot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    float t = hsum_avx2(acc);
+    for (; k < n; k++) t += a[k] * b[k];
+    return t;
+}
+
+// one block's contribution to acc[0..mc); row i of x's scale is s[i * CHUNK] (int8: d * xd) or s[0] (fp32: d).
+// Inlined with constant fmt, int8 and mc: the accumulators stay in registers.
 AVX2 static inline __attribute__((always_inline)) void block_avx2(
-    const Weights *w, const int fmt, int64_t n, int64_t b, const int int8, const int8_t *xq, const float *xf,
-    int64_t ld, const float *xd, float d, const int mc, __m256 *acc) {
-    __m256i q = expand_avx2(w, fmt, n, b);
+    const int fmt, const uint8_t *qrow, const uint32_t *hrow, int64_t b, const int int8, const int8_t *xq,
+    const float *xf, int64_t ld, const float *s, const int mc, __m256 *acc) {
+    __m256i q = expand_avx2(fmt, qrow, hrow, b);
     const int sgn = fmt == Q8_0;
     if (int8) {
         __m256i qa = sgn ? _mm256_sign_epi8(q, q) : q;
@@ -171,47 +183,58 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2(
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * ld + b * 32));
             if (sgn) xv = _mm256_sign_epi8(xv, q);
             __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), _mm256_set1_epi16(1));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i * w->nb + b]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(s + i * CHUNK), acc[i]);
         }
     } else {
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
         __m256 f0 = widen_avx2(lo, sgn), f1 = widen_avx2(_mm_srli_si128(lo, 8), sgn);
         __m256 f2 = widen_avx2(hi, sgn), f3 = widen_avx2(_mm_srli_si128(hi, 8), sgn);
+        __m256 d = _mm256_broadcast_ss(s);
         for (int i = 0; i < mc; i++) {
             const float *xb = xf + i * ld + b * 32;
             __m256 t = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
             t = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), t);
             __m256 u = _mm256_mul_ps(f2, _mm256_loadu_ps(xb + 16));
             u = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), u);
-            acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t, u), _mm256_set1_ps(d), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t, u), d, acc[i]);
         }
     }
 }
 
 AVX2 static inline __attribute__((always_inline)) void row_avx2_mc(
-    const Weights *w, const int fmt, int64_t n, const int int8, const int8_t *xq, const float *xf, int64_t ld, const float *xd,
-    const float *xs, const int mc, float *out) {
+    const Weights *w, const int fmt, int64_t n, const int int8, const int8_t *xq, const float *xf, int64_t ld,
+    const float *xd, const float *xs, const int mc, float *out) {
     __m256 a0[MT], a1[MT];  // two chains per row of x: an FMA's latency is hidden behind the other block
-    float corr[MT] = {0}, d[CHUNK], c[CHUNK];
+    float corr[MT] = {0}, d[CHUNK], c[CHUNK], sc[MT * CHUNK];
     for (int i = 0; i < mc; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const uint8_t *qrow = w->qs + n * w->nb * w->qs_bytes;
+    const uint32_t *hrow = w->qh ? w->qh + n * w->nb : NULL;
     for (int64_t b0 = 0; b0 < w->nb; b0 += CHUNK) {
         int bc = w->nb - b0 < CHUNK ? (int)(w->nb - b0) : CHUNK;
         scales_avx2(w->d + n * w->nb + b0, bc, d);
-        if (w->m) scales_avx2(w->m + n * w->nb + b0, bc, c);
-        else for (int j = 0; j < bc; j++) c[j] = -(float)w->offset * d[j];
+        if (fmt != Q8_0) {
+            if (w->m) scales_avx2(w->m + n * w->nb + b0, bc, c);
+            else for (int j = 0; j < bc; j++) c[j] = -(float)w->offset * d[j];
+            for (int i = 0; i < mc; i++) corr[i] += dot_avx2(c, xs + i * w->nb + b0, bc);
+        }
+        const float *s = d;
+        if (int8) {  // per row of x: the products d * xd of its blocks
+            for (int i = 0; i < mc; i++) {
+                const float *xdi = xd + i * w->nb + b0;
+                float *si = sc + i * CHUNK;
+                int k = 0;
+                for (; k + 8 <= bc; k += 8)
+                    _mm256_storeu_ps(si + k, _mm256_mul_ps(_mm256_loadu_ps(d + k), _mm256_loadu_ps(xdi + k)));
+                for (; k < bc; k++) si[k] = d[k] * xdi[k];
+            }
+            s = sc;
+        }
         int j = 0;
         for (; j + 2 <= bc; j += 2) {
-            block_avx2(w, fmt, n, b0 + j, int8, xq, xf, ld, xd, d[j], mc, a0);
-            block_avx2(w, fmt, n, b0 + j + 1, int8, xq, xf, ld, xd, d[j + 1], mc, a1);
+            block_avx2(fmt, qrow, hrow, b0 + j, int8, xq, xf, ld, s + j, mc, a0);
+            block_avx2(fmt, qrow, hrow, b0 + j + 1, int8, xq, xf, ld, s + j + 1, mc, a1);
         }
-        if (j < bc) block_avx2(w, fmt, n, b0 + j, int8, xq, xf, ld, xd, d[j], mc, a0);
-        if (fmt != Q8_0)
-            for (int i = 0; i < mc; i++) {
-                const float *s = xs + i * w->nb + b0;
-                float t = 0.0f;
-                for (int k = 0; k < bc; k++) t += c[k] * s[k];
-                corr[i] += t;
-            }
+        if (j < bc) block_avx2(fmt, qrow, hrow, b0 + j, int8, xq, xf, ld, s + j, mc, a0);
     }
     for (int i = 0; i < mc; i++) out[i] = hsum_avx2(_mm256_add_ps(a0[i], a1[i])) + corr[i];
 }
@@ -251,7 +274,7 @@ AVX2 static void dequant_row_avx2(const Weights *w, int64_t n, float *out) {
         scales_avx2(w->d + n * w->nb + b0, bc, d);
         if (w->m) scales_avx2(w->m + n * w->nb + b0, bc, m);
         for (int j = 0; j < bc; j++) {
-            __m256i q = expand_avx2(w, w->fmt, n, b0 + j);
+            __m256i q = expand_avx2(w->fmt, w->qs + n * w->nb * w->qs_bytes, w->qh ? w->qh + n * w->nb : NULL, b0 + j);
             if (w->offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)w->offset));
             __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
             __m256 dv = _mm256_set1_ps(d[j]);

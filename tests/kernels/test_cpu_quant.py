@@ -95,7 +95,7 @@ def test_scalar_twin_has_the_same_integer_dots(fmt, two_threads, monkeypatch):
     w, x = quantized(fmt, 19, 576, seed=5), torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
     p = cpu_quant.pack(w)
     simd = cpu_quant.linear(x, p, activations="int8")
-    monkeypatch.setenv("DUET_QUANT_SCALAR", "1")  # the env var forces the scalar path too
+    monkeypatch.setattr(cpu_quant, "FORCE_SCALAR", True)  # what DUET_QUANT_SCALAR=1 sets at import
     scalar = cpu_quant.linear(x, p, activations="int8")
     assert ((simd - scalar).abs().max() / simd.abs().max()).item() < 1e-5
 
