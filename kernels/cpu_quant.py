@@ -1,24 +1,31 @@
 """GGUF block-quantized linears and embeddings on the CPU, kept packed (issue 48; C: kernels/cpu/quant.c).
 
-``pack`` splits a ``QuantWeight``'s blocks once, at load, into arrays apart: the quants ``qs`` (nibbles as
-ggml lays them out, or int8), the Q5 high bits ``qh`` (uint32 per block), the scales ``d`` and mins ``m``
-(fp16 per block, converted 8 at a time by F16C). Same bytes as the file (``num_bytes`` is equal), and
-``unpack`` gives them back byte for byte; ``dequantize(pack(w))`` is exactly ``dequantize_ref(w)``.
+``pack`` rearranges a ``QuantWeight``'s blocks once, at load: rows in groups of 8, each block's quant bytes of
+the 8 rows interleaved in 4-byte chunks (llama.cpp's repacked layout: one 32-byte load is 4 weights of 8 rows),
+the Q5 high bits, fp16 scales and mins in arrays apart, [groups, nb, 8]. Same bytes as the file, plus the last
+group's padding rows (``num_bytes``); ``unpack`` gives the file's bytes back exactly and ``dequantize(pack(w))``
+is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 
-``linear`` (decode, M rows of x): a weight row is read from memory once per call for the whole batch and from
-L1 once per 4 rows of x; threads (OpenMP, torch.get_num_threads()) over output rows. Two activation paths:
-- ``"int8"`` (llama.cpp's): x quantized per 32-block to int8 (scale amax / 127), integer dots with
-  _mm256_maddubs_epi16, one fp32 FMA per block. Error vs ``quant_linear_ref``: that of 8-bit activations,
-  about 3e-3 of the output's RMS (measured on random data: tests/kernels/test_cpu_quant.py bounds it at 1e-2).
-- ``"fp32"``: quants widened to fp32 in registers, fp32 FMAs: ~1e-6 of the RMS (reordered fp32 sums).
-``ACTIVATIONS`` is the default, chosen by measurement (below). Both have a scalar twin, picked when the CPU
-lacks AVX2/FMA/F16C or forced with ``scalar=True`` / DUET_QUANT_SCALAR=1.
+``linear(x, p, bias)`` picks by M (rows of x):
+- M < ``GEMM_ROWS``: the C kernel, llama.cpp's method: x quantized per 32-block to int8 (amax / 127), integer
+  dots (_mm256_maddubs_epi16) whose 8 lanes are a group's 8 rows, one scale FMA per block and group; each packed
+  byte read from memory once per call; OpenMP over groups (torch.get_num_threads()). Error vs
+  ``quant_linear_ref``: 8-bit activations, ~5e-3 of the output's RMS (576x576 Q4_1 and Q8_0, Gaussian x; the
+  tests bound it at 1e-2). On SmolLM2-135M Q4_1 greedy tokens drift from the fp32 path's: 8 prompts x 64 tokens
+  stayed identical for 1 to 52 tokens (the fp32 path: all 64, = the dense model).
+- M >= ``GEMM_ROWS``, or ``activations="fp32"``: tiles of weight rows dequantized (C) then torch's fp32 GEMM:
+  exactly ``quant_linear_ref``'s math.
+Both have a scalar twin, taken when the CPU lacks AVX2/FMA/F16C or forced (``scalar=True``, DUET_QUANT_SCALAR=1).
 
-Prefill (M >= ``GEMM_ROWS``): a tile of ``_TILE_ROWS`` weight rows is dequantized (C) and multiplied by torch's
-GEMM, which beats the GEMV kernel there.
-
-Measurements (2-vCPU AMD EPYC, AVX2, 2 threads; ``python -m bench.kernels.quant_gemv``): see the numbers filled
-in below once measured.
+Measured on this 2-vCPU machine (lscpu: an Intel Xeon with AVX-512/VNNI; the kernels use AVX2 only), 2 threads,
+``python -m bench.kernels.quant_gemv --prefill`` (µs per call, weights cold; torch fp32 GEMM on the dense weight):
+  M=1:  576x576 Q4_1 11.5 vs 26.1; 1536x576 18.8 vs 80.7; 576x1536 20.5 vs 77.9; 49152x576 Q8_0 557 vs 2982
+        (18-54 GB/s of packed bytes; ratio 3.75). M=16: 53 vs 67, 111 vs 291, 131 vs 270, 4818 vs 9190.
+  Before the 8-row layout (one row at a time, commit 3e9d249) M=1 was 22 / 41 / 40 / 899 µs, and widening the
+  quants to fp32 in registers instead of int8 dots 26 / 56 / 53 / 1474: int8 won, the fp32 variant was dropped.
+  GEMM_ROWS: int8 kernel vs tiles + GEMM, 1536x576 / 576x1536 Q4_1: M=64 405 vs 734 / 429 vs 500; M=128 754 vs
+  763 / 817 vs 819; M=256 1511 vs 1496 / 1648 vs 1448; M=2048 15951 vs 10640 / 15830 vs 9714.
+  SmolLM2-135M Q4_1 batch-1 (engine, kernels=cpu, 128 tokens incl. prefill): 87 tok/s packed vs 28 dense.
 """
 from __future__ import annotations
 
@@ -32,21 +39,22 @@ from kernels.cpu_build import NativeKernelError, load
 from kernels.quant import BLOCK_SIZE, GGUF_BLOCKS, QuantWeight, block_format
 
 ACTIVATIONS = "int8"
-GEMM_ROWS = 64  # M at and above which linear dequantizes tiles for torch's GEMM
-_TILE_ROWS = 512
+GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (measured: see above)
+_TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
 FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
 
 
 @dataclass(frozen=True)
 class PackedQuant:
-    """A QuantWeight in the C kernels' layout (see the module docstring); tensors are [rows, ...]."""
+    """A QuantWeight in the C kernels' layout: rows in groups of 8 (padded with zero rows), each array
+    [groups, nb, ...] (see kernels/cpu/quant.c)."""
     fmt: str
     rows: int
     cols: int
-    qs: torch.Tensor  # uint8 [rows, nb * 16] nibbles, or int8 [rows, nb * 32] (Q8_0)
-    d: torch.Tensor  # float16 [rows, nb]
-    m: torch.Tensor | None  # float16 [rows, nb] (Q4_1, Q5_1)
-    qh: torch.Tensor | None  # int32 [rows, nb] (Q5_0, Q5_1): bit j is bit 4 of weight j
+    qs: torch.Tensor  # uint8 [groups, nb, 8 * qb]: the 8 rows' quant bytes (qb 16, or 32 for Q8_0) in 4-byte chunks
+    d: torch.Tensor  # float16 [groups, nb, 8]
+    m: torch.Tensor | None  # float16 [groups, nb, 8] (Q4_1, Q5_1)
+    qh: torch.Tensor | None  # int32 [groups, nb, 8] (Q5_0, Q5_1): bit j is bit 4 of weight j
 
     def __post_init__(self) -> None:  # the C calls' leading arguments, once (a decode step makes ~120 calls)
         f = block_format(self.fmt)
@@ -56,29 +64,38 @@ class PackedQuant:
 
     @property
     def num_bytes(self) -> int:
+        """Packed bytes: the file's, plus the padding rows of the last group."""
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.qh) if t is not None)
 
 
 def pack(w: QuantWeight) -> PackedQuant:
-    """``w``'s blocks split into the kernels' arrays (once, at load)."""
+    """``w``'s blocks rearranged into the kernels' layout (once, at load)."""
     f = GGUF_BLOCKS[w.fmt]
-    nb = w.num_blocks
+    nb, groups = w.num_blocks, -(-w.rows // 8)
     blocks = w.data.reshape(w.rows, nb, f.block_bytes)
+    if groups * 8 > w.rows:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * 8 - w.rows, nb, f.block_bytes)])
 
-    def part(lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        return blocks[..., lo:hi].contiguous().view(dtype).reshape(w.rows, -1)
+    def per_row(lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:  # [groups, nb, 8]
+        t = blocks[..., lo:hi].contiguous().view(dtype).reshape(groups, 8, nb)
+        return t.permute(0, 2, 1).contiguous()
 
-    qs = part(f.quant_start, f.block_bytes, torch.int8 if w.fmt == "Q8_0" else torch.uint8)
-    return PackedQuant(w.fmt, w.rows, w.cols, qs, part(0, 2, torch.float16),
-                       part(2, 4, torch.float16) if f.has_min else None,
-                       part(2 + 2 * f.has_min, f.quant_start, torch.int32) if f.high_bits else None)
+    qb = f.block_bytes - f.quant_start
+    qs = blocks[..., f.quant_start:].reshape(groups, 8, nb, qb // 4, 4).permute(0, 2, 3, 1, 4)
+    return PackedQuant(w.fmt, w.rows, w.cols, qs.contiguous().reshape(groups, nb, 8 * qb),
+                       per_row(0, 2, torch.float16), per_row(2, 4, torch.float16) if f.has_min else None,
+                       per_row(2 + 2 * f.has_min, f.quant_start, torch.int32) if f.high_bits else None)
 
 
 def unpack(p: PackedQuant) -> QuantWeight:
     """The GGUF bytes ``p`` was packed from, byte for byte."""
-    nb = p.cols // BLOCK_SIZE
-    parts = [t.contiguous().view(torch.uint8).reshape(p.rows, nb, -1) for t in (p.d, p.m, p.qh, p.qs)
-             if t is not None]
+    groups, nb = p.qs.shape[0], p.cols // BLOCK_SIZE
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [groups, nb, 8] -> [rows, nb, bytes]
+        return t.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(groups * 8, nb, -1)[:p.rows]
+
+    qs = p.qs.reshape(groups, nb, -1, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb, -1)[:p.rows]
+    parts = [per_row(t) for t in (p.d, p.m, p.qh) if t is not None] + [qs]
     return QuantWeight(p.fmt, p.rows, p.cols, torch.cat(parts, dim=-1).reshape(p.rows, -1))
 
 
@@ -94,7 +111,7 @@ def _lib() -> ctypes.CDLL:
         lib.duet_quant_simd.argtypes = []
         lib.duet_quant_linear.restype = _INT
         lib.duet_quant_linear.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-                                          _I64, _INT, _INT, _INT]
+                                          _I64, _INT, _INT]
         lib.duet_quant_dequantize.restype = None
         lib.duet_quant_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT,
                                               _INT]
@@ -152,24 +169,26 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     if acts not in ("int8", "fp32"):
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
     m = x.shape[0]
-    if m >= GEMM_ROWS and activations is None:
+    if acts == "fp32" or (m >= GEMM_ROWS and activations is None):
         return _linear_gemm(x, p, bias, scalar)
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
         return out
     rc = _lib().duet_quant_linear(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
                                   bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                                  int(acts == "int8"), _scalar(scalar), torch.get_num_threads())
+                                  _scalar(scalar), torch.get_num_threads())
     if rc:
         raise NativeKernelError(f"duet_quant_linear failed (code {rc}: no scratch memory)")
     return out
 
 
 def _linear_gemm(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, scalar: bool | None) -> torch.Tensor:
-    """Prefill: each tile of weight rows dequantized, then one GEMM per tile (outᵀ's tile rows are contiguous)."""
-    out_t = torch.empty(p.rows, x.shape[0], dtype=torch.float32)
+    """Prefill: up to ``_TILE_ROWS`` weight rows dequantized at a time (C, ~0.1 ms per 1M weights), each tile one
+    torch GEMM (a whole projection of the default model is one tile: no copy)."""
+    if p.rows <= _TILE_ROWS:
+        return torch.nn.functional.linear(x, _dequantize_rows(p, None, 0, p.rows, scalar), bias)
+    out = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
     for r0 in range(0, p.rows, _TILE_ROWS):
         tile = _dequantize_rows(p, None, r0, min(_TILE_ROWS, p.rows - r0), scalar)
-        torch.mm(tile, x.T, out=out_t[r0:r0 + tile.shape[0]])
-    out = out_t.T.contiguous()
+        out[:, r0:r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile)
     return out + bias if bias is not None else out

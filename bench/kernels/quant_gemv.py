@@ -5,9 +5,9 @@
 Shapes of SmolLM2-135M (the default model): 576x576 (q, o), 1536x576 (gate, up), 576x1536 (down) in ``--fmt``
 and the 49152x576 LM head (the tied Q8_0 embedding) in ``--head-fmt``. Each shape cycles through enough copies
 of its weight that the fp32 ones do not stay in cache (a decode step reads 30 layers' weights once each).
-Prints per shape and M: microseconds per call of the quantized kernel on each activation path and of the fp32
-GEMM, and GB/s of packed bytes; ``--prefill`` adds the M sweep that chose ``GEMM_ROWS``. The last line is
-``ratio: <quant / fp32 speed at M=1, geometric mean over the shapes>`` (the default path, ``ACTIVATIONS``).
+Prints per shape and M: microseconds per call of ``linear`` (its default path), of its fp32 path (tiles
+dequantized, then torch's GEMM) and of torch's fp32 GEMM on the dense weight, and GB/s of packed bytes; ``--prefill`` adds the M sweep that chose ``GEMM_ROWS``. The last line is
+``ratio: <quant / fp32 speed at M=1, geometric mean over the shapes>`` (``linear``'s default path).
 Run it alone: on a small machine any other CPU-heavy process skews every number.
 """
 from __future__ import annotations
@@ -56,26 +56,25 @@ def _shape(fmt: str, rows: int, cols: int, ms: list[int]) -> float:
     for m in ms:
         x = torch.randn(m, cols)
         t_fp32 = _best_us(lambda i: torch.nn.functional.linear(x, dense[i]), copies)
-        times = {acts: _best_us(lambda i, a=acts: cpu_quant.linear(x, packed[i], activations=a), copies)
-                 for acts in ("int8", "fp32")}
-        line = "  ".join(f"{a} {t:8.1f} us {nbytes / t / 1e3:6.1f} GB/s" for a, t in times.items())
-        print(f"{fmt} {rows:6d}x{cols:<5d} M={m:3d}  {line}  torch fp32 {t_fp32:8.1f} us  "
-              f"x{t_fp32 / times[cpu_quant.ACTIVATIONS]:.2f}")
+        t_quant = _best_us(lambda i: cpu_quant.linear(x, packed[i]), copies)
+        t_tiles = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="fp32"), copies)
+        print(f"{fmt} {rows:6d}x{cols:<5d} M={m:3d}  linear {t_quant:8.1f} us {nbytes / t_quant / 1e3:6.1f} GB/s"
+              f"  (fp32 tiles + GEMM {t_tiles:8.1f} us)  torch fp32 {t_fp32:8.1f} us  x{t_fp32 / t_quant:.2f}")
         if m == 1:
-            speedup_m1 = t_fp32 / times[cpu_quant.ACTIVATIONS]
+            speedup_m1 = t_fp32 / t_quant
     return speedup_m1
 
 
 def _prefill(fmt: str, rows: int, cols: int) -> None:
     w = cpu_quant.pack(_weight(fmt, rows, cols, 0))
     dense = cpu_quant.dequantize(w)
-    for m in (16, 32, 48, 64, 96, 128, 256, 512):
+    for m in (4, 8, 16, 24, 32, 48, 64, 128, 512):
         x = torch.randn(m, cols)
-        kern = {a: _best_us(lambda i, a=a: cpu_quant.linear(x, w, activations=a), 1, 3) for a in ("int8", "fp32")}
-        tiles = _best_us(lambda i: cpu_quant._linear_gemm(x, w, None, None), 1, 3)
+        kern = _best_us(lambda i: cpu_quant.linear(x, w, activations="int8"), 1, 3)
+        tiles = _best_us(lambda i: cpu_quant.linear(x, w, activations="fp32"), 1, 3)
         dense_us = _best_us(lambda i: torch.nn.functional.linear(x, dense), 1, 3)
-        print(f"prefill {fmt} {rows}x{cols} M={m:4d}: kernel int8 {kern['int8']:9.1f} us  fp32 {kern['fp32']:9.1f} us"
-              f"  tiles+GEMM {tiles:9.1f} us  (dense fp32 GEMM {dense_us:9.1f} us)")
+        print(f"prefill {fmt} {rows}x{cols} M={m:4d}: int8 kernel {kern:9.1f} us  tiles+GEMM {tiles:9.1f} us  "
+              f"(dense fp32 GEMM {dense_us:9.1f} us)")
 
 
 def main() -> None:

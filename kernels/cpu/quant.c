@@ -1,19 +1,21 @@
 // duet's GGUF block-quantized linears for the CPU path, called from kernels/cpu_quant.py through ctypes.
 //
-// Packed layout (cpu_quant.pack): per format, arrays apart, each [rows, num_blocks(, per-block bytes)]:
-//   qs  uint8 [rows, nb * 16] nibbles as ggml (byte j: weight j low, weight j + 16 high), or int8 [rows, nb * 32]
-//   qh  uint32 [rows, nb] (Q5_*: bit j is bit 4 of weight j), d and m fp16 [rows, nb] (m: *_1 only).
-// Scales stay fp16 (8 converted per F16C instruction): the packed bytes are the file's bytes, no more.
+// Packed layout (cpu_quant.pack): rows in groups of 8 (the last padded with zero rows), arrays apart:
+//   qs  uint8 [groups, nb, 8 * qb]: block b of the group's 8 rows, their quant bytes (qb = 16 nibble bytes as
+//       ggml lays them out, byte j = weight j | weight j + 16 << 4; or 32 int8 for Q8_0) interleaved in 4-byte
+//       chunks: byte c * 32 + r * 4 + t is row r's byte 4 * c + t. One 32-byte load is chunk c of all 8 rows.
+//   qh  uint32 [groups, nb, 8] (Q5_*: bit j is bit 4 of weight j), d and m fp16 [groups, nb, 8] (m: *_1 only).
+// Scales stay fp16 (the group's 8 converted by one F16C instruction): the bytes are the file's, plus padding.
 //
-// linear: out[i, n] = sum_k x[i, k] * w[n, k] (+ bias[n]) for M rows of x at once, threads over output rows:
-// each weight row is read from memory once per call and from L1 once per 4 rows of x. Per block b of a row:
-//   w = q * d + c   (c = m for *_1, c = -offset * d for Q4_0/Q5_0, 0 for Q8_0)
-//   w . x_b = d * (q . x_b) + c * sum(x_b)
-// so a block is an unsigned-integer dot times one scale, plus a correction term summed over blocks apart.
-// Two activation paths: "int8" (llama.cpp's: x quantized per 32-block to int8 with a scale xd, integer dots by
-// _mm256_maddubs_epi16, exact in int16 since 31 * 127 * 2 < 32767) and "fp32" (quants widened to fp32 in
-// registers, fp32 FMAs). Both have a portable scalar twin, chosen at run time (__builtin_cpu_supports) or forced.
-// The int8 dots are the same integers on both; only fp32 summation order differs.
+// linear (llama.cpp's method, on its 8-row repacked layout): x is quantized per 32-block to int8 (scale xd =
+// amax / 127, round to nearest even) and, per block b of a row, with w = q * d + c (c = m for *_1, -offset * d
+// for Q4_0 / Q5_0, 0 for Q8_0):
+//   w . x_b = d * xd * (q . xq_b) + c * xs_b        (xs_b = xd * sum(xq_b))
+// q . xq_b is exact in integers (_mm256_maddubs_epi16: one instruction is 4 weights of 8 rows against 4 bytes
+// of x broadcast; int16 sums stay below 32767); the 8 lanes are the group's 8 rows, so a block's scale,
+// conversion and FMA serve 8 rows at once, and no horizontal sum is needed. Threads over groups; each weight
+// byte is read from memory once per call and from L1 once per 4 rows of x.
+// The scalar twin (no AVX2/FMA/F16C, or forced) computes the same integer dots; only fp32 order differs.
 //
 // Compiled with -ffp-contract=off: dequantize is d * q + m in two roundings, as gguf-py (the reference).
 #include <math.h>
@@ -28,11 +30,10 @@
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
-#define CHUNK 64  // blocks whose scales are converted at once (bounded stack for any width)
-#define MT 4      // rows of x per pass over a weight row
+#define MT 4  // rows of x per pass over a group's weights
 
 typedef struct {
-    int fmt, offset, qs_bytes;  // qs_bytes: per block (16 or 32)
+    int fmt, offset, qb;  // qb: quant bytes per row-block (16 or 32)
     const uint8_t *qs;
     const uint32_t *qh;
     const uint16_t *d, *m;
@@ -60,22 +61,25 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
+// index of row n's entry for block b in the [groups, nb, 8] arrays
+static inline int64_t at(const Weights *w, int64_t n, int64_t b) { return ((n / 8) * w->nb + b) * 8 + n % 8; }
+
 // ------------------------------------------------------------------------------------------ scalar twins
 
 // block b of row n as its 32 quants: unsigned (q before the offset) or, for Q8_0, signed
 static void expand_scalar(const Weights *w, int64_t n, int64_t b, int q[32]) {
+    const uint8_t *s = w->qs + ((n / 8) * w->nb + b) * 8 * w->qb + (n % 8) * 4;
     if (w->fmt == Q8_0) {
-        const int8_t *s = (const int8_t *)w->qs + (n * w->nb + b) * 32;
-        for (int j = 0; j < 32; j++) q[j] = s[j];
+        for (int j = 0; j < 32; j++) q[j] = (int8_t)s[(j / 4) * 32 + j % 4];
         return;
     }
-    const uint8_t *s = w->qs + (n * w->nb + b) * 16;
     for (int j = 0; j < 16; j++) {
-        q[j] = s[j] & 15;
-        q[j + 16] = s[j] >> 4;
+        uint8_t byte = s[(j / 4) * 32 + j % 4];
+        q[j] = byte & 15;
+        q[j + 16] = byte >> 4;
     }
     if (w->qh) {
-        uint32_t h = w->qh[n * w->nb + b];
+        uint32_t h = w->qh[at(w, n, b)];
         for (int j = 0; j < 32; j++) q[j] |= ((h >> j) & 1) << 4;
     }
 }
@@ -84,9 +88,9 @@ static void dequant_row_scalar(const Weights *w, int64_t n, float *out) {
     int q[32];
     for (int64_t b = 0; b < w->nb; b++) {
         expand_scalar(w, n, b, q);
-        float d = half_to_float(w->d[n * w->nb + b]);
+        float d = half_to_float(w->d[at(w, n, b)]);
         if (w->m) {
-            float m = half_to_float(w->m[n * w->nb + b]);
+            float m = half_to_float(w->m[at(w, n, b)]);
             for (int j = 0; j < 32; j++) out[b * 32 + j] = d * (float)q[j] + m;
         } else {
             for (int j = 0; j < 32; j++) out[b * 32 + j] = d * (float)(q[j] - w->offset);
@@ -94,31 +98,20 @@ static void dequant_row_scalar(const Weights *w, int64_t n, float *out) {
     }
 }
 
-// the correction coefficient c of block b (see the top): m, -offset * d or 0
-static inline float coef(const Weights *w, int64_t i, float d) {
-    return w->m ? half_to_float(w->m[i]) : -(float)w->offset * d;
-}
-
-// out[i] for the mc rows of x at xq/xf (row stride ld), the block sums xs and (int8) the block scales xd
-static void row_scalar(const Weights *w, int64_t n, int int8, const int8_t *xq, const float *xf, int64_t ld,
-                       const float *xd, const float *xs, int mc, float *out) {
+// out[i] = row n . x_i for the mc rows of x (xq int8 [mc, cols]; block scales xd and sums xs [mc, nb])
+static void row_scalar(const Weights *w, int64_t n, const int8_t *xq, const float *xd, const float *xs, int mc,
+                       float *out) {
     int q[32];
     for (int i = 0; i < mc; i++) out[i] = 0.0f;
     for (int64_t b = 0; b < w->nb; b++) {
         expand_scalar(w, n, b, q);
-        float d = half_to_float(w->d[n * w->nb + b]), c = coef(w, n * w->nb + b, d);
+        float d = half_to_float(w->d[at(w, n, b)]);
+        float c = w->m ? half_to_float(w->m[at(w, n, b)]) : -(float)w->offset * d;
         for (int i = 0; i < mc; i++) {
-            if (int8) {
-                const int8_t *xb = xq + i * ld + b * 32;
-                int32_t dot = 0;
-                for (int j = 0; j < 32; j++) dot += q[j] * xb[j];
-                out[i] += (float)dot * (d * xd[i * w->nb + b]);
-            } else {
-                const float *xb = xf + i * ld + b * 32;
-                float dot = 0.0f;
-                for (int j = 0; j < 32; j++) dot += (float)q[j] * xb[j];
-                out[i] += dot * d;
-            }
+            const int8_t *xb = xq + i * w->nb * 32 + b * 32;
+            int32_t dot = 0;
+            for (int j = 0; j < 32; j++) dot += q[j] * xb[j];
+            out[i] += (float)dot * (d * xd[i * w->nb + b]);
             if (w->fmt != Q8_0) out[i] += c * xs[i * w->nb + b];
         }
     }
@@ -127,162 +120,136 @@ static void row_scalar(const Weights *w, int64_t n, int int8, const int8_t *xq, 
 // ------------------------------------------------------------------------------------------ AVX2 + FMA + F16C
 #ifdef HAVE_X86
 
-// block b of a row (its quants at qrow, its high bits at hrow) as 32 bytes in weight order (fmt a constant
-// after inlining)
-AVX2 static inline __attribute__((always_inline)) __m256i expand_avx2(const int fmt, const uint8_t *qrow,
-                                                                       const uint32_t *hrow, int64_t b) {
-    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(qrow + b * 32));
-    __m128i t = _mm_loadu_si128((const __m128i *)(qrow + b * 16));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
-    if (fmt == Q5_0 || fmt == Q5_1) {  // llama.cpp's bytes_from_bits_32: bit j -> byte j all ones
-        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-        __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)hrow[b]), shuf);
-        bytes = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                  _mm256_set1_epi64x(-1));
-        q = _mm256_or_si256(q, _mm256_and_si256(bytes, _mm256_set1_epi8(16)));
+// chunk c's 5th bits for the 8 rows (lane r: row r's qh shifted so its bit 0 is weight 4c's): byte r*4+t = 16
+// where bit t is set
+AVX2 static inline __m256i high_bits_avx2(__m256i qh_shifted) {
+    const __m256i spread = _mm256_set_epi8(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
+                                           12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m256i bit = _mm256_set1_epi32(0x08040201);
+    __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(qh_shifted, spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(16));
+}
+
+// chunk c (0..7) of a group-block: weights 4c..4c+3 of its 8 rows, as unsigned bytes (Q8_0: signed)
+// lane r: row r. Q4/Q5: chunks 0..3 are the low nibbles of the 4 loads, 4..7 the high.
+AVX2 static inline __attribute__((always_inline)) void expand_avx2(const int fmt, const uint8_t *qgb,
+                                                                    const uint32_t *hgb, __m256i v[8]) {
+    if (fmt == Q8_0) {
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(qgb + c * 32));
+        return;
     }
-    return q;
-}
-
-AVX2 static inline __m256 widen_avx2(__m128i v, int is_signed) {  // 8 bytes -> 8 floats
-    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-}
-
-AVX2 static inline void scales_avx2(const uint16_t *h, int count, float *out) {
-    int j = 0;
-    for (; j + 8 <= count; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-    for (; j < count; j++) out[j] = _cvtsh_ss(h[j]);
-}
-
-AVX2 static inline float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// sum_k a[k] * b[k] in 8 lanes (a scalar chain of adds would cost an add's latency per block)
-AVX2 static inline float dot_avx2(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    float t = hsum_avx2(acc);
-    for (; k < n; k++) t += a[k] * b[k];
-    return t;
-}
-
-// one block's contribution to acc[0..mc); row i of x's scale is s[i * CHUNK] (int8: d * xd) or s[0] (fp32: d).
-// Inlined with constant fmt, int8 and mc: the accumulators stay in registers.
-AVX2 static inline __attribute__((always_inline)) void block_avx2(
-    const int fmt, const uint8_t *qrow, const uint32_t *hrow, int64_t b, const int int8, const int8_t *xq,
-    const float *xf, int64_t ld, const float *s, const int mc, __m256 *acc) {
-    __m256i q = expand_avx2(fmt, qrow, hrow, b);
-    const int sgn = fmt == Q8_0;
-    if (int8) {
-        __m256i qa = sgn ? _mm256_sign_epi8(q, q) : q;
-        for (int i = 0; i < mc; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * ld + b * 32));
-            if (sgn) xv = _mm256_sign_epi8(xv, q);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), _mm256_set1_epi16(1));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(s + i * CHUNK), acc[i]);
-        }
-    } else {
-        __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-        __m256 f0 = widen_avx2(lo, sgn), f1 = widen_avx2(_mm_srli_si128(lo, 8), sgn);
-        __m256 f2 = widen_avx2(hi, sgn), f3 = widen_avx2(_mm_srli_si128(hi, 8), sgn);
-        __m256 d = _mm256_broadcast_ss(s);
-        for (int i = 0; i < mc; i++) {
-            const float *xb = xf + i * ld + b * 32;
-            __m256 t = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
-            t = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), t);
-            __m256 u = _mm256_mul_ps(f2, _mm256_loadu_ps(xb + 16));
-            u = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), u);
-            acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t, u), d, acc[i]);
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256i h = fmt == Q5_0 || fmt == Q5_1 ? _mm256_loadu_si256((const __m256i *)hgb) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qgb + c * 32));
+        v[c] = _mm256_and_si256(raw, mask);
+        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        if (fmt == Q5_0 || fmt == Q5_1) {
+            v[c] = _mm256_or_si256(v[c], high_bits_avx2(_mm256_srli_epi32(h, 4 * c)));
+            v[c + 4] = _mm256_or_si256(v[c + 4], high_bits_avx2(_mm256_srli_epi32(h, 16 + 4 * c)));
         }
     }
 }
 
-AVX2 static inline __attribute__((always_inline)) void row_avx2_mc(
-    const Weights *w, const int fmt, int64_t n, const int int8, const int8_t *xq, const float *xf, int64_t ld,
-    const float *xd, const float *xs, const int mc, float *out) {
-    __m256 a0[MT], a1[MT];  // two chains per row of x: an FMA's latency is hidden behind the other block
-    float corr[MT] = {0}, d[CHUNK], c[CHUNK], sc[MT * CHUNK];
-    for (int i = 0; i < mc; i++) a0[i] = a1[i] = _mm256_setzero_ps();
-    const uint8_t *qrow = w->qs + n * w->nb * w->qs_bytes;
-    const uint32_t *hrow = w->qh ? w->qh + n * w->nb : NULL;
-    for (int64_t b0 = 0; b0 < w->nb; b0 += CHUNK) {
-        int bc = w->nb - b0 < CHUNK ? (int)(w->nb - b0) : CHUNK;
-        scales_avx2(w->d + n * w->nb + b0, bc, d);
-        if (fmt != Q8_0) {
-            if (w->m) scales_avx2(w->m + n * w->nb + b0, bc, c);
-            else for (int j = 0; j < bc; j++) c[j] = -(float)w->offset * d[j];
-            for (int i = 0; i < mc; i++) corr[i] += dot_avx2(c, xs + i * w->nb + b0, bc);
-        }
-        const float *s = d;
-        if (int8) {  // per row of x: the products d * xd of its blocks
-            for (int i = 0; i < mc; i++) {
-                const float *xdi = xd + i * w->nb + b0;
-                float *si = sc + i * CHUNK;
-                int k = 0;
-                for (; k + 8 <= bc; k += 8)
-                    _mm256_storeu_ps(si + k, _mm256_mul_ps(_mm256_loadu_ps(d + k), _mm256_loadu_ps(xdi + k)));
-                for (; k < bc; k++) si[k] = d[k] * xdi[k];
+// res[i] (lane r) = row 8g + r . x_i for mc rows of x; inlined with constant fmt and mc
+AVX2 static inline __attribute__((always_inline)) void group_avx2(
+    const Weights *w, const int fmt, int64_t g, const int8_t *xq, const float *xd, const float *xs, const int mc,
+    __m256 *res) {
+    const int64_t nb = w->nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT], corr[MT];
+    for (int i = 0; i < mc; i++) acc[i] = corr[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i v[8], isum[MT];
+        expand_avx2(fmt, w->qs + (g * nb + b) * 8 * w->qb, w->qh ? w->qh + (g * nb + b) * 8 : NULL, v);
+        for (int i = 0; i < mc; i++) {
+            const int8_t *xb = xq + i * nb * 32 + b * 32;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            if (fmt == Q4_0 || fmt == Q4_1) {  // 8 x 2 * 15 * 127 < 32767: one int16 sum per block
+                __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x4[0]));
+                for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])));
+                isum[i] = _mm256_madd_epi16(s16, ones);
+            } else if (fmt == Q8_0) {  // |w| as unsigned, x takes w's sign
+                isum[i] = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v[c], v[c]),
+                                                     _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), v[c]));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
+                }
+            } else {  // Q5: 2 x 2 * 31 * 127 < 32767: int16 sums of two chunks
+                isum[i] = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c += 2) {
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])),
+                                                 _mm256_maddubs_epi16(v[c + 1], _mm256_set1_epi32(x4[c + 1])));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
+                }
             }
-            s = sc;
         }
-        int j = 0;
-        for (; j + 2 <= bc; j += 2) {
-            block_avx2(fmt, qrow, hrow, b0 + j, int8, xq, xf, ld, s + j, mc, a0);
-            block_avx2(fmt, qrow, hrow, b0 + j + 1, int8, xq, xf, ld, s + j + 1, mc, a1);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + (g * nb + b) * 8)));
+        for (int i = 0; i < mc; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]),
+                                     _mm256_mul_ps(d, _mm256_broadcast_ss(xd + i * nb + b)), acc[i]);
+        if (fmt != Q8_0) {
+            __m256 c = fmt == Q4_1 || fmt == Q5_1
+                           ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + (g * nb + b) * 8)))
+                           : _mm256_mul_ps(d, _mm256_set1_ps(-(float)w->offset));
+            for (int i = 0; i < mc; i++) corr[i] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(xs + i * nb + b), corr[i]);
         }
-        if (j < bc) block_avx2(fmt, qrow, hrow, b0 + j, int8, xq, xf, ld, s + j, mc, a0);
     }
-    for (int i = 0; i < mc; i++) out[i] = hsum_avx2(_mm256_add_ps(a0[i], a1[i])) + corr[i];
+    for (int i = 0; i < mc; i++) res[i] = _mm256_add_ps(acc[i], corr[i]);
 }
 
-typedef void (*RowFn)(const Weights *, int64_t, const int8_t *, const float *, int64_t, const float *,
-                      const float *, int, float *);
+typedef void (*GroupFn)(const Weights *, int64_t, const int8_t *, const float *, const float *, int, __m256 *);
 
-// one function per (format, activation path), each with the row-of-x count unrolled for 4, 3, 2 and 1
-#define ROW_FN(F, I)                                                                                          \
-    AVX2 static void row_avx2_##F##_##I(const Weights *w, int64_t n, const int8_t *xq, const float *xf,      \
-                                        int64_t ld, const float *xd, const float *xs, int mc, float *out) { \
-        switch (mc) {                                                                                         \
-            case 4: row_avx2_mc(w, F, n, I, xq, xf, ld, xd, xs, 4, out); break;                               \
-            case 3: row_avx2_mc(w, F, n, I, xq, xf, ld, xd, xs, 3, out); break;                               \
-            case 2: row_avx2_mc(w, F, n, I, xq, xf, ld, xd, xs, 2, out); break;                               \
-            default: row_avx2_mc(w, F, n, I, xq, xf, ld, xd, xs, 1, out); break;                              \
-        }                                                                                                     \
+// one function per format, each with the row-of-x count unrolled for 4, 3, 2 and 1
+#define GROUP_FN(F)                                                                                         \
+    AVX2 static void group_avx2_##F(const Weights *w, int64_t g, const int8_t *xq, const float *xd,        \
+                                    const float *xs, int mc, __m256 *res) {                                 \
+        switch (mc) {                                                                                       \
+            case 4: group_avx2(w, F, g, xq, xd, xs, 4, res); break;                                         \
+            case 3: group_avx2(w, F, g, xq, xd, xs, 3, res); break;                                         \
+            case 2: group_avx2(w, F, g, xq, xd, xs, 2, res); break;                                         \
+            default: group_avx2(w, F, g, xq, xd, xs, 1, res); break;                                        \
+        }                                                                                                   \
     }
-ROW_FN(Q8_0, 0) ROW_FN(Q8_0, 1) ROW_FN(Q4_0, 0) ROW_FN(Q4_0, 1) ROW_FN(Q4_1, 0) ROW_FN(Q4_1, 1)
-ROW_FN(Q5_0, 0) ROW_FN(Q5_0, 1) ROW_FN(Q5_1, 0) ROW_FN(Q5_1, 1)
+GROUP_FN(Q8_0) GROUP_FN(Q4_0) GROUP_FN(Q4_1) GROUP_FN(Q5_0) GROUP_FN(Q5_1)
 
-static RowFn row_avx2(int fmt, int int8) {
+static GroupFn group_fn(int fmt) {
     switch (fmt) {
-        case Q8_0: return int8 ? row_avx2_Q8_0_1 : row_avx2_Q8_0_0;
-        case Q4_0: return int8 ? row_avx2_Q4_0_1 : row_avx2_Q4_0_0;
-        case Q4_1: return int8 ? row_avx2_Q4_1_1 : row_avx2_Q4_1_0;
-        case Q5_0: return int8 ? row_avx2_Q5_0_1 : row_avx2_Q5_0_0;
-        default: return int8 ? row_avx2_Q5_1_1 : row_avx2_Q5_1_0;
+        case Q8_0: return group_avx2_Q8_0;
+        case Q4_0: return group_avx2_Q4_0;
+        case Q4_1: return group_avx2_Q4_1;
+        case Q5_0: return group_avx2_Q5_0;
+        default: return group_avx2_Q5_1;
     }
 }
 
-AVX2 static void dequant_row_avx2(const Weights *w, int64_t n, float *out) {
-    float d[CHUNK], m[CHUNK];
+// rows 8g .. 8g + count - 1 (those of rows_wanted in the group) dequantized into out (row stride cols)
+AVX2 static void dequant_group_avx2(const Weights *w, int64_t g, int first, int count, float *out, int64_t ld) {
     const int sgn = w->fmt == Q8_0 || w->offset;
-    for (int64_t b0 = 0; b0 < w->nb; b0 += CHUNK) {
-        int bc = w->nb - b0 < CHUNK ? (int)(w->nb - b0) : CHUNK;
-        scales_avx2(w->d + n * w->nb + b0, bc, d);
-        if (w->m) scales_avx2(w->m + n * w->nb + b0, bc, m);
-        for (int j = 0; j < bc; j++) {
-            __m256i q = expand_avx2(w->fmt, w->qs + n * w->nb * w->qs_bytes, w->qh ? w->qh + n * w->nb : NULL, b0 + j);
-            if (w->offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)w->offset));
-            __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-            __m256 dv = _mm256_set1_ps(d[j]);
-            float *o = out + (b0 + j) * 32;
+    for (int64_t b = 0; b < w->nb; b++) {
+        __m256i v[8];
+        uint32_t chunks[8][8];  // [chunk][row]
+        expand_avx2(w->fmt, w->qs + (g * w->nb + b) * 8 * w->qb, w->qh ? w->qh + (g * w->nb + b) * 8 : NULL, v);
+        for (int c = 0; c < 8; c++) {
+            if (w->offset) v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8((char)w->offset));
+            _mm256_storeu_si256((__m256i *)chunks[c], v[c]);
+        }
+        float d[8], m[8];
+        _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + (g * w->nb + b) * 8))));
+        if (w->m) _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + (g * w->nb + b) * 8))));
+        for (int r = first; r < first + count; r++) {
+            uint32_t row[8];
+            for (int c = 0; c < 8; c++) row[c] = chunks[c][r];
+            __m128i lo = _mm_loadu_si128((const __m128i *)row), hi = _mm_loadu_si128((const __m128i *)(row + 4));
+            __m128i h[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            float *o = out + (r - first) * ld + b * 32;
             for (int k = 0; k < 4; k++) {
-                __m256 v = _mm256_mul_ps(dv, widen_avx2(k & 1 ? _mm_srli_si128(h[k >> 1], 8) : h[k >> 1], sgn));
-                if (w->m) v = _mm256_add_ps(v, _mm256_set1_ps(m[j]));
-                _mm256_storeu_ps(o + 8 * k, v);
+                __m256 q = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(h[k]) : _mm256_cvtepu8_epi32(h[k]));
+                __m256 val = _mm256_mul_ps(_mm256_set1_ps(d[r]), q);
+                if (w->m) val = _mm256_add_ps(val, _mm256_set1_ps(m[r]));
+                _mm256_storeu_ps(o + 8 * k, val);
             }
         }
     }
@@ -306,20 +273,14 @@ static int avx2_supported(void) { return 0; }
 int duet_quant_simd(void) { return avx2_supported(); }
 
 // x [M, cols] (row stride x_s) -> xq int8 [M, cols], xd = amax / 127 and xs = xd * sum(xq) per block [M, nb]
-// (llama.cpp's quantize_row_q8_1: round to nearest even); the fp32 path needs only xs = sum(x) per block.
-static void prepare_x(const float *x, int64_t x_s, int64_t M, int64_t cols, int int8, int8_t *xq, float *xd,
-                      float *xs, int num_threads) {
+// (llama.cpp's quantize_row_q8_1: round to nearest even)
+static void prepare_x(const float *x, int64_t x_s, int64_t M, int64_t cols, int8_t *xq, float *xd, float *xs,
+                      int num_threads) {
     int64_t nb = cols / 32;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * cols >= 65536)
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + i * x_s + b * 32;
-            if (!int8) {
-                float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += v[j];
-                xs[i * nb + b] = s;
-                continue;
-            }
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
             float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -334,35 +295,42 @@ static void prepare_x(const float *x, int64_t x_s, int64_t M, int64_t cols, int 
 // out[i * o_s + n] = x[i] . w[n] (+ bias[n]); returns 0, or 1 when scratch memory could not be allocated
 int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                       int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
-                      float *out, int64_t o_s, int int8, int force_scalar, int num_threads) {
+                      float *out, int64_t o_s, int force_scalar, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
-    int64_t nb = w.nb;
-    int8_t *xq = int8 ? malloc((size_t)(M * cols)) : NULL;
+    int64_t nb = w.nb, groups = (rows + 7) / 8;
+    int8_t *xq = malloc((size_t)(M * cols));
     float *xd = malloc(sizeof(float) * (size_t)(M * nb * 2 + 1));
-    if ((int8 && !xq) || !xd) {
+    if (!xq || !xd) {
         free(xq);
         free(xd);
         return 1;
     }
     float *xs = xd + M * nb;
-    prepare_x(x, x_s, M, cols, int8, xq, xd, xs, num_threads);
-    const int64_t ld = int8 ? cols : x_s;
+    prepare_x(x, x_s, M, cols, xq, xd, xs, num_threads);
 #ifdef HAVE_X86
-    RowFn simd = !force_scalar && avx2_supported() ? row_avx2(fmt, int8) : NULL;
+    GroupFn simd = !force_scalar && avx2_supported() ? group_fn(fmt) : NULL;
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
-    for (int64_t n = 0; n < rows; n++) {
-        float res[MT];
+    for (int64_t g = 0; g < groups; g++) {
+        int count = rows - g * 8 < 8 ? (int)(rows - g * 8) : 8;
         for (int64_t i0 = 0; i0 < M; i0 += MT) {
             int mc = M - i0 < MT ? (int)(M - i0) : MT;
-            const int8_t *q8 = int8 ? xq + i0 * cols : NULL;
-            const float *xf = x + i0 * x_s;
+            float res[MT][8];
 #ifdef HAVE_X86
-            if (simd) simd(&w, n, q8, xf, ld, xd + i0 * nb, xs + i0 * nb, mc, res);
-            else
+            if (simd) {
+                __m256 v[MT];
+                simd(&w, g, xq + i0 * cols, xd + i0 * nb, xs + i0 * nb, mc, v);
+                for (int i = 0; i < mc; i++) _mm256_storeu_ps(res[i], v[i]);
+            } else
 #endif
-                row_scalar(&w, n, int8, q8, xf, ld, xd + i0 * nb, xs + i0 * nb, mc, res);
-            for (int i = 0; i < mc; i++) out[(i0 + i) * o_s + n] = res[i] + (bias ? bias[n] : 0.0f);
+                for (int r = 0; r < count; r++) {
+                    float one[MT];
+                    row_scalar(&w, g * 8 + r, xq + i0 * cols, xd + i0 * nb, xs + i0 * nb, mc, one);
+                    for (int i = 0; i < mc; i++) res[i][r] = one[i];
+                }
+            for (int i = 0; i < mc; i++)
+                for (int r = 0; r < count; r++)
+                    out[(i0 + i) * o_s + g * 8 + r] = res[i][r] + (bias ? bias[g * 8 + r] : 0.0f);
         }
     }
     free(xq);
@@ -377,13 +345,22 @@ void duet_quant_dequantize(int fmt, const uint8_t *qs, const uint32_t *qh, const
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
     const int simd = !force_scalar && avx2_supported();
     (void)simd;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
-    for (int64_t i = 0; i < count; i++) {
-        int64_t n = ids ? ids[i] : row0 + i;
 #ifdef HAVE_X86
-        if (simd) dequant_row_avx2(&w, n, out + i * cols);
-        else
-#endif
-            dequant_row_scalar(&w, n, out + i * cols);
+    if (simd && !ids) {  // a run of rows: whole groups at once
+        int64_t g0 = row0 / 8, g1 = (row0 + count + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
+        for (int64_t g = g0; g < g1; g++) {
+            int64_t lo = g * 8 > row0 ? g * 8 : row0, hi = g * 8 + 8 < row0 + count ? g * 8 + 8 : row0 + count;
+            dequant_group_avx2(&w, g, (int)(lo - g * 8), (int)(hi - lo), out + (lo - row0) * cols, cols);
+        }
+        return;
     }
+    if (simd) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
+        for (int64_t i = 0; i < count; i++) dequant_group_avx2(&w, ids[i] / 8, (int)(ids[i] % 8), 1, out + i * cols, cols);
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
+    for (int64_t i = 0; i < count; i++) dequant_row_scalar(&w, ids ? ids[i] : row0 + i, out + i * cols);
 }

@@ -2,8 +2,9 @@
 
 Every format of kernels/quant.GGUF_BLOCKS: dequantize_ref is bit-exact with ``gguf.dequantize`` on random bytes
 (finite fp16 scales, subnormals among them); pack/unpack gives the bytes back and the packed form dequantizes to
-exactly the reference (AVX2 and scalar); linear at M = 1, 3, 16, 64 with an odd row count, bias, widths with and
-without a partial scale chunk, both activation paths, AVX2 and scalar; embedding rows; bad input.
+exactly the reference (AVX2 and scalar), whole or a run of rows; linear at M = 1, 3, 16, 64 with a row count that
+leaves a partial group of 8, bias, the int8 kernel and the fp32 tiles + GEMM, AVX2 and scalar; embedding rows;
+bad input.
 """
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ def test_dequantize_ref_matches_gguf_bit_exactly(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scalar", PATHS)
 def test_pack_is_lossless(fmt, scalar, two_threads):
-    w = random_bytes(fmt, 300, 2112, seed=2)  # 66 blocks: a full and a partial chunk of 64 scales
+    w = random_bytes(fmt, 301, 96, seed=2)  # 37 groups of 8 rows and one of 5
     p = cpu_quant.pack(w)
     assert torch.equal(cpu_quant.unpack(p).data, w.data)
-    assert p.num_bytes == w.num_bytes
+    assert p.num_bytes == w.num_bytes // 301 * 304  # the last group's 3 padding rows
     assert torch.equal(cpu_quant.dequantize(p, scalar=scalar), dequantize_ref(w))
+    for r0, n in ((3, 9), (296, 5), (8, 8)):  # runs of rows that start and end inside groups (prefill tiles)
+        assert torch.equal(cpu_quant._dequantize_rows(p, None, r0, n, scalar), dequantize_ref(w)[r0:r0 + n])
 
 
 def _assert_linear_close(out, ref, acts):
@@ -76,10 +79,10 @@ def _assert_linear_close(out, ref, acts):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
-@pytest.mark.parametrize("acts", ["int8", "fp32", None])  # None: the default (M >= GEMM_ROWS: tiles + GEMM)
+@pytest.mark.parametrize("acts", ["int8", "fp32", None])  # fp32, and None at M >= GEMM_ROWS: tiles + GEMM
 @pytest.mark.parametrize("scalar", PATHS)
 def test_linear_matches_reference(fmt, m, acts, scalar, two_threads):
-    cols = 2112 if m == 3 else 160
+    cols = 1024 if m == 3 else 160
     w = quantized(fmt, 37, cols, seed=m)
     gen = torch.Generator().manual_seed(10 + m)
     x, bias = torch.randn(m, cols, generator=gen), torch.randn(37, generator=gen)
