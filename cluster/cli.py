@@ -27,6 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--quantization", default=None, choices=["w8a16"])
+    _add_quantized_args(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     _add_kv_size_args(p)
@@ -51,12 +52,23 @@ def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
                    help="the share of memory the automatic size takes (default 0.9 of a GPU, 0.25 of free RAM)")
 
 
+def _add_quantized_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """``serve``: no defaults (the config file's values, else EngineConfig's, stand unless a flag is given)."""
+    p.add_argument("--quantized-weights", choices=["auto", "dense"], default=None if serve else "auto",
+                   help="a GGUF file's quantized weights: kept packed where the kernels take them (auto), or "
+                        "dequantized at load (dense)")
+    p.add_argument("--quantized-activations", choices=["fp32", "int8"], default=None if serve else "fp32",
+                   help="the CPU kernels' activations against packed weights: fp32 (token-exact with the dense "
+                        "model) or int8 per 32-block (llama.cpp's scheme: faster, not token-exact)")
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from engine.config import EngineConfig
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
         quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
+        quantized_weights=args.quantized_weights, quantized_activations=args.quantized_activations,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching,
@@ -125,6 +137,8 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
         "engine.max_model_len": args.max_model_len,
+        "engine.quantized_weights": args.quantized_weights,
+        "engine.quantized_activations": args.quantized_activations,
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
         "engine.speculative_config": args.speculative_config,
@@ -191,6 +205,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="device KV blocks per worker (overrides the byte sizes)")
+    _add_quantized_args(p, serve=True)
     p.add_argument("--max-model-len", type=int, help="the served context (default: the model's; a LongRoPE "
                    "request takes the long factors when its prompt + max_tokens exceed the pre-training length)")
     _add_kv_size_args(p)

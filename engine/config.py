@@ -190,6 +190,9 @@ class EngineConfig:
     # a quantized checkpoint's weights (GGUF blocks): "auto" keeps those the kernel backend takes packed
     # (engine/loading/quantized.py); "dense" dequantizes every one at load (the reference for the packed path)
     quantized_weights: str = "auto"
+    # what the CPU kernels multiply packed weights with: "fp32" activations (token-exact with the dense model on
+    # the dequantized weights) or "int8" per 32-block (llama.cpp's scheme: faster, not token-exact; the cpu backend)
+    quantized_activations: str = "fp32"
     # ranks the model is split over (engine/models/tensor_parallel.py); a worker of N ranks is N processes
     # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads
     tensor_parallel_size: int = 1
@@ -246,6 +249,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
         if self.quantized_weights not in ("auto", "dense"):
             raise ConfigError(f"quantized_weights must be 'auto' or 'dense', got {self.quantized_weights!r}")
+        if self.quantized_activations not in ("fp32", "int8"):
+            raise ConfigError(f"quantized_activations must be 'fp32' or 'int8', got {self.quantized_activations!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

@@ -20,6 +20,7 @@ instead: ``resolve_backend`` returns the reason, the runner logs it and the work
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -105,11 +106,17 @@ def _load_native() -> None:
     cpu_native.load()
 
 
-def get_ops(backend: str, device: str = "cpu") -> KernelOps:
+def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32") -> KernelOps:
+    """``quantized_activations`` (EngineConfig's): "int8" makes the cpu backend's quantized linear quantize its
+    activations per 32-block (llama.cpp's scheme); the other backends take fp32 only."""
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
+    if quantized_activations != "fp32" and backend != "cpu":
+        raise ConfigError(f"quantized_activations {quantized_activations!r} needs the cpu kernel backend, "
+                          f"not {backend}")
+
     if backend == "cpu":
-        from kernels import cpu_native
+        from kernels import cpu_native, cpu_quant
 
         if not cpu_native.onednn_available():
             log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
@@ -125,6 +132,9 @@ def get_ops(backend: str, device: str = "cpu") -> KernelOps:
             silu_mul=cpu_native.silu_mul,
             pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
             linear_packed=cpu_native.linear_packed,
+            quant_formats=frozenset(cpu_quant.GGUF_BLOCKS),  # kernels/cpu/quant.c
+            pack_quant=cpu_quant.pack, quant_rows=cpu_quant.rows,
+            quant_linear=functools.partial(cpu_quant.linear, activations=quantized_activations),
         )
     if backend == "torch":
         from kernels import quant

@@ -54,3 +54,18 @@ def test_greedy_equals_transformers(checkpoint, smollm2_gguf, smollm2_dir, smoll
         assert res["text"] == ref.text(want)
     assert "Paris" in results[0]["text"]
     engine.pool.check()
+
+
+def test_gguf_weights_stay_packed_in_the_files_bytes(smollm2_gguf):
+    """Issue 48: the Q4_1 projections and the Q8_0 token table (the tied head) stay in their blocks: resident weight
+    bytes within 1.15x of the file's quantized tensor bytes, and no dense copy beside them (the norms only)."""
+    from engine.loading.gguf import open_gguf
+    from kernels.quant import GGUF_BLOCKS
+
+    model = Engine(EngineConfig(model=str(smollm2_gguf), num_blocks=16)).runner.model
+    quantized = sum(int(t.n_bytes) for t in open_gguf(smollm2_gguf)._reader.tensors if t.tensor_type.name in GGUF_BLOCKS)
+    packed = {id(m.quant): m.quant.num_bytes for m in model.modules() if getattr(m, "quant", None) is not None}
+    assert model.embed_quant is not None and id(model.embed_quant) in packed  # the tied head is the table
+    assert quantized <= sum(packed.values()) <= 1.15 * quantized
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert dense == (2 * model.cfg.num_layers + 1) * model.cfg.hidden_size * 4  # the RMSNorm weights, fp32
