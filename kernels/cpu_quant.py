@@ -6,26 +6,42 @@ the Q5 high bits, fp16 scales and mins in arrays apart, [groups, nb, 8]. Same by
 group's padding rows (``num_bytes``); ``unpack`` gives the file's bytes back exactly and ``dequantize(pack(w))``
 is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 
-``linear(x, p, bias)`` picks by M (rows of x):
-- M < ``GEMM_ROWS``: the C kernel, llama.cpp's method: x quantized per 32-block to int8 (amax / 127), integer
+``linear(x, p, bias, activations=)`` picks by activations (default ``ACTIVATIONS``, "fp32") and M (rows of x):
+- "fp32", M < ``GEMM_ROWS_FP32`` (the default; token-exact): the C GEMV on fp32 x. Each packed byte read from
+  memory once per call for the whole batch; per block, the 32 weights of a group's 8 rows widened in registers
+  (byte -> int32 -> float, Q5 with its high bit, Q4_0 / Q5_0 their offset taken off in the bytes: exact),
+  FMAed against x in fp32, the block's sum times its fp16 scale (F16C), plus for *_1 min * sum(x) (per-block
+  sums of x once per call); OpenMP over groups. A reordering of ``quant_linear_ref``'s fp32 sums: the reference
+  rounds w = q * d + m first (two roundings) and sums x * w, here sum(x * q) * d + m * sum(x). Error vs the
+  reference: ~3e-7 to 5e-7 of the output's RMS (tests bound it at 1e-5). SmolLM2-135M Q4_1, 8 prompts x 64
+  greedy tokens: identical to the dense model (quantized_weights="dense") on all 512.
+- "int8", M < ``GEMM_ROWS``: llama.cpp's method: x quantized per 32-block to int8 (amax / 127), integer
   dots (_mm256_maddubs_epi16) whose 8 lanes are a group's 8 rows, one scale FMA per block and group; each packed
   byte read from memory once per call; OpenMP over groups (torch.get_num_threads()). Error vs
   ``quant_linear_ref``: 8-bit activations, ~5e-3 of the output's RMS (576x576 Q4_1 and Q8_0, Gaussian x; the
-  tests bound it at 1e-2). On SmolLM2-135M Q4_1 greedy tokens drift from the fp32 path's: 8 prompts x 64 tokens
-  stayed identical for 1 to 52 tokens (the fp32 path: all 64, = the dense model).
-- M >= ``GEMM_ROWS``, or ``activations="fp32"``: tiles of weight rows dequantized (C) then torch's fp32 GEMM:
-  exactly ``quant_linear_ref``'s math.
-Both have a scalar twin, taken when the CPU lacks AVX2/FMA/F16C or forced (``scalar=True``, DUET_QUANT_SCALAR=1).
+  tests bound it at 1e-2). Faster, but on SmolLM2-135M Q4_1 greedy tokens drift from the dense model's: 8
+  prompts x 64 tokens stayed identical for 1 to 52 tokens.
+- "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
+  (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
+All have a scalar twin, taken when the CPU lacks AVX2/FMA/F16C or forced (``scalar=True``, DUET_QUANT_SCALAR=1).
 
 Measured on this 2-vCPU machine (lscpu: an Intel Xeon with AVX-512/VNNI; the kernels use AVX2 only), 2 threads,
-``python -m bench.kernels.quant_gemv --prefill`` (µs per call, weights cold; torch fp32 GEMM on the dense weight):
-  M=1:  576x576 Q4_1 11.5 vs 26.1; 1536x576 18.8 vs 80.7; 576x1536 20.5 vs 77.9; 49152x576 Q8_0 557 vs 2982
-        (18-54 GB/s of packed bytes; ratio 3.75). M=16: 53 vs 67, 111 vs 291, 131 vs 270, 4818 vs 9190.
-  Before the 8-row layout (one row at a time, commit 3e9d249) M=1 was 22 / 41 / 40 / 899 µs, and widening the
-  quants to fp32 in registers instead of int8 dots 26 / 56 / 53 / 1474: int8 won, the fp32 variant was dropped.
+``python -m bench.kernels.quant_gemv --prefill`` (µs per call, weights cold; int8 / fp32 kernel / torch fp32 GEMM
+on the dense weight):
+  M=1:  576x576 Q4_1 12.3 / 16.6 / 27.5; 1536x576 18.5 / 31.1 / 122.8; 576x1536 21.5 / 32.0 / 79.6;
+        49152x576 Q8_0 568 / 846 / 4067 (int8 16-53 GB/s of packed bytes, fp32 12-36 GB/s).
+  M=16: 55 / 90 / 73; 111 / 230 / 281; 131 / 214 / 290; 4950 / 6883 / 9373.
+  The fp32 kernel is bound by its vector ports, not memory: per 8 weights one shuffle, one int -> float
+  conversion and one FMA per row of x (hot weights, 1 thread, 1536x576 Q4_1 M=1: 45 µs vs int8's 22); a
+  variant masking the bytes in place (x prescaled by powers of 2) instead of the shuffle measured the same.
+  Before the 8-row layout (one row at a time, commit 3e9d249) int8 at M=1 was 22 / 41 / 40 / 899 µs and fp32
+  in registers 26 / 56 / 53 / 1474.
   GEMM_ROWS: int8 kernel vs tiles + GEMM, 1536x576 / 576x1536 Q4_1: M=64 405 vs 734 / 429 vs 500; M=128 754 vs
   763 / 817 vs 819; M=256 1511 vs 1496 / 1648 vs 1448; M=2048 15951 vs 10640 / 15830 vs 9714.
-  SmolLM2-135M Q4_1 batch-1 (engine, kernels=cpu, 128 tokens incl. prefill): 87 tok/s packed vs 28 dense.
+  GEMM_ROWS_FP32: fp32 kernel vs tiles + GEMM, same shapes: M=16 215 vs 228 / 216 vs 383; M=24 331 vs 269 /
+  341 vs 348; M=32 437 vs 304 / 420 vs 418; M=64 842 vs 677 / 811 vs 581.
+  SmolLM2-135M Q4_1 batch-1 (engine, kernels=cpu, 128 greedy tokens incl. prefill, best of 2): fp32 51-54 tok/s,
+  int8 79-82, dense (quantized_weights="dense") 27.
 """
 from __future__ import annotations
 
@@ -38,8 +54,9 @@ import torch
 from kernels.cpu_build import NativeKernelError, load
 from kernels.quant import BLOCK_SIZE, GGUF_BLOCKS, QuantWeight, block_format
 
-ACTIVATIONS = "int8"
-GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (measured: see above)
+ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
+GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
+GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
 _TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
 FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
 
@@ -109,9 +126,9 @@ def _lib() -> ctypes.CDLL:
         lib = load()
         lib.duet_quant_simd.restype = _INT
         lib.duet_quant_simd.argtypes = []
-        lib.duet_quant_linear.restype = _INT
-        lib.duet_quant_linear.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-                                          _I64, _INT, _INT]
+        for fn in (lib.duet_quant_linear, lib.duet_quant_linear_f32):
+            fn.restype = _INT
+            fn.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
         lib.duet_quant_dequantize.restype = None
         lib.duet_quant_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT,
                                               _INT]
@@ -169,16 +186,18 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     if acts not in ("int8", "fp32"):
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
     m = x.shape[0]
-    if acts == "fp32" or (m >= GEMM_ROWS and activations is None):
+    if m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS) and (acts == "fp32" or activations is None):
         return _linear_gemm(x, p, bias, scalar)
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
         return out
-    rc = _lib().duet_quant_linear(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
+    lib = _lib()
+    fn = lib.duet_quant_linear_f32 if acts == "fp32" else lib.duet_quant_linear
+    rc = fn(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
                                   bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
                                   _scalar(scalar), torch.get_num_threads())
     if rc:
-        raise NativeKernelError(f"duet_quant_linear failed (code {rc}: no scratch memory)")
+        raise NativeKernelError(f"{fn.__name__} failed (code {rc}: no scratch memory)")
     return out
 
 

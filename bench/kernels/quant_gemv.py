@@ -5,9 +5,12 @@
 Shapes of SmolLM2-135M (the default model): 576x576 (q, o), 1536x576 (gate, up), 576x1536 (down) in ``--fmt``
 and the 49152x576 LM head (the tied Q8_0 embedding) in ``--head-fmt``. Each shape cycles through enough copies
 of its weight that the fp32 ones do not stay in cache (a decode step reads 30 layers' weights once each).
-Prints per shape and M: microseconds per call of ``linear`` (its default path), of its fp32 path (tiles
-dequantized, then torch's GEMM) and of torch's fp32 GEMM on the dense weight, and GB/s of packed bytes; ``--prefill`` adds the M sweep that chose ``GEMM_ROWS``. The last line is
-``ratio: <quant / fp32 speed at M=1, geometric mean over the shapes>`` (``linear``'s default path).
+Prints per shape and M: microseconds per call of ``linear``'s two activation paths (``int8``: x quantized per
+block, integer dots; ``fp32``: quants widened to fp32 in registers, token-exact), GB/s of packed bytes of each,
+and of torch's fp32 GEMM on the dense weight; ``--prefill`` adds the M sweep that chose ``GEMM_ROWS`` (both
+kernels against tiles dequantized + torch's GEMM). The last line is
+``ratio: <quant / fp32 speed at M=1, geometric mean over the shapes>`` (``linear``'s default path,
+``cpu_quant.ACTIVATIONS``).
 Run it alone: on a small machine any other CPU-heavy process skews every number.
 """
 from __future__ import annotations
@@ -56,12 +59,13 @@ def _shape(fmt: str, rows: int, cols: int, ms: list[int]) -> float:
     for m in ms:
         x = torch.randn(m, cols)
         t_fp32 = _best_us(lambda i: torch.nn.functional.linear(x, dense[i]), copies)
-        t_quant = _best_us(lambda i: cpu_quant.linear(x, packed[i]), copies)
-        t_tiles = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="fp32"), copies)
-        print(f"{fmt} {rows:6d}x{cols:<5d} M={m:3d}  linear {t_quant:8.1f} us {nbytes / t_quant / 1e3:6.1f} GB/s"
-              f"  (fp32 tiles + GEMM {t_tiles:8.1f} us)  torch fp32 {t_fp32:8.1f} us  x{t_fp32 / t_quant:.2f}")
+        t_int8 = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="int8"), copies)
+        t_f32 = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="fp32"), copies)
+        print(f"{fmt} {rows:6d}x{cols:<5d} M={m:3d}  int8 {t_int8:8.1f} us {nbytes / t_int8 / 1e3:6.1f} GB/s"
+              f"  fp32 {t_f32:8.1f} us {nbytes / t_f32 / 1e3:6.1f} GB/s  torch dense {t_fp32:8.1f} us"
+              f"  x{t_fp32 / t_int8:.2f} / x{t_fp32 / t_f32:.2f}")
         if m == 1:
-            speedup_m1 = t_fp32 / t_quant
+            speedup_m1 = t_fp32 / (t_f32 if cpu_quant.ACTIVATIONS == "fp32" else t_int8)
     return speedup_m1
 
 
@@ -71,10 +75,12 @@ def _prefill(fmt: str, rows: int, cols: int) -> None:
     for m in (4, 8, 16, 24, 32, 48, 64, 128, 512):
         x = torch.randn(m, cols)
         kern = _best_us(lambda i: cpu_quant.linear(x, w, activations="int8"), 1, 3)
-        tiles = _best_us(lambda i: cpu_quant.linear(x, w, activations="fp32"), 1, 3)
+        f32 = (_best_us(lambda i: cpu_quant.linear(x, w, activations="fp32"), 1, 3) if m < cpu_quant.GEMM_ROWS_FP32
+               else math.nan)  # from GEMM_ROWS_FP32 on, fp32 is the tiles
+        tiles = _best_us(lambda i: cpu_quant._linear_gemm(x, w, None, None), 1, 3)
         dense_us = _best_us(lambda i: torch.nn.functional.linear(x, dense), 1, 3)
-        print(f"prefill {fmt} {rows}x{cols} M={m:4d}: int8 kernel {kern:9.1f} us  tiles+GEMM {tiles:9.1f} us  "
-              f"(dense fp32 GEMM {dense_us:9.1f} us)")
+        print(f"prefill {fmt} {rows}x{cols} M={m:4d}: int8 kernel {kern:9.1f} us  fp32 kernel {f32:9.1f} us  "
+              f"tiles+GEMM {tiles:9.1f} us  (dense fp32 GEMM {dense_us:9.1f} us)")
 
 
 def main() -> None:

@@ -17,6 +17,17 @@
 // byte is read from memory once per call and from L1 once per 4 rows of x.
 // The scalar twin (no AVX2/FMA/F16C, or forced) computes the same integer dots; only fp32 order differs.
 //
+// linear_f32 (activations="fp32", M < GEMM_ROWS): x stays fp32. Per block b of a group, each of the 32 weights
+// of the 8 rows is widened in registers (one pshufb puts byte j of each row on top of its int32 lane, then
+// cvtepi32_ps: q * 2^24 exactly, signed; Q4_0 / Q5_0 take their offset off in the bytes first, so q - offset is
+// exact) and FMAed against x_j broadcast; then, per block,
+//   acc += (d * 2^-24) * sum_j(x_j * q_j * 2^24)  [+ m * sum_j(x_j) for *_1, sums of x per block once per call]
+// Scaling by 2^24 is exact (no rounding changes), so this is quant_linear_ref's sum over the same products
+// reordered: the reference rounds w = q * d (+ m) first (two roundings) and sums x * w; here the block's
+// fp32 sum of x * q is scaled once and m * sum(x) added apart: within 1e-5 of the output's RMS (tests).
+// The scalar twin computes the same per-block sums in j order (one chain; the AVX2 kernel splits a block's
+// 32 products over 4 / 2 / 1 chains for 1 / 2 / 3-4 rows of x): only fp32 order differs.
+//
 // Compiled with -ffp-contract=off: dequantize is d * q + m in two roundings, as gguf-py (the reference).
 #include <math.h>
 #include <stdint.h>
@@ -113,6 +124,25 @@ static void row_scalar(const Weights *w, int64_t n, const int8_t *xq, const floa
             for (int j = 0; j < 32; j++) dot += q[j] * xb[j];
             out[i] += (float)dot * (d * xd[i * w->nb + b]);
             if (w->fmt != Q8_0) out[i] += c * xs[i * w->nb + b];
+        }
+    }
+}
+
+// out[i] = row n . x_i for the mc rows of x (fp32 [mc] rows of stride x_s; per-block sums xs [mc, nb])
+static void row_f32_scalar(const Weights *w, int64_t n, const float *x, int64_t x_s, const float *xs, int mc,
+                           float *out) {
+    int q[32];
+    for (int i = 0; i < mc; i++) out[i] = 0.0f;
+    for (int64_t b = 0; b < w->nb; b++) {
+        expand_scalar(w, n, b, q);
+        float d = half_to_float(w->d[at(w, n, b)]);
+        float m = w->m ? half_to_float(w->m[at(w, n, b)]) : 0.0f;
+        for (int i = 0; i < mc; i++) {
+            const float *xb = x + i * x_s + b * 32;
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += xb[j] * (float)(q[j] - w->offset);
+            out[i] += s * d;
+            if (w->m) out[i] += m * xs[i * w->nb + b];
         }
     }
 }
@@ -222,6 +252,84 @@ static GroupFn group_fn(int fmt) {
         case Q4_1: return group_avx2_Q4_1;
         case Q5_0: return group_avx2_Q5_0;
         default: return group_avx2_Q5_1;
+    }
+}
+
+// res[i] (lane r) = row 8g + r . x_i for mc rows of fp32 x (row stride x_s), the fp32-activation kernel;
+// inlined with constant fmt and mc. S chains per row of x keep the FMA latency hidden at small mc.
+AVX2 static inline __attribute__((always_inline)) void group_f32_avx2(
+    const Weights *w, const int fmt, int64_t g, const float *x, int64_t x_s, const float *xs, const int mc,
+    __m256 *res) {
+    enum { S_MAX = 4 };
+    const int S = mc == 1 ? 4 : mc == 2 ? 2 : 1;
+    const int64_t nb = w->nb;
+    // byte t of each int32 lane moved to its top byte, the rest zero: lane = q << 24 (signed)
+    const __m256i top[4] = {
+        _mm256_set_epi8(12, -1, -1, -1, 8, -1, -1, -1, 4, -1, -1, -1, 0, -1, -1, -1,
+                        12, -1, -1, -1, 8, -1, -1, -1, 4, -1, -1, -1, 0, -1, -1, -1),
+        _mm256_set_epi8(13, -1, -1, -1, 9, -1, -1, -1, 5, -1, -1, -1, 1, -1, -1, -1,
+                        13, -1, -1, -1, 9, -1, -1, -1, 5, -1, -1, -1, 1, -1, -1, -1),
+        _mm256_set_epi8(14, -1, -1, -1, 10, -1, -1, -1, 6, -1, -1, -1, 2, -1, -1, -1,
+                        14, -1, -1, -1, 10, -1, -1, -1, 6, -1, -1, -1, 2, -1, -1, -1),
+        _mm256_set_epi8(15, -1, -1, -1, 11, -1, -1, -1, 7, -1, -1, -1, 3, -1, -1, -1,
+                        15, -1, -1, -1, 11, -1, -1, -1, 7, -1, -1, -1, 3, -1, -1, -1)};
+    const __m256 unscale = _mm256_set1_ps(5.9604644775390625e-08f);  // 2^-24
+    __m256 acc[MT];
+    for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i v[8];
+        expand_avx2(fmt, w->qs + (g * nb + b) * 8 * w->qb, w->qh ? w->qh + (g * nb + b) * 8 : NULL, v);
+        if (fmt == Q4_0 || fmt == Q5_0) {  // q - offset, exact in the bytes (signed)
+            const __m256i off = _mm256_set1_epi8(fmt == Q4_0 ? 8 : 16);
+            for (int c = 0; c < 8; c++) v[c] = _mm256_sub_epi8(v[c], off);
+        }
+        __m256 bs[MT][S_MAX];
+        for (int i = 0; i < mc; i++)
+            for (int s = 0; s < S; s++) bs[i][s] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++)
+            for (int t = 0; t < 4; t++) {  // weight 4c + t of the 8 rows
+                __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v[c], top[t]));
+                for (int i = 0; i < mc; i++)
+                    bs[i][t % S] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + i * x_s + b * 32 + 4 * c + t),
+                                                   bs[i][t % S]);
+            }
+        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + (g * nb + b) * 8))),
+                                 unscale);
+        for (int i = 0; i < mc; i++) {
+            __m256 s = bs[i][0];
+            if (S == 4) s = _mm256_add_ps(_mm256_add_ps(bs[i][0], bs[i][1]), _mm256_add_ps(bs[i][2], bs[i][3]));
+            if (S == 2) s = _mm256_add_ps(bs[i][0], bs[i][1]);
+            acc[i] = _mm256_fmadd_ps(s, d, acc[i]);
+        }
+        if (fmt == Q4_1 || fmt == Q5_1) {
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + (g * nb + b) * 8)));
+            for (int i = 0; i < mc; i++) acc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + i * nb + b), acc[i]);
+        }
+    }
+    for (int i = 0; i < mc; i++) res[i] = acc[i];
+}
+
+typedef void (*GroupF32Fn)(const Weights *, int64_t, const float *, int64_t, const float *, int, __m256 *);
+
+#define GROUP_F32_FN(F)                                                                                     \
+    AVX2 static void group_f32_avx2_##F(const Weights *w, int64_t g, const float *x, int64_t x_s,          \
+                                        const float *xs, int mc, __m256 *res) {                             \
+        switch (mc) {                                                                                       \
+            case 4: group_f32_avx2(w, F, g, x, x_s, xs, 4, res); break;                                     \
+            case 3: group_f32_avx2(w, F, g, x, x_s, xs, 3, res); break;                                     \
+            case 2: group_f32_avx2(w, F, g, x, x_s, xs, 2, res); break;                                     \
+            default: group_f32_avx2(w, F, g, x, x_s, xs, 1, res); break;                                    \
+        }                                                                                                   \
+    }
+GROUP_F32_FN(Q8_0) GROUP_F32_FN(Q4_0) GROUP_F32_FN(Q4_1) GROUP_F32_FN(Q5_0) GROUP_F32_FN(Q5_1)
+
+static GroupF32Fn group_f32_fn(int fmt) {
+    switch (fmt) {
+        case Q8_0: return group_f32_avx2_Q8_0;
+        case Q4_0: return group_f32_avx2_Q4_0;
+        case Q4_1: return group_f32_avx2_Q4_1;
+        case Q5_0: return group_f32_avx2_Q5_0;
+        default: return group_f32_avx2_Q5_1;
     }
 }
 
@@ -335,6 +443,55 @@ int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint
     }
     free(xq);
     free(xd);
+    return 0;
+}
+
+// the fp32-activation kernel: out[i * o_s + n] = x[i] . w[n] (+ bias[n]) with x in fp32 (see the top);
+// returns 0, or 1 when scratch memory could not be allocated
+int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
+                          int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
+                          float *out, int64_t o_s, int force_scalar, int num_threads) {
+    Weights w = weights(fmt, qs, qh, d, m, cols / 32);
+    int64_t nb = w.nb, groups = (rows + 7) / 8;
+    float *xs = NULL;
+    if (m) {  // *_1: sum(x) per block, once per call
+        xs = malloc(sizeof(float) * (size_t)(M * nb + 1));
+        if (!xs) return 1;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[i * x_s + b * 32 + j];
+                xs[i * nb + b] = s;
+            }
+    }
+#ifdef HAVE_X86
+    GroupF32Fn simd = !force_scalar && avx2_supported() ? group_f32_fn(fmt) : NULL;
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
+    for (int64_t g = 0; g < groups; g++) {
+        int count = rows - g * 8 < 8 ? (int)(rows - g * 8) : 8;
+        for (int64_t i0 = 0; i0 < M; i0 += MT) {
+            int mc = M - i0 < MT ? (int)(M - i0) : MT;
+            const float *xi = x + i0 * x_s, *si = xs ? xs + i0 * nb : NULL;
+            float res[MT][8];
+#ifdef HAVE_X86
+            if (simd) {
+                __m256 v[MT];
+                simd(&w, g, xi, x_s, si, mc, v);
+                for (int i = 0; i < mc; i++) _mm256_storeu_ps(res[i], v[i]);
+            } else
+#endif
+                for (int r = 0; r < count; r++) {
+                    float one[MT];
+                    row_f32_scalar(&w, g * 8 + r, xi, x_s, si, mc, one);
+                    for (int i = 0; i < mc; i++) res[i][r] = one[i];
+                }
+            for (int i = 0; i < mc; i++)
+                for (int r = 0; r < count; r++)
+                    out[(i0 + i) * o_s + g * 8 + r] = res[i][r] + (bias ? bias[g * 8 + r] : 0.0f);
+        }
+    }
+    free(xs);
     return 0;
 }
 

@@ -3,8 +3,8 @@
 Every format of kernels/quant.GGUF_BLOCKS: dequantize_ref is bit-exact with ``gguf.dequantize`` on random bytes
 (finite fp16 scales, subnormals among them); pack/unpack gives the bytes back and the packed form dequantizes to
 exactly the reference (AVX2 and scalar), whole or a run of rows; linear at M = 1, 3, 16, 64 with a row count that
-leaves a partial group of 8, bias, the int8 kernel and the fp32 tiles + GEMM, AVX2 and scalar; embedding rows;
-bad input.
+leaves a partial group of 8, bias, the int8 kernel, the fp32 kernel (forced at every M, relative RMS error
+1e-5) and the fp32 tiles + GEMM, AVX2 and scalar; embedding rows; bad input.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FORMATS = list(GGUF_BLOCKS)
 PATHS = [False, True]  # scalar: the AVX2 path (where the CPU has it), then the forced scalar twin
 FP32_TOL = 1e-5  # max |error| / max |reference|: reordered fp32 sums
 INT8_TOL = 1e-2  # RMS error / RMS of the reference: 8-bit activations per 32-block
+FP32_KERNEL_TOL = 1e-5  # RMS error / RMS of the reference: the fp32 kernel's reordered sums (measured ~5e-7)
 
 
 @pytest.fixture
@@ -91,6 +92,47 @@ def test_linear_matches_reference(fmt, m, acts, scalar, two_threads):
     _assert_linear_close(out, quant_linear_ref(x, w, bias), path)
     no_bias = cpu_quant.linear(x, cpu_quant.pack(w), activations=acts, scalar=scalar)
     _assert_linear_close(no_bias, quant_linear_ref(x, w), path)
+
+
+def _rel_rms(out, ref):
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("scalar", PATHS)
+def test_fp32_kernel_matches_reference(fmt, m, scalar, two_threads, monkeypatch):
+    monkeypatch.setattr(cpu_quant, "GEMM_ROWS_FP32", 1 << 30)  # the kernel at every M (no tiles + GEMM)
+    called = []
+    real = cpu_quant._linear_gemm
+    monkeypatch.setattr(cpu_quant, "_linear_gemm", lambda *a: called.append(1) or real(*a))
+    cols = 1024 if m == 3 else 576
+    for rows in (37, 5, 64):  # a partial last group, a lone partial group, whole groups
+        w = quantized(fmt, rows, cols, seed=100 + m + rows)
+        gen = torch.Generator().manual_seed(20 + m)
+        x, bias = torch.randn(m, cols, generator=gen), torch.randn(rows, generator=gen)
+        p = cpu_quant.pack(w)
+        for b in (bias, None):
+            ref = quant_linear_ref(x, w, b)
+            assert _rel_rms(cpu_quant.linear(x, p, b, activations="fp32", scalar=scalar), ref) < FP32_KERNEL_TOL
+    strided = torch.randn(m, cols + 64)[:, 32:32 + cols]  # rows of x strided
+    assert _rel_rms(cpu_quant.linear(strided, p, activations="fp32", scalar=scalar),
+                    quant_linear_ref(strided, w)) < FP32_KERNEL_TOL
+    assert not called
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp32_kernel_scalar_twin_and_default(fmt, two_threads, monkeypatch):
+    w = quantized(fmt, 19, 576, seed=6)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(6)) * 3 + 0.5  # sum(x) per block far from 0
+    p = cpu_quant.pack(w)
+    simd = cpu_quant.linear(x, p)  # the default: fp32
+    assert cpu_quant.ACTIVATIONS == "fp32"
+    monkeypatch.setattr(cpu_quant, "FORCE_SCALAR", True)
+    scalar = cpu_quant.linear(x, p)
+    ref = quant_linear_ref(x, w)
+    assert _rel_rms(simd, ref) < FP32_KERNEL_TOL and _rel_rms(scalar, ref) < FP32_KERNEL_TOL
+    assert _rel_rms(simd, scalar) < FP32_KERNEL_TOL
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
