@@ -17,8 +17,8 @@
 // byte is read from memory once per call and from L1 once per 4 rows of x.
 // The scalar twin (no AVX2/FMA/F16C, or forced) computes the same integer dots; only fp32 order differs.
 //
-// linear_f32 (activations="fp32", M < GEMM_ROWS): x stays fp32. Per block b of a group, each of the 32 weights
-// of the 8 rows is widened in registers (one pshufb puts byte j of each row on top of its int32 lane, then
+// linear_f32 (activations="fp32", M < GEMM_ROWS_FP32): x stays fp32. Per block b of a group, each of the 32
+// weights of the 8 rows is widened in registers (one pshufb puts byte j of each row on top of its int32 lane, then
 // cvtepi32_ps: q * 2^24 exactly, signed; Q4_0 / Q5_0 take their offset off in the bytes first, so q - offset is
 // exact) and FMAed against x_j broadcast; then, per block,
 //   acc += (d * 2^-24) * sum_j(x_j * q_j * 2^24)  [+ m * sum_j(x_j) for *_1, sums of x per block once per call]
