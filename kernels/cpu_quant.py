@@ -179,14 +179,15 @@ def _check_x(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> None
 
 
 def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
-           activations: str | None = None, scalar: bool | None = None) -> torch.Tensor:
-    """``x [M, cols] @ Wᵀ (+ bias)`` -> [M, rows] float32, W the dequantized weight (see the module docstring)."""
+           activations: str | None = None, scalar: bool | None = None, tiles: bool = True) -> torch.Tensor:
+    """``x [M, cols] @ Wᵀ (+ bias)`` -> [M, rows] float32, W the dequantized weight (see the module docstring).
+    ``tiles`` False: the GEMV kernel at every M (benchmarks), never the dequantized tiles + GEMM."""
     _check_x(x, p, bias)
     acts = activations or ACTIVATIONS
     if acts not in ("int8", "fp32"):
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
     m = x.shape[0]
-    if m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS) and (acts == "fp32" or activations is None):
+    if tiles and m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS):
         return _linear_gemm(x, p, bias, scalar)
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
@@ -194,8 +195,8 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     lib = _lib()
     fn = lib.duet_quant_linear_f32 if acts == "fp32" else lib.duet_quant_linear
     rc = fn(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
-                                  bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                                  _scalar(scalar), torch.get_num_threads())
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
+            _scalar(scalar), torch.get_num_threads())
     if rc:
         raise NativeKernelError(f"{fn.__name__} failed (code {rc}: no scratch memory)")
     return out

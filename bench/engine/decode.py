@@ -14,7 +14,10 @@ embedding rows a step looks up and activations are left out, so the fraction is 
 
 Baseline, timed in the same run on the same engine settings: on CUDA, the same engine without CUDA graphs
 (``cuda_graph_max_batch=0``: every decode kernel launched from Python); on a CPU (no graphs), the torch
-reference kernels (``kernels=torch``). Last line: ``ratio: <duet / baseline decode tok/s>`` at the largest batch.
+reference kernels (``kernels=torch``). A GGUF model on a CPU also runs two more sides: its quantized weights
+dequantized at load (``quantized_weights=dense``: fp32, what duet did before issue 48) and packed with int8
+activations (``quantized_activations=int8``, llama.cpp's scheme); the packed side's speed over the dense one is
+printed. Last line: ``ratio: <duet / baseline decode tok/s>`` at the largest batch.
 
     python -m bench.engine.decode [--device cuda] [--dtype bfloat16] [--model PATH] [--tiny]
 """
@@ -55,7 +58,9 @@ def weight_bytes(model) -> int:
 
     total = 0
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear) and m.quant is not None:  # a GGUF weight kept in its blocks (a tied head too)
+            total += m.quant.num_bytes
+        elif isinstance(m, Linear):
             for t in (m.packed, m.qweight, m.scales, m.weight, m.bias):
                 if t is not None and (t is not m.weight or m.packed is None):  # a tied head keeps its table
                     total += t.numel() * t.element_size()
@@ -158,6 +163,10 @@ def main() -> None:
     base = dict(model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
                 max_num_batched_tokens=max(2048, args.context), kv_cache_bytes=kv_bytes, enable_prefix_caching=False)
     sides = {"duet": EngineConfig(**base)}
+    gguf_on_cpu = not on_cuda and str(model).endswith(".gguf")
+    if gguf_on_cpu:  # issue 48: packed weights against the same weights dequantized, same run
+        sides["duet, int8 activations"] = EngineConfig(**base, quantized_activations="int8")
+        sides["duet, weights dequantized (fp32)"] = EngineConfig(**base, quantized_weights="dense")
     baseline = "eager (no CUDA graphs)" if on_cuda else "torch reference kernels"
     sides[baseline] = EngineConfig(**base, cuda_graph_max_batch=0) if on_cuda else EngineConfig(**base, kernels="torch")
     dev_name = torch.cuda.get_device_name() if on_cuda else platform.processor() or platform.machine()
@@ -186,6 +195,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev_name, "copy_bandwidth": bandwidth, "results": results}, f, indent=1)
+    if gguf_on_cpu:
+        for name in ("duet", "duet, int8 activations"):
+            speed = [f"batch {a['batch']} {a['tok_s'] / b['tok_s']:.2f}x"
+                     for a, b in zip(results[name], results["duet, weights dequantized (fp32)"])]
+            print(f"{name} / weights dequantized: {', '.join(speed)}")
     ours, theirs = results["duet"][-1], results[baseline][-1]
     print(f"ratio: {ours['tok_s'] / theirs['tok_s']:.2f} (duet / {baseline}, decode tok/s at batch {ours['batch']})")
 

@@ -74,7 +74,7 @@ def _prefill(fmt: str, rows: int, cols: int) -> None:
     dense = cpu_quant.dequantize(w)
     for m in (4, 8, 16, 24, 32, 48, 64, 128, 512):
         x = torch.randn(m, cols)
-        kern = _best_us(lambda i: cpu_quant.linear(x, w, activations="int8"), 1, 3)
+        kern = _best_us(lambda i: cpu_quant.linear(x, w, activations="int8", tiles=False), 1, 3)
         f32 = (_best_us(lambda i: cpu_quant.linear(x, w, activations="fp32"), 1, 3) if m < cpu_quant.GEMM_ROWS_FP32
                else math.nan)  # from GEMM_ROWS_FP32 on, fp32 is the tiles
         tiles = _best_us(lambda i: cpu_quant._linear_gemm(x, w, None, None), 1, 3)
