@@ -14,7 +14,7 @@ embedding rows a step looks up and activations are left out, so the fraction is 
 
 Baseline, timed in the same run on the same engine settings: on CUDA, the same engine without CUDA graphs
 (``cuda_graph_max_batch=0``: every decode kernel launched from Python); on a CPU (no graphs), the torch
-reference kernels (``kernels=torch``). A GGUF model on a CPU also runs two more sides: its quantized weights
+reference kernels (``kernels=torch``, quantized weights dequantized at load). A GGUF model on a CPU also runs two more sides: its quantized weights
 dequantized at load (``quantized_weights=dense``: fp32, what duet did before issue 48) and packed with int8
 activations (``quantized_activations=int8``, llama.cpp's scheme); the packed side's speed over the dense one is
 printed. Last line: ``ratio: <duet / baseline decode tok/s>`` at the largest batch.
@@ -168,7 +168,8 @@ def main() -> None:
         sides["duet, int8 activations"] = EngineConfig(**base, quantized_activations="int8")
         sides["duet, weights dequantized (fp32)"] = EngineConfig(**base, quantized_weights="dense")
     baseline = "eager (no CUDA graphs)" if on_cuda else "torch reference kernels"
-    sides[baseline] = EngineConfig(**base, cuda_graph_max_batch=0) if on_cuda else EngineConfig(**base, kernels="torch")
+    sides[baseline] = (EngineConfig(**base, cuda_graph_max_batch=0) if on_cuda else  # the references on dense
+                       EngineConfig(**base, kernels="torch", quantized_weights="dense"))  # weights, as before 48
     dev_name = torch.cuda.get_device_name() if on_cuda else platform.processor() or platform.machine()
     print(f"model {model}; device {args.device} ({dev_name}); copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"context {args.context}; {args.steps} timed steps per batch size")
