@@ -58,7 +58,7 @@ for s in $STAGES; do
         stage tests 240 $PY -m pytest -q -p no:cacheprovider --timeout 150 $xdist -rfE \
             tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_cuda_features.py \
             tests/engine/test_decode_graphs.py tests/engine/models/test_kernel_backends.py tests/engine/models/test_moe.py \
-            tests/engine/models/test_partial_rotary.py tests/kvtransfer/test_kv_nixl_transfer.py \
+            tests/engine/models/test_partial_rotary.py tests/engine/test_longrope_sets.py tests/kvtransfer/test_kv_nixl_transfer.py \
             --ignore tests/kernels/test_cpu_native.py --ignore tests/kernels/test_sm90_compile.py
         ;;
     kernels)
