@@ -49,7 +49,11 @@ def hf_greedy_long_set(model_dir, prompts, num_tokens: int) -> list[list[int]]:
     rope = hf.model.rotary_emb
     long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=rope.config.rope_parameters[
         "original_max_position_embeddings"] + 1)
-    rope.original_inv_freq = long_inv_freq  # what its per-forward switch falls back to below the length
+    # both of the sets its per-forward switch chooses between (and the live buffer): the long one, whatever the
+    # sequence's length (transformers versions differ in which of them they recompute at the switch)
+    rope.original_inv_freq = long_inv_freq
+    rope.long_inv_freq = long_inv_freq.clone()
+    rope.inv_freq.copy_(long_inv_freq)
     outs = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
