@@ -29,5 +29,5 @@ Pieces:
 - cpu_native.py         the CPU path's kernels in C, loaded with ctypes
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
-- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c)
+- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c, quant_k.c)
 """

@@ -1,4 +1,5 @@
-"""GGUF block-quantized linears and embeddings on the CPU, kept packed (issue 48; C: kernels/cpu/quant.c).
+"""GGUF block-quantized linears and embeddings on the CPU, kept packed (issue 48; C: kernels/cpu/quant.c, the
+k-quants kernels/cpu/quant_k.c).
 
 ``pack`` rearranges a ``QuantWeight``'s blocks once, at load: rows in groups of 8, each block's quant bytes of
 the 8 rows interleaved in 4-byte chunks (llama.cpp's repacked layout: one 32-byte load is 4 weights of 8 rows),
@@ -24,6 +25,14 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 - "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
 All have a scalar twin, taken when the CPU lacks AVX2/FMA/F16C or forced (``scalar=True``, DUET_QUANT_SCALAR=1).
+
+The k-quants (Q4_K, Q5_K, Q6_K; 256-weight super-blocks) in this slice: a row-wise layout, the file's bytes as they
+are (``qs`` [rows, bytes per row], no 8-row interleave, no padding), and fp32 activations only (``INT8_FORMATS``:
+the formats the int8 kernel takes; a k-quant with ``activations="int8"`` is a ValueError). The fp32 GEMV decodes
+each super-block into its 256 fp32 weights exactly as ``dequantize_ref`` (AVX2: one shuffle-free pass of masks
+and shifts, int8 -> fp32, scale, min) and FMAs them against up to 4 rows of x (kernels/cpu/quant_k.c): the
+reference's own products, summed in another order; the tiles + GEMM path and ``rows`` use the same decode. Not
+measured yet (the 8-row interleave and an int8 kernel are the next slices).
 
 Measured on this 2-vCPU machine (lscpu: an Intel Xeon with AVX-512/VNNI; the kernels use AVX2 only), 2 threads,
 ``python -m bench.kernels.quant_gemv --prefill`` (µs per call, weights cold; int8 / fp32 kernel / torch fp32 GEMM
@@ -52,31 +61,34 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_build import NativeKernelError, load
-from kernels.quant import BLOCK_SIZE, GGUF_BLOCKS, QuantWeight, block_format
+from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
 _TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
+INT8_FORMATS = frozenset(name for name, f in GGUF_BLOCKS.items() if not f.k_quant)  # activations="int8" takes these
 FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
 
 
 @dataclass(frozen=True)
 class PackedQuant:
     """A QuantWeight in the C kernels' layout: rows in groups of 8 (padded with zero rows), each array
-    [groups, nb, ...] (see kernels/cpu/quant.c)."""
+    [groups, nb, ...] (see kernels/cpu/quant.c); a k-quant: ``qs`` the file's bytes [rows, bytes per row], the
+    rest None (kernels/cpu/quant_k.c)."""
     fmt: str
     rows: int
     cols: int
     qs: torch.Tensor  # uint8 [groups, nb, 8 * qb]: the 8 rows' quant bytes (qb 16, or 32 for Q8_0) in 4-byte chunks
-    d: torch.Tensor  # float16 [groups, nb, 8]
+    d: torch.Tensor | None  # float16 [groups, nb, 8] (None: a k-quant)
     m: torch.Tensor | None  # float16 [groups, nb, 8] (Q4_1, Q5_1)
     qh: torch.Tensor | None  # int32 [groups, nb, 8] (Q5_0, Q5_1): bit j is bit 4 of weight j
 
     def __post_init__(self) -> None:  # the C calls' leading arguments, once (a decode step makes ~120 calls)
         f = block_format(self.fmt)
         object.__setattr__(self, "_c_args", (f.ggml_type, self.qs.data_ptr(),
-                                             self.qh.data_ptr() if self.qh is not None else None, self.d.data_ptr(),
+                                             self.qh.data_ptr() if self.qh is not None else None,
+                                             self.d.data_ptr() if self.d is not None else None,
                                              self.m.data_ptr() if self.m is not None else None))
 
     @property
@@ -88,6 +100,8 @@ class PackedQuant:
 def pack(w: QuantWeight) -> PackedQuant:
     """``w``'s blocks rearranged into the kernels' layout (once, at load)."""
     f = GGUF_BLOCKS[w.fmt]
+    if f.k_quant:  # row-wise: the file's bytes
+        return PackedQuant(w.fmt, w.rows, w.cols, w.data.contiguous(), None, None, None)
     nb, groups = w.num_blocks, -(-w.rows // 8)
     blocks = w.data.reshape(w.rows, nb, f.block_bytes)
     if groups * 8 > w.rows:
@@ -106,7 +120,9 @@ def pack(w: QuantWeight) -> PackedQuant:
 
 def unpack(p: PackedQuant) -> QuantWeight:
     """The GGUF bytes ``p`` was packed from, byte for byte."""
-    groups, nb = p.qs.shape[0], p.cols // BLOCK_SIZE
+    if GGUF_BLOCKS[p.fmt].k_quant:
+        return QuantWeight(p.fmt, p.rows, p.cols, p.qs.clone())
+    groups, nb = p.qs.shape[0], p.cols // GGUF_BLOCKS[p.fmt].block_size
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [groups, nb, 8] -> [rows, nb, bytes]
         return t.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(groups * 8, nb, -1)[:p.rows]
@@ -129,6 +145,10 @@ def _lib() -> ctypes.CDLL:
         for fn in (lib.duet_quant_linear, lib.duet_quant_linear_f32):
             fn.restype = _INT
             fn.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
+        lib.duet_quant_k_linear_f32.restype = None
+        lib.duet_quant_k_linear_f32.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
+        lib.duet_quant_k_dequantize.restype = None
+        lib.duet_quant_k_dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
         lib.duet_quant_dequantize.restype = None
         lib.duet_quant_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT,
                                               _INT]
@@ -148,7 +168,11 @@ def _scalar(scalar: bool | None) -> int:
 def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int,
                      scalar: bool | None) -> torch.Tensor:
     out = torch.empty(count, p.cols, dtype=torch.float32)
-    if count:
+    if count and GGUF_BLOCKS[p.fmt].k_quant:
+        _lib().duet_quant_k_dequantize(p._c_args[0], p.qs.data_ptr(), p.cols,
+                                       ids.data_ptr() if ids is not None else None, row0, count, out.data_ptr(),
+                                       _scalar(scalar), torch.get_num_threads())
+    elif count:
         _lib().duet_quant_dequantize(*p._c_args, p.cols, ids.data_ptr() if ids is not None else None, row0,
                                      count, out.data_ptr(), _scalar(scalar), torch.get_num_threads())
     return out
@@ -186,6 +210,9 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     acts = activations or ACTIVATIONS
     if acts not in ("int8", "fp32"):
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
+    if acts == "int8" and p.fmt not in INT8_FORMATS:
+        raise ValueError(f"activations='int8' takes {', '.join(sorted(INT8_FORMATS))}, not {p.fmt}: "
+                         f"use activations='fp32' for the k-quants")
     m = x.shape[0]
     if tiles and m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS):
         return _linear_gemm(x, p, bias, scalar)
@@ -193,6 +220,11 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     if m == 0 or p.rows == 0:
         return out
     lib = _lib()
+    if GGUF_BLOCKS[p.fmt].k_quant:
+        lib.duet_quant_k_linear_f32(p._c_args[0], p.qs.data_ptr(), p.rows, p.cols, x.data_ptr(), x.stride(0), m,
+                                    bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
+                                    _scalar(scalar), torch.get_num_threads())
+        return out
     fn = lib.duet_quant_linear_f32 if acts == "fp32" else lib.duet_quant_linear
     rc = fn(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),

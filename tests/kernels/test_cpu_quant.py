@@ -1,10 +1,11 @@
 """GGUF block-quantized weights: the torch reference against gguf-py, the C kernels against the reference.
 
-Every format of kernels/quant.GGUF_BLOCKS: dequantize_ref is bit-exact with ``gguf.dequantize`` on random bytes
-(finite fp16 scales, subnormals among them); pack/unpack gives the bytes back and the packed form dequantizes to
-exactly the reference (AVX2 and scalar), whole or a run of rows; linear at M = 1, 3, 16, 64 with a row count that
-leaves a partial group of 8, bias, the int8 kernel, the fp32 kernel (forced at every M, relative RMS error
-1e-5) and the fp32 tiles + GEMM, AVX2 and scalar; embedding rows; bad input.
+Every format of kernels/quant.GGUF_BLOCKS (the k-quants Q4_K, Q5_K, Q6_K among them): dequantize_ref is bit-exact
+with ``gguf.dequantize`` on random bytes (finite fp16 scales, subnormals among them); pack/unpack gives the bytes back
+and the packed form dequantizes to exactly the reference (AVX2 and scalar), whole or a run of rows; linear at M = 1,
+3, 16, 64 with a row count that leaves a partial group of 8, bias, the int8 kernel (not the k-quants: a ValueError),
+the fp32 kernel (forced at every M, relative RMS error 1e-5) and the fp32 tiles + GEMM, AVX2 and scalar; embedding
+rows; bad input. The k-quants' weights are random super-blocks with sane scales (gguf-py cannot quantize them).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from kernels import cpu_quant
 from kernels.quant import GGUF_BLOCKS, QuantWeight, dequantize_ref, quant_linear_ref, quant_rows_ref
 
 FORMATS = list(GGUF_BLOCKS)
+INT8 = sorted(cpu_quant.INT8_FORMATS)
+K_QUANTS = [f for f in FORMATS if GGUF_BLOCKS[f].k_quant]
+_SCALES_AT = {"Q6_K": (208,)}  # byte offsets of a block's fp16 scales (the rest: d at 0, the *_1 / *_K min at 2)
 PATHS = [False, True]  # scalar: the AVX2 path (where the CPU has it), then the forced scalar twin
 FP32_TOL = 1e-5  # max |error| / max |reference|: reordered fp32 sums
 INT8_TOL = 1e-2  # RMS error / RMS of the reference: 8-bit activations per 32-block
@@ -31,13 +35,19 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+def cols_for(fmt: str, cols: int) -> int:
+    """``cols`` rounded up to the format's block size (256 for the k-quants)."""
+    bs = GGUF_BLOCKS[fmt].block_size
+    return -(-cols // bs) * bs
+
+
 def random_bytes(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
     """Random blocks whose fp16 scale and min are finite (some subnormal)."""
     f = GGUF_BLOCKS[fmt]
     gen = torch.Generator().manual_seed(seed)
-    nb = cols // 32
+    nb = cols // f.block_size
     blocks = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, generator=gen)
-    for lo in (0, 2) if f.has_min else (0,):
+    for lo in _SCALES_AT.get(fmt, (0, 2) if f.has_min else (0,)):
         scale = torch.randn(rows, nb, generator=gen) * 0.05
         scale[0, 0] = 3e-7  # fp16 subnormal
         blocks[..., lo:lo + 2] = scale.half().view(torch.uint8).reshape(rows, nb, 2)
@@ -45,7 +55,9 @@ def random_bytes(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
 
 
 def quantized(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
-    """A Gaussian weight quantized by gguf-py (realistic scales and quants)."""
+    """A Gaussian weight quantized by gguf-py (realistic scales and quants); a k-quant: random super-blocks."""
+    if GGUF_BLOCKS[fmt].k_quant:
+        return random_bytes(fmt, rows, cols_for(fmt, cols), seed)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).numpy()
     data = gguf.quantize(w, gguf.GGMLQuantizationType[fmt])
     return QuantWeight(fmt, rows, cols, torch.from_numpy(np.ascontiguousarray(data)))
@@ -53,7 +65,7 @@ def quantized(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_ref_matches_gguf_bit_exactly(fmt):
-    w = random_bytes(fmt, 7, 96, seed=1)
+    w = random_bytes(fmt, 7, 3 * GGUF_BLOCKS[fmt].block_size, seed=1)
     expected = gguf.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[fmt])
     assert torch.equal(dequantize_ref(w), torch.from_numpy(expected))
     assert w.num_bytes == 7 * 3 * GGUF_BLOCKS[fmt].block_bytes
@@ -62,10 +74,11 @@ def test_dequantize_ref_matches_gguf_bit_exactly(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scalar", PATHS)
 def test_pack_is_lossless(fmt, scalar, two_threads):
-    w = random_bytes(fmt, 301, 96, seed=2)  # 37 groups of 8 rows and one of 5
+    w = random_bytes(fmt, 301, cols_for(fmt, 96), seed=2)  # 37 groups of 8 rows and one of 5
     p = cpu_quant.pack(w)
     assert torch.equal(cpu_quant.unpack(p).data, w.data)
-    assert p.num_bytes == w.num_bytes // 301 * 304  # the last group's 3 padding rows
+    k_quant = GGUF_BLOCKS[fmt].k_quant  # row-wise: no padding
+    assert p.num_bytes == (w.num_bytes if k_quant else w.num_bytes // 301 * 304)  # the last group's 3 padding rows
     assert torch.equal(cpu_quant.dequantize(p, scalar=scalar), dequantize_ref(w))
     for r0, n in ((3, 9), (296, 5), (8, 8)):  # runs of rows that start and end inside groups (prefill tiles)
         assert torch.equal(cpu_quant._dequantize_rows(p, None, r0, n, scalar), dequantize_ref(w)[r0:r0 + n])
@@ -83,10 +96,14 @@ def _assert_linear_close(out, ref, acts):
 @pytest.mark.parametrize("acts", ["int8", "fp32", None])  # fp32, and None at M >= GEMM_ROWS: tiles + GEMM
 @pytest.mark.parametrize("scalar", PATHS)
 def test_linear_matches_reference(fmt, m, acts, scalar, two_threads):
-    cols = 1024 if m == 3 else 160
+    cols = cols_for(fmt, 1024 if m == 3 else 160)
     w = quantized(fmt, 37, cols, seed=m)
     gen = torch.Generator().manual_seed(10 + m)
     x, bias = torch.randn(m, cols, generator=gen), torch.randn(37, generator=gen)
+    if acts == "int8" and fmt not in INT8:
+        with pytest.raises(ValueError, match=f"activations='int8' takes .*not {fmt}"):
+            cpu_quant.linear(x, cpu_quant.pack(w), bias, activations=acts, scalar=scalar)
+        return
     out = cpu_quant.linear(x, cpu_quant.pack(w), bias, activations=acts, scalar=scalar)
     path = acts or (cpu_quant.ACTIVATIONS if m < cpu_quant.GEMM_ROWS else "fp32")  # tiles + GEMM: fp32
     _assert_linear_close(out, quant_linear_ref(x, w, bias), path)
@@ -106,7 +123,7 @@ def test_fp32_kernel_matches_reference(fmt, m, scalar, two_threads, monkeypatch)
     called = []
     real = cpu_quant._linear_gemm
     monkeypatch.setattr(cpu_quant, "_linear_gemm", lambda *a: called.append(1) or real(*a))
-    cols = 1024 if m == 3 else 576
+    cols = cols_for(fmt, 1024 if m == 3 else 576)
     for rows in (37, 5, 64):  # a partial last group, a lone partial group, whole groups
         w = quantized(fmt, rows, cols, seed=100 + m + rows)
         gen = torch.Generator().manual_seed(20 + m)
@@ -124,7 +141,7 @@ def test_fp32_kernel_matches_reference(fmt, m, scalar, two_threads, monkeypatch)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp32_kernel_scalar_twin_and_default(fmt, two_threads, monkeypatch):
     w = quantized(fmt, 19, 576, seed=6)
-    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(6)) * 3 + 0.5  # sum(x) per block far from 0
+    x = torch.randn(5, w.cols, generator=torch.Generator().manual_seed(6)) * 3 + 0.5  # sum(x) per block far from 0
     p = cpu_quant.pack(w)
     simd = cpu_quant.linear(x, p)  # the default: fp32
     assert cpu_quant.ACTIVATIONS == "fp32"
@@ -135,7 +152,7 @@ def test_fp32_kernel_scalar_twin_and_default(fmt, two_threads, monkeypatch):
     assert _rel_rms(simd, scalar) < FP32_KERNEL_TOL
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", INT8)
 def test_scalar_twin_has_the_same_integer_dots(fmt, two_threads, monkeypatch):
     w, x = quantized(fmt, 19, 576, seed=5), torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
     p = cpu_quant.pack(w)
@@ -156,7 +173,7 @@ def test_linear_strided_x_and_empty():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_gathers_embeddings(fmt):
-    w = random_bytes(fmt, 50, 64, seed=4)
+    w = random_bytes(fmt, 50, cols_for(fmt, 64), seed=4)
     ids = torch.tensor([3, 0, 49, 3, 17])
     assert torch.equal(cpu_quant.rows(cpu_quant.pack(w), ids), quant_rows_ref(w, ids))
     assert torch.equal(cpu_quant.rows(cpu_quant.pack(w), ids, scalar=True), quant_rows_ref(w, ids))
@@ -165,10 +182,14 @@ def test_rows_gathers_embeddings(fmt):
 
 
 def test_bad_input_is_a_clear_value_error():
-    with pytest.raises(ValueError, match="unsupported quantized format 'Q4_K'.*Q8_0, Q4_0, Q4_1"):
-        QuantWeight("Q4_K", 2, 32, torch.zeros(2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unsupported quantized format 'Q3_K'.*Q8_0, Q4_0, Q4_1.*Q4_K, Q5_K, Q6_K"):
+        QuantWeight("Q3_K", 2, 256, torch.zeros(2, 110, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantWeight("Q4_0", 2, 40, torch.zeros(2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantWeight("Q4_K", 2, 32, torch.zeros(2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"shape \(2, 144\)"):
+        QuantWeight("Q4_K", 2, 256, torch.zeros(2, 18, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         QuantWeight("Q4_0", 2, 32, torch.zeros(2, 18, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"shape \(2, 18\)"):

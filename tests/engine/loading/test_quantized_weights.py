@@ -2,7 +2,9 @@
 by the ``gguf`` package in each block type the kernels take, loaded with their weights packed and with every weight
 dequantized at load (``quantized_weights: dense``, the path before issue 48). The packed weights dequantize to
 exactly the dense ones (the repack is lossless), the logits of the two engines match, greedy tokens are equal, and
-the packed engine holds the file's quantized bytes instead of float32 weights."""
+the packed engine holds the file's quantized bytes instead of float32 weights. The k-quants (Q4_K, Q5_K, Q6_K: rows of
+256-weight super-blocks) on a tiny Llama whose hidden and intermediate sizes are multiples of 256 (else the writer, like
+llama.cpp, stores F32), random super-blocks with sane scales."""
 from __future__ import annotations
 
 import pytest
@@ -18,12 +20,14 @@ from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.models.test_kernel_backends import prompt_logits
 from tests.engine.models.test_parity import random_prompts
 
-FORMATS = sorted(set(GGUF_BLOCKS) & {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+FORMATS = sorted(set(GGUF_BLOCKS) & {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+K_QUANT_MODEL = {"hidden_size": 256, "intermediate_size": 512}  # every projection's rows 256-multiples
 
 
 @pytest.fixture(scope="module", params=FORMATS)
 def gguf_file(request, tiny_model, tmp_path_factory):
-    return write_gguf(tiny_model("llama"), tmp_path_factory.mktemp("q") / f"tiny.{request.param}.gguf", request.param)
+    model = tiny_model("llama", **K_QUANT_MODEL) if GGUF_BLOCKS[request.param].k_quant else tiny_model("llama")
+    return write_gguf(model, tmp_path_factory.mktemp("q") / f"tiny.{request.param}.gguf", request.param)
 
 
 def engines(path, kernels: str = "torch", activations: str = "fp32") -> tuple[Engine, Engine]:
@@ -82,6 +86,9 @@ def test_the_cpu_kernels_serve_packed_weights_close_to_the_dense_engine(gguf_fil
     amplify every error (measured 2.6-2.7 %). fp32 (the default): the same greedy tokens; int8: the same argmax at
     >= 85 % of the prompt's positions (measured 87.5-100 %: a random model's near-ties flip under 8-bit activations,
     which is why int8 is opt-in: ``quantized_activations``)."""
+    fmt = gguf_file.suffixes[-2].lstrip(".")
+    if activations == "int8" and GGUF_BLOCKS[fmt].k_quant:
+        pytest.skip("int8 activations take no k-quant yet (cpu_quant.INT8_FORMATS); the engine wiring is pending")
     packed, dense = engines(gguf_file, kernels="cpu", activations=activations)
     assert packed.runner.model.layers[0].self_attn.qkv_proj.quant is not None
     prompt = random_prompts(512, lens=(40,))[0]
