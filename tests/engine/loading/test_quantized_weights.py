@@ -87,14 +87,14 @@ def test_the_cpu_kernels_serve_packed_weights_close_to_the_dense_engine(gguf_fil
     >= 85 % of the prompt's positions (measured 87.5-100 %: a random model's near-ties flip under 8-bit activations,
     which is why int8 is opt-in: ``quantized_activations``)."""
     fmt = gguf_file.suffixes[-2].lstrip(".")
-    if activations == "int8" and GGUF_BLOCKS[fmt].k_quant:
-        pytest.skip("int8 activations take no k-quant yet (cpu_quant.INT8_FORMATS); the engine wiring is pending")
+    exact = activations == "fp32" or GGUF_BLOCKS[fmt].k_quant  # k-quants: no int8 kernel, fp32 in either mode
+    rel_rms = 1e-5 if exact else rel_rms
     packed, dense = engines(gguf_file, kernels="cpu", activations=activations)
     assert packed.runner.model.layers[0].self_attn.qkv_proj.quant is not None
     prompt = random_prompts(512, lens=(40,))[0]
     ours, ref = prompt_logits(packed, prompt), prompt_logits(dense, prompt)
     assert (ours - ref).pow(2).mean().sqrt() <= rel_rms * ref.std()
-    if activations == "int8":
+    if not exact:
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
         return
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
