@@ -12,10 +12,12 @@ pre-training length L0, long otherwise (engine/request.py ``admit_rope_factors``
 """
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
-import torch
 import transformers
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -44,22 +46,19 @@ def phi3_longrope(original: int = ORIGINAL) -> transformers.Phi3Config:
 
 
 def hf_greedy_long_set(model_dir, prompts, num_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens with its Phi-3 RoPE held to the long factors from the first position on."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    rope = hf.model.rotary_emb
-    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=rope.config.rope_parameters[
-        "original_max_position_embeddings"] + 1)
-    # both of the sets its per-forward switch chooses between (and the live buffer): the long one, whatever the
-    # sequence's length (transformers versions differ in which of them they recompute at the switch)
-    rope.original_inv_freq = long_inv_freq
-    rope.long_inv_freq = long_inv_freq.clone()
-    rope.inv_freq.copy_(long_inv_freq)
-    outs = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, len(p):].tolist())
-    return outs
+    """transformers' greedy tokens with its Phi-3 RoPE held to the long factors from the first position on: the same
+    checkpoint, its config's short factors replaced by the long ones (the attention factor depends on neither), so
+    whichever set transformers' per-forward switch picks is the long one, in every transformers version."""
+    src = Path(model_dir)
+    dst = src.parent / f"{src.name}-long-set"
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(cfg.get(key), dict) and "long_factor" in cfg[key]:
+                cfg[key]["short_factor"] = cfg[key]["long_factor"]
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return hf_greedy(dst, prompts, num_tokens=num_tokens)
 
 
 @pytest.fixture(scope="module")
