@@ -34,11 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_X86 1
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#endif
+#include "quant_common.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 #define MT 4  // rows of x per pass over a group's weights
@@ -57,20 +53,6 @@ static Weights weights(int fmt, const uint8_t *qs, const uint32_t *qh, const uin
     return w;
 }
 
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        float f = (float)man * 5.9604644775390625e-08f;  // 2^-24: subnormal (exact)
-        return sign ? -f : f;
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 // index of row n's entry for block b in the [groups, nb, 8] arrays
 static inline int64_t at(const Weights *w, int64_t n, int64_t b) { return ((n / 8) * w->nb + b) * 8 + n % 8; }
@@ -363,16 +345,6 @@ AVX2 static void dequant_group_avx2(const Weights *w, int64_t g, int first, int 
     }
 }
 
-static int avx2_supported(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cached;
-}
-#else
-static int avx2_supported(void) { return 0; }
 #endif
 
 // ------------------------------------------------------------------------------------------ entry points

@@ -16,11 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_X86 1
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#endif
+#include "quant_common.h"
 
 enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK 256
@@ -28,22 +24,8 @@ enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static int block_bytes(int fmt) { return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : 210; }
 
-static float half_to_float_k(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        float f = (float)man * 5.9604644775390625e-08f;  // 2^-24: subnormal (exact)
-        return sign ? -f : f;
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
-static float fp16_at(const uint8_t *p) { return half_to_float_k((uint16_t)(p[0] | p[1] << 8)); }
+static float fp16_at(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
 
 // the super-block's per-32 (Q4_K / Q5_K: 8) or per-16 (Q6_K: 16) scales d * sc and mins dmin * mn
 static int block_scales(int fmt, const uint8_t *blk, float *scale, float *min) {
@@ -192,16 +174,6 @@ AVX2 static void row_f32_avx2_mc(int fmt, const uint8_t *row, int64_t nb, const 
     }
 }
 
-static int avx2_supported_k(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cached;
-}
-#else
-static int avx2_supported_k(void) { return 0; }
 #endif
 
 static void row_f32_scalar(int fmt, const uint8_t *row, int64_t nb, const float *x, int64_t x_s, int mc,
@@ -227,7 +199,7 @@ void duet_quant_k_linear_f32(int fmt, const uint8_t *data, int64_t rows, int64_t
                              int64_t M, const float *bias, float *out, int64_t o_s, int force_scalar,
                              int num_threads) {
     const int64_t nb = cols / QK, row_bytes = nb * block_bytes(fmt);
-    const int simd = !force_scalar && avx2_supported_k();
+    const int simd = !force_scalar && avx2_supported();
     (void)simd;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t n = 0; n < rows; n++)
@@ -248,7 +220,7 @@ void duet_quant_k_linear_f32(int fmt, const uint8_t *data, int64_t rows, int64_t
 void duet_quant_k_dequantize(int fmt, const uint8_t *data, int64_t cols, const int64_t *ids, int64_t row0,
                              int64_t count, float *out, int force_scalar, int num_threads) {
     const int64_t nb = cols / QK, row_bytes = nb * block_bytes(fmt);
-    const int simd = !force_scalar && avx2_supported_k();
+    const int simd = !force_scalar && avx2_supported();
     (void)simd;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
     for (int64_t i = 0; i < count; i++) {

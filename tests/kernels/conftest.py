@@ -25,3 +25,12 @@ def host_value_checks_on_cuda(monkeypatch):
     (seen on an H200, 2026-11-25: every later test in that worker failed). A test may set its own value."""
     if torch.cuda.is_available():
         monkeypatch.setenv("DUET_KERNEL_CHECKS", "1")
+
+
+@pytest.fixture
+def two_threads():
+    """torch (and so the C kernels) on 2 threads for the test, whatever this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

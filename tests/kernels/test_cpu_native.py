@@ -28,14 +28,6 @@ from tests.kernels.paged import assert_close, block_tables, kv_cache, layer_view
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (20, 4, 1), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
 
 
-@pytest.fixture
-def two_threads():
-    """torch (and so the C kernels) on 2 threads for the test, whatever this machine has."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
 
 def _cache(head_dim, kv_heads, block_size, seq_lens, seed):
     gen = torch.Generator().manual_seed(seed)

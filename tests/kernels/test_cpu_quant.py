@@ -27,13 +27,6 @@ INT8_TOL = 1e-2  # RMS error / RMS of the reference: 8-bit activations per 32-bl
 FP32_KERNEL_TOL = 1e-5  # RMS error / RMS of the reference: the fp32 kernel's reordered sums (measured ~5e-7)
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
 
 def cols_for(fmt: str, cols: int) -> int:
     """``cols`` rounded up to the format's block size (256 for the k-quants)."""
