@@ -106,13 +106,19 @@ def _load_native() -> None:
     cpu_native.load()
 
 
-def _cpu_quant_linear(x, packed, bias=None, *, activations: str):
-    """kernels/cpu_quant.py's linear; int8 activations where its int8 kernel takes the format (``INT8_FORMATS``),
-    fp32 for the rest (the k-quants: no int8 kernel yet), so a model mixing them runs in one mode."""
+def _cpu_quant_linear(activations: str) -> Callable:
+    """kernels/cpu_quant.py's linear for ``activations``, chosen once here rather than per call: int8 activations
+    where its int8 kernel takes the format (``INT8_FORMATS``), fp32 for the rest (the k-quants: no int8 kernel
+    yet), so a model mixing them runs in one mode."""
     from kernels import cpu_quant
 
-    acts = activations if packed.fmt in cpu_quant.INT8_FORMATS else "fp32"
-    return cpu_quant.linear(x, packed, bias, activations=acts)
+    if activations == "fp32":
+        return functools.partial(cpu_quant.linear, activations="fp32")
+    int8_formats = cpu_quant.INT8_FORMATS
+
+    def linear(x, packed, bias=None):
+        return cpu_quant.linear(x, packed, bias, activations=activations if packed.fmt in int8_formats else "fp32")
+    return linear
 
 
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32") -> KernelOps:
@@ -143,7 +149,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             linear_packed=cpu_native.linear_packed,
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS),  # kernels/cpu/quant.c
             pack_quant=cpu_quant.pack, quant_rows=cpu_quant.rows,
-            quant_linear=functools.partial(_cpu_quant_linear, activations=quantized_activations),
+            quant_linear=_cpu_quant_linear(quantized_activations),
         )
     if backend == "torch":
         from kernels import quant
