@@ -35,6 +35,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="CUDA: decode batches up to this size replay CUDA graphs (0: eager)")
+    p.add_argument("--cpu-graph-max-batch", type=int, default=16,
+                   help="CPU, packed quantized weights: decode batches up to this size replay a recording of "
+                        "their C kernel calls (0: eager)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative-config", help=SPEC_HELP)
 
@@ -71,7 +74,8 @@ def engine_config_from_args(args: argparse.Namespace):
         quantized_weights=args.quantized_weights, quantized_activations=args.quantized_activations,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        cuda_graph_max_batch=args.cuda_graph_max_batch, enable_prefix_caching=not args.no_prefix_caching,
+        cuda_graph_max_batch=args.cuda_graph_max_batch, cpu_graph_max_batch=args.cpu_graph_max_batch,
+        enable_prefix_caching=not args.no_prefix_caching,
         speculative_config=args.speculative_config)
 
 

@@ -7,6 +7,7 @@ Pieces (each module's docstring is its design note):
 - engine_emit.py     a step's logits → outputs (a mixin of Engine)
 - engine_handoff.py  hand off, reserve, commit or fail remote KV (a mixin of Engine)
 - model_runner.py    ModelRunner: the model and the KV cache tensor; one SchedulerOutput → one forward pass
+- decode_graphs.py   decode steps replayed: CUDA graphs, or on a CPU recordings of the C kernel calls
 - config.py          the engine's config tree: EngineConfig and SpeculativeConfig
 - request.py         Request: the one object that carries a sequence through the engine
 - outputs.py         RequestOutput / CompletionOutput: what the engine streams per request per step

@@ -199,6 +199,9 @@ class EngineConfig:
     # CUDA only: decode-only steps of up to this many sequences replay CUDA graphs (engine/model_runner.py);
     # 0 runs every step eagerly. Ignored on a CPU.
     cuda_graph_max_batch: int = 256
+    # CPU, kernels cpu, every projection packed (a quantized checkpoint): decode-only steps of up to this many
+    # sequences replay a recording of their C kernel calls (engine/decode_graphs.py); 0 runs them eagerly.
+    cpu_graph_max_batch: int = 16
     # speculative decoding (engine/speculative/): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
     # --speculative-config takes it; None: off
     speculative_config: Any = None
@@ -225,6 +228,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError(f"kernels must be auto, torch, cpu or triton, got {self.kernels!r}")
+        if self.cpu_graph_max_batch < 0:
+            raise ConfigError(f"cpu_graph_max_batch must be >= 0 (0: no recordings), got {self.cpu_graph_max_batch}")
         if self.cuda_graph_max_batch < 0:
             raise ConfigError(f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), got {self.cuda_graph_max_batch}")
         if self.kv_cache_bytes is not None and (type(self.kv_cache_bytes) is not int or self.kv_cache_bytes < 1):

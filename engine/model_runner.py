@@ -16,17 +16,16 @@ import ctypes.util
 import dataclasses
 import logging
 import os
-import time
 
 import torch
 
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.kv.sizing import cap_max_model_len, size_kv_cache
 from engine.loading.weights import load_model, resolve_dtype
 from engine.models.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
-from engine.models.moe import SparseMoE
 from engine.models.tensor_parallel import TensorParallel
 from engine.sched.output import ScheduledRequest, SchedulerOutput
 
@@ -139,6 +138,25 @@ class ModelRunner:
         elif self.device.type == "cuda" and cfg.cuda_graph_max_batch:
             self.decode_graphs = DecodeGraphs(self, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                               -(-self.max_model_len // cfg.block_size))
+        elif self.device.type == "cpu" and cfg.cpu_graph_max_batch and kv_blocks:
+            reason = self._cpu_graph_refusal()
+            if reason:
+                log.info("decode runs eagerly (no recorded C calls): %s", reason)
+            else:
+                self.decode_graphs = DecodeGraphs(self, min(cfg.cpu_graph_max_batch, cfg.max_num_seqs),
+                                                  -(-self.max_model_len // cfg.block_size))
+
+    def _cpu_graph_refusal(self) -> str | None:
+        """Why a decode step of this model cannot be a recording of C calls (engine/decode_graphs.py); None: it can."""
+        model = self.model
+        if self.backend != "cpu":
+            return f"the {self.backend} kernels are not the C ones"
+        if self.tp.enabled or model.cfg.moe.num_experts:
+            return "tensor parallelism and mixture-of-experts layers run torch operators"
+        dense = [lin for lin in model._linears() if lin.quant is None]
+        if dense or model.embed_quant is None:
+            return "dense projections run torch GEMMs: only a model whose projections are all packed records"
+        return None
 
     def allocate_kv(self, num_blocks: int) -> None:
         """A zeroed cache of ``num_blocks`` blocks (a draft model's: as many as its target's)."""
@@ -197,9 +215,10 @@ class ModelRunner:
         hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``."""
         dev = self.device
         graphs = self.decode_graphs
+        hidden = None
         if not n_p and graphs is not None and len(seq_lens) <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
-        else:
+        if hidden is None:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
             lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
@@ -267,132 +286,3 @@ class ModelRunner:
 
 
 _PROMPT_LOGPROB_ROWS = 256
-
-
-class DecodeGraphs:
-    """Decode-only steps replayed from CUDA graphs, one per batch size bucket (1, 2, 4, 8, 16, 24, ... up to
-    ``max_batch``).
-
-    A graph replays fixed kernels on fixed addresses, so a step's inputs are copied into static buffers sized
-    for ``max_batch`` sequences and a block table as wide as ``max_model_len`` needs; a batch of ``n`` runs the
-    graph of the smallest bucket >= n, its extra rows padding: slot -1 (``store_kv`` skips it), length 1 and
-    block 0 (read, never written; their outputs are dropped). Each bucket is captured on a padding-only batch,
-    after one eager warm-up run (Triton compiles there), all in one memory pool: every bucket at once by
-    ``capture_all`` (a decode or colocated worker at start-up and on a flip into decode: the first step of a
-    new bucket would otherwise stall its batch by a capture and a compile), else lazily, the first time a decode
-    batch of that size runs (a prefill-only worker captures none).
-
-    The kernels on this path make no host syncs on CUDA (data checks are off there unless
-    ``DUET_KERNEL_CHECKS=1``, which the capture refuses). A capture that fails anyway is logged, counted in
-    the runner's ``fallbacks`` (the worker's ``duet_kernel_fallbacks``) and decode goes on eagerly.
-
-    ``capture=False`` runs the same padded static-buffer path eagerly: the CPU tests check padding and buffer
-    handling with it (a CPU has no graphs).
-    """
-
-    def __init__(self, runner: ModelRunner, max_batch: int, max_blocks_per_seq: int, capture: bool = True) -> None:
-        self.runner = runner
-        self.max_batch = max_batch
-        self.capture = capture
-        self.sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
-        dev = runner.device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
-        self.real_rows = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # 1: a sequence, 0: padding
-        self.moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]  # counts: real rows only
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph or None, static output)
-        self.pool = None
-        self.replays = 0
-
-    def bucket(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
-
-    def capture_all(self) -> int:
-        """Capture every bucket not captured yet, the largest first (the shared pool is sized by it); the number."""
-        new = [b for b in reversed(self.sizes) if b not in self.graphs]
-        t0 = time.perf_counter()
-        for b in new:
-            self._fill(b, [], [], [], [], [])
-            self.graphs[b] = self._capture(b) if self.capture else (None, None)
-        if new:
-            log.info("captured decode graphs for %d batch sizes in %.2f s", len(new), time.perf_counter() - t0)
-        return len(new)
-
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only batch of n <= max_batch sequences (a view of the graph's
-        static output: valid until the next step)."""
-        n = len(seq_lens)
-        b = self.bucket(n)
-        if b not in self.graphs:
-            self._fill(b, [], [], [], [], [])
-            self.graphs[b] = self._capture(b) if self.capture else (None, None)
-        self._fill(b, input_ids, positions, slots, tables, seq_lens)
-        graph, out = self.graphs[b]
-        if graph is None:
-            out = self._forward(b)
-        else:
-            graph.replay()
-            self.replays += 1
-        return out[:n]
-
-    def _fill(self, b, input_ids, positions, slots, tables, seq_lens) -> None:
-        """Copy a batch into the first ``b`` rows of the static buffers, the rows after it as padding."""
-        n = len(seq_lens)
-        pad = b - n
-        used = max((len(t) for t in tables), default=1)  # columns this batch uses; the rest are zeroed on the device
-        host_table = torch.zeros(b, used, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            host_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.tables[:b].zero_()
-        self.tables[:b, :used].copy_(host_table, non_blocking=True)
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.long), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad, dtype=torch.long), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        if self.moe_layers:  # read only by MoE layers' counts
-            self.real_rows[:b].copy_(torch.tensor([1] * n + [0] * pad, dtype=torch.int64), non_blocking=True)
-
-    def _forward(self, b: int) -> torch.Tensor:
-        dev = self.runner.device
-        empty = torch.zeros(0, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:b], num_prefill_tokens=0,
-            prefill_block_tables=self.tables[:0], prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=dev),
-            prefill_seq_lens=empty, decode_block_tables=self.tables[:b], decode_seq_lens=self.seq_lens[:b])
-        for m in self.moe_layers:
-            m.count_rows = self.real_rows[:b]
-        try:
-            return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_cache, meta)
-        finally:
-            for m in self.moe_layers:
-                m.count_rows = None
-
-    def _capture(self, b: int) -> tuple[object, torch.Tensor]:
-        from kernels import _triton_utils as tu
-
-        if tu.value_checks_enabled(self.runner.device):
-            return self._give_up(b, "DUET_KERNEL_CHECKS=1 makes the kernels read values on the host")
-        try:
-            side = torch.cuda.Stream(self.runner.device)
-            side.wait_stream(torch.cuda.current_stream(self.runner.device))
-            with torch.cuda.stream(side):
-                self._forward(b)  # warm-up: Triton compiles and picks configs outside the capture
-            torch.cuda.current_stream(self.runner.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: NIXL's threads may use CUDA meanwhile; only this thread's calls must be capture-safe
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._forward(b)
-            self.pool = graph.pool()
-            log.info("captured a CUDA graph for decode batches of %d", b)
-            return graph, out
-        except Exception as e:  # noqa: BLE001 - decode still works eagerly; said and counted
-            return self._give_up(b, f"{type(e).__name__}: {e}")
-
-    def _give_up(self, b: int, reason: str) -> tuple[None, None]:
-        log.warning("CUDA graph capture for decode batches of %d failed, running them eagerly: %s", b, reason)
-        self.runner.fallbacks.append(f"cuda graph b={b}: {reason}")
-        return None, None

@@ -16,6 +16,7 @@ import torch
 
 from kernels import _triton_utils as tu
 from kernels.cpu_build import NativeKernelError, load  # noqa: F401  (load: engine/models/kernel_backend.py's entry point)
+from kernels.cpu_graph import recording
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
@@ -25,6 +26,12 @@ def _check(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} is on {t.device}: the C kernels take CPU tensors")
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _values_checked() -> bool:
+    """Read the values of index tensors on the host to check them: not while a step is being recorded
+    (kernels/cpu_graph.py: whoever replays it checks the step's inputs, once)."""
+    return not recording()
 
 
 def _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens) -> None:
@@ -106,7 +113,7 @@ def store_kv(
     if key.shape[0] != n or value.shape[0] != n or not slot_mapping.is_contiguous():
         raise ValueError(f"{n} slots for {key.shape[0]} keys and {value.shape[0]} values")
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if n and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
+    if n and _values_checked() and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
         raise ValueError(f"slot_mapping must be in [-1, {num_slots})")
     load().duet_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
                              key_cache.stride(0), key_cache.stride(1), value_cache.data_ptr(), value_cache.stride(0),
@@ -288,7 +295,8 @@ def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Ten
         _check(name, table, 2, torch.float32)
         if table.shape[1] != rotary_dim or not table.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [max_positions, {rotary_dim}] table")
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+    if positions.numel() and _values_checked() and (int(positions.min()) < 0
+                                                    or int(positions.max()) >= cos.shape[0]):
         raise ValueError(f"positions must be in [0, {cos.shape[0]})")
     load().duet_rotary_f32(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, rotary_dim,
                            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
