@@ -204,10 +204,10 @@ class DecodeGraphs:
         return rec, out
 
     def _give_up(self, b: int, reason: str) -> tuple[None, None]:
-        if self.cpu:  # what a CPU recording refuses is the model's (an operator it runs), not the batch size's
-            log.warning("CPU recording of decode steps failed, every decode step runs eagerly: %s", reason)
-            self.runner.fallbacks.append(f"cpu graph: {reason}")
-            self.graphs.update({s: (None, None) for s in self.sizes})
+        if self.cpu:  # an operator met at b (a torch GEMM past GEMM_ROWS_FP32, or the model's) is met above b too
+            log.warning("CPU recording of decode batches of %d and more failed, they run eagerly: %s", b, reason)
+            self.runner.fallbacks.append(f"cpu graph b>={b}: {reason}")
+            self.graphs.update({s: (None, None) for s in self.sizes if s >= b})
             return None, None
         log.warning("CUDA graph capture for decode batches of %d failed, running them eagerly: %s", b, reason)
         self.runner.fallbacks.append(f"cuda graph b={b}: {reason}")

@@ -326,9 +326,10 @@ class Engine(EmitMixin, RemoteKVMixin):
             self.tiers.worker_id = worker_id
 
     def capture_decode_graphs(self) -> int:
-        """Capture every decode bucket's CUDA graph now, for an engine about to decode (a decode or colocated
-        worker at start-up, a flip into decode), so no serving step pays a first capture and its Triton compiles
-        (0.4-1.2 s on an H200). Returns how many were captured: 0 without graphs (CPU, cuda_graph_max_batch 0)."""
+        """Capture every decode bucket's graph now (CUDA graphs, or a CPU's recordings of C calls), for an engine
+        about to decode (a decode or colocated worker at start-up, a flip into decode), so no serving step pays a
+        first capture and its Triton compiles (0.4-1.2 s on an H200). Returns how many were captured: 0 without
+        graphs (a dense model on a CPU, cuda_graph_max_batch / cpu_graph_max_batch 0)."""
         graphs = self.runner.decode_graphs
         return graphs.capture_all() if graphs is not None else 0
 

@@ -99,7 +99,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops)
         self.register_buffer("tokens_per_expert", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
         self.ops = ops
-        # 1 for a real row, 0 for padding (a CUDA graph's bucket pads the batch: engine/model_runner.DecodeGraphs
+        # 1 for a real row, 0 for padding (a CUDA graph's bucket pads the batch: engine/decode_graphs.DecodeGraphs
         # sets it around each forward it captures); None: every row is real
         self.count_rows: torch.Tensor | None = None
 

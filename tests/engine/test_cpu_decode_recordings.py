@@ -23,7 +23,8 @@ def packed_file(request, tiny_model, tmp_path_factory):
 
 
 def engine(path, graphs: int, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), num_blocks=64, max_num_seqs=8, dtype="float32", kernels="cpu",
+    kw.setdefault("max_num_seqs", 8)
+    return Engine(EngineConfig(model=str(path), num_blocks=64, dtype="float32", kernels="cpu",
                                cpu_graph_max_batch=graphs, **kw))
 
 
@@ -88,3 +89,17 @@ def test_a_recording_replays_its_calls_on_new_values():
     rec.replay()
     gate, up = x.chunk(2, dim=1)
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)
+
+
+def test_a_bucket_past_the_gemv_rows_runs_eagerly_and_the_smaller_ones_replay(packed_file):
+    """From GEMM_ROWS_FP32 rows the packed linear dequantizes tiles for torch's GEMM: not recordable. That bucket
+    and the larger ones run eagerly (said, counted); the smaller ones still replay."""
+    from kernels.cpu_quant import GEMM_ROWS_FP32
+
+    e = engine(packed_file, GEMM_ROWS_FP32 + 8, max_num_seqs=GEMM_ROWS_FP32 + 8)
+    assert e.capture_decode_graphs() == len(e.runner.decode_graphs.sizes)
+    graphs = e.runner.decode_graphs.graphs
+    assert {b for b, (rec, _) in graphs.items() if rec is None} == {b for b in graphs if b >= GEMM_ROWS_FP32}
+    assert any("aten.mm" in f or "aten.addmm" in f or "linear" in f for f in e.runner.fallbacks), e.runner.fallbacks
+    eager = engine(packed_file, 0)
+    assert [t for t, _ in run(e).values()] == [t for t, _ in run(eager).values()]

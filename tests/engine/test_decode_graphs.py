@@ -1,4 +1,4 @@
-"""Decode steps on the CUDA-graph path's static, padded buffers (engine/model_runner.py ``DecodeGraphs``).
+"""Decode steps on the CUDA-graph path's static, padded buffers (engine/decode_graphs.py ``DecodeGraphs``).
 
 On a CPU there are no CUDA graphs, so these tests run ``DecodeGraphs(capture=False)``: the same static buffers,
 bucketing and padding rows, the forward run eagerly on them (on the triton backend too: the kernels a GPU would
@@ -15,9 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.model_runner import DecodeGraphs
 from engine.request import SamplingParams
 
 # five prompts of different lengths: decode batches of 5, then fewer as requests finish (max_tokens differ)
