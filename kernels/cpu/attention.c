@@ -370,22 +370,37 @@ static void da_heads(const float *Q, float *O, int h0, int h1, int group, const 
 }
 
 // One query token per sequence at position seq_lens[s] - 1, head_dim a multiple of 8. A task is a sequence
-// (all its KV heads), or with fewer sequences than twice the threads, one KV head of one. Returns 0, or -1 if a
-// scratch allocation failed.
+// (all its KV heads), or with fewer sequences than twice the threads, one KV head of one; and when even those
+// tasks are fewer than twice the threads (batch 1: SmolLM2's 3 KV heads on 2 threads left one thread idle a
+// third of the time), each also splits its keys into chunks of at least DA_CHUNK (flash-decoding): a chunk's
+// output, max and sum are kept apart, then merged per row as sum_c e^(m_c - M) l_c O_c / sum_c e^(m_c - M) l_c.
+// Returns 0, or -1 if a scratch allocation failed.
+#define DA_CHUNK 128  // keys per chunk at least: a chunk's fixed cost (q copy, merge) stays small next to it
 static int da_decode(const float *q, int64_t q_s, int64_t q_h, const float *k, int64_t k_b, int64_t k_t,
                      int64_t k_h, const float *v, int64_t v_b, int64_t v_t, int64_t v_h, const int32_t *tables,
                      int64_t tab_s, const int32_t *seq_lens, float *out, int64_t o_s, int64_t o_h, int num_seqs,
                      int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
                      int num_threads) {
     const int group = num_q_heads / num_kv_heads, split = num_seqs < 2 * num_threads;
-    const int per_task = split ? 1 : num_kv_heads, ntasks = num_seqs * (num_kv_heads / per_task);
+    const int per_task = split ? 1 : num_kv_heads, head_tasks = num_kv_heads / per_task;
     const int rows = per_task * group, D = head_dim;
-    int failed = 0;
+    int chunks = 1;  // per (sequence, head task): enough for twice the threads, never under DA_CHUNK keys
+    if (num_seqs * head_tasks < 2 * num_threads) {
+        int max_len = 0;
+        for (int s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        int want = (2 * num_threads + num_seqs * head_tasks - 1) / (num_seqs * head_tasks);
+        int most = max_len / DA_CHUNK;
+        chunks = want < most ? want : most;
+        if (chunks < 1) chunks = 1;
+    }
+    const int ntasks = num_seqs * head_tasks * chunks;
+    float *part = chunks > 1 ? malloc(sizeof(float) * (size_t)ntasks * rows * (D + 2)) : NULL;  // O, m, l
+    int failed = chunks > 1 && !part;
 #pragma omp parallel num_threads(num_threads)
     {
         float *buf = aligned_alloc(64, sizeof(float) * ((size_t)rows * (DA_TILE + 2 * D + 2) + 16));
         const float **ptrs = malloc(sizeof(float *) * 4 * DA_TILE);
-        int ok = buf && ptrs;
+        int ok = buf && ptrs && !failed;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -393,22 +408,66 @@ static int da_decode(const float *q, int64_t q_s, int64_t q_h, const float *k, i
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < ntasks; task++) {
             if (!ok) continue;
-            int s = task / (num_kv_heads / per_task), h0 = task % (num_kv_heads / per_task) * per_task;
+            int c = task % chunks, ht = task / chunks;
+            int s = ht / head_tasks, h0 = ht % head_tasks * per_task;
             int len = seq_lens[s], lo = window > 0 && len > window ? len - window : 0;
+            int step = ((len - lo + chunks - 1) / chunks + DA_TILE - 1) / DA_TILE * DA_TILE;
+            int c0 = lo + c * step, c1 = c0 + step < len ? c0 + step : len;
             float *S = buf, *Q = S + (size_t)rows * DA_TILE, *O = Q + (size_t)rows * D, *m = O + (size_t)rows * D,
                   *l = m + rows;
+            if (c0 >= c1) {  // a short sequence beside long ones: its later chunks are empty
+                float *pm = part + ((size_t)task * rows) * (D + 2);
+                for (int r = 0; r < rows; r++) pm[r * (D + 2) + D] = -INFINITY, pm[r * (D + 2) + D + 1] = 0.0f;
+                continue;
+            }
             for (int r = 0; r < rows; r++) {
                 const float *qr = q + s * q_s + (int64_t)(h0 * group + r) * q_h;
                 for (int d = 0; d < D; d++) Q[r * D + d] = qr[d] * scale;
             }
             da_heads(Q, O, h0, h0 + per_task, group, k, k_b, k_t, k_h, v, v_b, v_t, v_h, tables + s * tab_s,
-                     block_size, lo, len, D, S, m, l, ptrs);
-            for (int r = 0; r < rows; r++)
-                memcpy(out + s * o_s + (int64_t)(h0 * group + r) * o_h, O + r * D, sizeof(float) * D);
+                     block_size, c0, c1, D, S, m, l, ptrs);
+            if (chunks == 1) {
+                for (int r = 0; r < rows; r++)
+                    memcpy(out + s * o_s + (int64_t)(h0 * group + r) * o_h, O + r * D, sizeof(float) * D);
+                continue;
+            }
+            for (int r = 0; r < rows; r++) {
+                float *pr = part + ((size_t)task * rows + r) * (D + 2);
+                memcpy(pr, O + r * D, sizeof(float) * D);
+                pr[D] = m[r];
+                pr[D + 1] = l[r];
+            }
+        }
+        if (chunks > 1 && !failed) {  // the omp for's barrier: every chunk is done
+#pragma omp for schedule(static)
+            for (int ht = 0; ht < num_seqs * head_tasks; ht++) {
+                int s = ht / head_tasks, h0 = ht % head_tasks * per_task;
+                for (int r = 0; r < rows; r++) {
+                    float mx = -INFINITY, wsum = 0.0f;
+                    for (int c = 0; c < chunks; c++) {
+                        float mc = part[(((size_t)ht * chunks + c) * rows + r) * (D + 2) + D];
+                        mx = mc > mx ? mc : mx;
+                    }
+                    float *o = out + s * o_s + (int64_t)(h0 * group + r) * o_h;
+                    memset(o, 0, sizeof(float) * D);
+                    for (int c = 0; c < chunks; c++) {
+                        const float *pr = part + (((size_t)ht * chunks + c) * rows + r) * (D + 2);
+                        if (pr[D + 1] == 0.0f) continue;  // an empty chunk
+                        float w = expf(pr[D] - mx) * pr[D + 1];
+                        wsum += w;
+#pragma omp simd
+                        for (int d = 0; d < D; d++) o[d] += w * pr[d];
+                    }
+                    float inv = 1.0f / wsum;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) o[d] *= inv;
+                }
+            }
         }
         free(buf);
         free(ptrs);
     }
+    free(part);
     return failed ? -1 : 0;
 }
 

@@ -55,6 +55,25 @@ def test_decode_attention_matches_reference(head_dim, q_heads, kv_heads, block_s
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("seq_lens,threads", [([700], 2), ([600, 20], 4), ([1000, 129, 300], 4)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_attention_splits_long_keys_when_tasks_are_few(head_dim, q_heads, kv_heads, seq_lens, threads,
+                                                               window):
+    """Fewer (sequence, KV head) tasks than twice the threads: each splits its keys into chunks of >= 128 and
+    the chunks' outputs are merged (a short sequence beside long ones has empty chunks)."""
+    gen, key_cache, value_cache, tables = _cache(head_dim, kv_heads, 16, seq_lens, seed=head_dim + len(seq_lens))
+    q = torch.randn(len(seq_lens), q_heads, head_dim, generator=gen)
+    lens = lens_tensor(seq_lens).cpu()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_native.paged_decode_attention(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window)
+    finally:
+        torch.set_num_threads(old)
+    assert_close(out, paged_decode_attention_ref(q, key_cache, value_cache, tables, lens, head_dim ** -0.5, window))
+
+
 def test_decode_attention_large_scratch():
     """64 query heads x 128-token blocks: the per-sequence scratch no longer fits the stack buffer (heap)."""
     seq_lens = [3, 300, 129]
