@@ -108,7 +108,7 @@ def _awq(q: dict[str, Any]) -> QuantFields:
 
 def _compressed_tensors(q: dict[str, Any]) -> QuantFields:
     m = "compressed-tensors"
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for key in ("kv_cache_scheme", "sparsity_config", "moe_sparsity_config", "transform_config"):
         if q.get(key):
             raise _refuse(m, key, q[key], "weight-only quantization of the linear layers")
     status = q.get("quantization_status", "compressed")
@@ -116,7 +116,8 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantFields:
         raise _refuse(m, "quantization_status", status, "compressed")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
-        raise _refuse(m, "config_groups", groups, "exactly one group")
+        got = f"{len(groups)} groups ({', '.join(groups)})" if isinstance(groups, dict) else repr(groups)
+        raise ModelLoadError(f"quantization_config ({m}): config_groups must hold exactly one scheme, got {got}")
     (name, scheme), = groups.items()
     if not isinstance(scheme, dict):
         raise _refuse(m, f"config_groups.{name}", scheme, "an object")
