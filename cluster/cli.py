@@ -26,7 +26,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    p.add_argument("--quantization", default=None, choices=["w8a16"])
     _add_quantized_args(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -57,6 +56,9 @@ def _add_kv_size_args(p: argparse.ArgumentParser) -> None:
 
 def _add_quantized_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """``serve``: no defaults (the config file's values, else EngineConfig's, stand unless a flag is given)."""
+    p.add_argument("--quantization", default=None, choices=["w8a16", "int8", "int4"],
+                   help="quantize a float checkpoint's weights at load: int8 (Q8_0 blocks) or int4 (Q4_1 blocks) kept "
+                        "packed for the CPU kernels, or w8a16 (per-channel int8)")
     p.add_argument("--quantized-weights", choices=["auto", "dense"], default=None if serve else "auto",
                    help="a GGUF file's quantized weights: kept packed where the kernels take them (auto), or "
                         "dequantized at load (dense)")
@@ -141,7 +143,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.device": args.device, "engine.dtype": args.dtype, "engine.block_size": args.block_size,
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
         "engine.max_model_len": args.max_model_len,
-        "engine.quantized_weights": args.quantized_weights,
+        "engine.quantization": args.quantization, "engine.quantized_weights": args.quantized_weights,
         "engine.quantized_activations": args.quantized_activations,
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,

@@ -154,6 +154,7 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "w8a16", "int8", "int4")  # EngineConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -186,9 +187,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     kernels: str = "auto"  # auto | torch | cpu | triton (engine/models/kernel_backend.py)
-    quantization: str | None = None  # None | "w8a16"
-    # a quantized checkpoint's weights (GGUF blocks): "auto" keeps those the kernel backend takes packed
-    # (engine/loading/quantized.py); "dense" dequantizes every one at load (the reference for the packed path)
+    # None | "w8a16" | "int8" | "int4": a float checkpoint's weights quantized at load (int8 / int4: GGUF Q8_0 /
+    # Q4_1 blocks for the packed kernels, engine/loading/quantize.py; w8a16: per-channel int8, kernels/gemm.py)
+    quantization: str | None = None
+    # a quantized checkpoint's weights (GGUF blocks, GPTQ / AWQ / compressed-tensors, or quantization int8 / int4):
+    # "auto" keeps those the kernel backend takes packed (engine/loading/quantized.py); "dense" dequantizes every
+    # one at load (the reference for the packed path)
     quantized_weights: str = "auto"
     # what the CPU kernels multiply packed weights with: "fp32" activations (token-exact with the dense model on
     # the dequantized weights) or "int8" per 32-block (llama.cpp's scheme: faster, not token-exact; the cpu backend)
@@ -250,8 +254,9 @@ class EngineConfig:
         if self.kv_disk_bytes and self.kv_disk_bytes < self.kv_host_bytes:
             raise ConfigError(f"kv_disk_bytes {self.kv_disk_bytes} is smaller than kv_host_bytes {self.kv_host_bytes}: "
                               "the disk tier should hold at least what the host tier does")
-        if self.quantization not in (None, "w8a16"):
-            raise ConfigError(f"quantization must be None or 'w8a16', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, "
+                              f"got {self.quantization!r}")
         if self.quantized_weights not in ("auto", "dense"):
             raise ConfigError(f"quantized_weights must be 'auto' or 'dense', got {self.quantized_weights!r}")
         if self.quantized_activations not in ("fp32", "int8"):

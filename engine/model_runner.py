@@ -97,7 +97,8 @@ class ModelRunner:
         self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
         self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations)
         self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp,
-                                keep_quantized=cfg.quantized_weights == "auto" and cfg.quantization is None)
+                                keep_quantized=cfg.quantized_weights == "auto" and cfg.quantization != "w8a16",
+                                quantization=cfg.quantization)
         if cfg.quantization == "w8a16":
             self.model.quantize_int8()
             if self.device.type == "cuda":  # measured, not assumed: say what it buys

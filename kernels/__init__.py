@@ -31,4 +31,6 @@ Pieces:
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
 - cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c, quant_k.c)
+- quant_group.py        GroupQuantWeight (GPTQ / AWQ / compressed-tensors: q, group scales and zeros) and its references
+- cpu_quant_group.py    group-quantized linears kept packed, C kernels (kernels/cpu/quant_g.c)
 """

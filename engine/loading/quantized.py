@@ -1,17 +1,22 @@
-"""Quantized checkpoint weights kept packed (issue 48): which of a GGUF file's weights stay in their blocks, and
-their assembly into the model.
+"""Quantized checkpoint weights kept packed (issue 48): which of a GGUF file's or a Hugging Face quantized
+checkpoint's weights stay packed, and their assembly into the model.
 
-A parameter stays packed when the kernel backend's quantized linear takes its block type
-(``KernelOps.quant_formats``), every checkpoint tensor that fills it has that one type (q, k and v of a fused
-projection alike), and it is a projection's weight (a ``Linear``) or the token table (with it a tied LM head: one
-packed table serves the lookup and the head). The rest is dequantized at load as before, and the loader says how
-much of each: other block types, norms and biases (F32 in the files), MoE expert tensors, tensor parallelism
-(splitting packed rows across ranks is not built yet), ``quantization: w8a16`` (it quantizes dense weights
-itself) and ``quantized_weights: dense``.
+A parameter stays packed when the kernel backend's quantized linear takes its type (``KernelOps.quant_formats``:
+GGUF block types, and G4 / G8 for GPTQ / AWQ / compressed-tensors layers, engine/loading/hf_quantized.py), every
+checkpoint tensor that fills it has that one type (q, k and v of a fused projection alike), and it is a
+projection's weight (a ``Linear``) or, in a GGUF block type, the token table (with it a tied LM head: one packed
+table serves the lookup and the head). The rest is dequantized at load, and the loader says how much of each:
+other block types, norms and biases (float in the files), a fused projection whose pieces are not all quantized
+alike, MoE expert tensors, tensor parallelism (splitting packed rows across ranks is not built yet), CUDA (no
+quantized kernels in Triton yet), ``quantization: w8a16`` (it quantizes float weights itself) and
+``quantized_weights: dense``.
 
 The pieces of a fused projection are joined row-wise (the block rows of q, then k, then v): a row of blocks is a
 row of weights, so joining and permuting rows is exact on the packed bytes. Nothing is converted: the backend's
-``pack_quant`` gets the file's blocks as they are (kernels/quant.py ``QuantWeight``), and a repack is lossless.
+``pack_quant`` gets the file's blocks as they are (kernels/quant.py ``QuantWeight``), or a layer's quants, scales
+and zeros unpacked from their int32 words (kernels/quant_group.py ``GroupQuantWeight``); a repack is lossless.
+Act-order pieces must share one column order (GPTQ computes it from the layer's input, which q, k and v share);
+pieces that do not are dequantized at load, logged.
 """
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.loading.gguf import QuantTensor
 from engine.models.kernel_backend import KernelOps
 from engine.models.layers import Linear
 from engine.models.llama import CausalLM
+from kernels.quant import GGUF_BLOCKS  # the block formats a token table may stay packed in (``quant_rows``)
 
 log = logging.getLogger(__name__)
 EMBEDDING = "embed_tokens.weight"
@@ -43,8 +48,10 @@ def packed_params(model: CausalLM, tensor_types: dict[str, str], ops: KernelOps)
     for name, fmts in by_param.items():
         if len(fmts) != 1 or not fmts <= ops.quant_formats or not name.endswith(".weight"):
             continue
-        if name == EMBEDDING or isinstance(model.get_submodule(name.rsplit(".", 1)[0]), Linear):
-            kept[name] = next(iter(fmts))
+        fmt = next(iter(fmts))
+        if (name == EMBEDDING and fmt in GGUF_BLOCKS) or isinstance(model.get_submodule(name.rsplit(".", 1)[0]),
+                                                                      Linear):
+            kept[name] = fmt
     return kept
 
 
@@ -58,43 +65,76 @@ def drop_dense(model: CausalLM, kept: dict[str, str]) -> None:
 
 
 class PackedPieces:
-    """The pieces of every kept parameter as they arrive from the file, joined and packed at the end."""
+    """The pieces of every kept parameter as they arrive from the file; a parameter is joined and packed as soon as
+    its last piece is in (a GPTQ / AWQ / compressed-tensors layer's unpacked quants are not held to the end)."""
 
     def __init__(self, model: CausalLM, kept: dict[str, str]) -> None:
         self.model, self.kept = model, kept
-        self.pieces: dict[str, dict[object, QuantTensor]] = {}
+        self.pieces: dict[str, dict[object, object]] = {}
+        self.done: set[str] = set()
 
-    def add(self, name: str, piece, tensor: QuantTensor) -> None:
+    def add(self, name: str, piece, tensor) -> None:
+        """``tensor``: a GGUF ``QuantTensor`` or a ``GroupQuantWeight`` (engine/loading/hf_quantized.py)."""
         if name not in self.kept:
             raise ModelLoadError(f"{name}: a {tensor.fmt} tensor arrived for a parameter not kept packed")
         self.pieces.setdefault(name, {})[piece] = tensor
+        if set(self.pieces[name]) == self.model.pieces(name) or None in self.pieces[name]:
+            self._install(name, self.pieces.pop(name))
 
-    def install(self, ops: KernelOps) -> set[str]:
-        """Join, check against the config's shapes, pack, and put each parameter in place; its name returned."""
+    def install(self) -> set[str]:
+        """Join, check against the config's shapes, pack, and put in place what is left; every installed
+        parameter's name returned."""
+        for name in list(self.pieces):
+            self._install(name, self.pieces.pop(name))
+        return self.done
+
+    def _install(self, name: str, pieces: dict) -> None:
         from kernels.quant import QuantWeight
+        from kernels.quant_group import GroupQuantWeight
 
-        done = set()
-        for name, pieces in self.pieces.items():
-            owner = name.rsplit(".", 1)[0]
-            module = self.model.get_submodule(owner)
-            order = sorted(pieces, key=lambda p: -1 if p is None else p)
-            if None in pieces and len(pieces) > 1:
-                raise ModelLoadError(f"{name}: the checkpoint gives it whole and in pieces")
-            data = np.concatenate([pieces[p].data for p in order]) if len(order) > 1 else pieces[order[0]].data
-            cols = {pieces[p].cols for p in order}
-            rows, want = data.shape[0], self._shape(name, module)
-            if len(cols) != 1 or (rows, *cols) != want:
-                raise ModelLoadError(f"{name}: quantized pieces of {rows} x {sorted(cols)} weights, the model config "
-                                     f"implies {want[0]} x {want[1]}")
-            packed = ops.pack_quant(QuantWeight(self.kept[name], rows, want[1], torch.from_numpy(data)))
-            if name == EMBEDDING:
-                self.model.embed_quant = packed
-                if self.model.cfg.tie_word_embeddings:
-                    self.model.lm_head.quant = packed
-            else:
-                module.quant = packed
-            done.add(name)
-        return done
+        module = self.model.get_submodule(name.rsplit(".", 1)[0])
+        order = sorted(pieces, key=lambda p: -1 if p is None else p)
+        if None in pieces and len(pieces) > 1:
+            raise ModelLoadError(f"{name}: the checkpoint gives it whole and in pieces")
+        parts = [pieces[p] for p in order]
+        want = self._shape(name, module)
+        if isinstance(parts[0], GroupQuantWeight):
+            weight = self._join_group(name, module, parts, want)
+            if weight is None:
+                return
+        else:
+            data = np.concatenate([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+            cols = {p.cols for p in parts}
+            if len(cols) != 1 or (data.shape[0], *cols) != want:
+                raise ModelLoadError(f"{name}: quantized pieces of {data.shape[0]} x {sorted(cols)} weights, the "
+                                     f"model config implies {want[0]} x {want[1]}")
+            weight = QuantWeight(self.kept[name], data.shape[0], want[1], torch.from_numpy(data))
+        packed = self.model.ops.pack_quant(weight)
+        if name == EMBEDDING:
+            self.model.embed_quant = packed
+            if self.model.cfg.tie_word_embeddings:
+                self.model.lm_head.quant = packed
+        else:
+            module.quant = packed
+        self.done.add(name)
+
+    def _join_group(self, name: str, module, parts: list, want: tuple[int, int]):
+        """The GPTQ / AWQ / compressed-tensors pieces of one weight joined row-wise; when their act-order column
+        permutations differ (one packed weight has one column order), the float weight instead (logged)."""
+        from kernels.quant_group import dequantize_group_ref, join_rows
+
+        rows, cols = sum(p.rows for p in parts), {p.cols for p in parts}
+        if (rows, *cols) != want or len(cols) != 1:
+            raise ModelLoadError(f"{name}: quantized pieces of {rows} x {sorted(cols)} weights, the model config "
+                                 f"implies {want[0]} x {want[1]}")
+        try:
+            return join_rows(parts)
+        except ValueError as e:
+            log.warning("weights: %s dequantized at load: its pieces cannot share one packed layout (%s)", name, e)
+            dense = torch.cat([dequantize_group_ref(p) for p in parts]).to(self.model.norm.weight.dtype)
+            module.weight = torch.nn.Parameter(dense, requires_grad=False)
+            self.done.add(name)
+            return None
 
     def _shape(self, name: str, module) -> tuple[int, int]:
         if name == EMBEDDING:

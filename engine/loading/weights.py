@@ -19,12 +19,15 @@ from safetensors import safe_open
 
 from engine.errors import ModelLoadError
 from engine.loading.gguf import QuantTensor, open_gguf
+from engine.loading.hf_quantized import assemble, quantized_layers, tensor_types
 from engine.loading.paths import is_gguf
+from engine.loading.quantize import PROJECTION_FORMAT, check_quantizable, quantize_model
 from engine.loading.quantized import PackedPieces, drop_dense, packed_params, report
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import KernelOps
 from engine.models.llama import CausalLM
 from engine.models.tensor_parallel import TensorParallel
+from kernels.quant_group import GroupQuantWeight, dequantize_group_ref
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints from 64 MiB up
@@ -85,6 +88,19 @@ def checkpoint_tensors(path: str | Path, keep: frozenset[str] = frozenset()
             bar.close()
 
 
+def _tensor_dtypes(model_dir: Path) -> dict[str, str]:
+    """Every tensor of a checkpoint directory -> its safetensors dtype ("F32", "I32", ...), from the headers."""
+    dtypes = {}
+    for f in weight_files(model_dir):
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    dtypes[name] = st.get_slice(name).get_dtype()
+        except Exception as e:  # a truncated or corrupt file
+            raise ModelLoadError(f"{f}: cannot read safetensors file: {e}") from e
+    return dtypes
+
+
 def _safetensors_items(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(name, tensor, bytes of the file it accounts for: its own, plus the header for a file's last one)."""
     for f in files:
@@ -111,15 +127,27 @@ def load_model(
     max_positions: int,
     tp: TensorParallel | None = None,
     keep_quantized: bool = True,
+    quantization: str | None = None,
 ) -> CausalLM:
     """``tp``: load this rank's part of every split parameter (engine/models/tensor_parallel.py); each rank reads the
-    checkpoint itself (memory-mapped: only its parts are copied). ``keep_quantized``: a GGUF file's quantized
-    weights the backend takes stay packed (engine/loading/quantized.py); False: all dequantized."""
+    checkpoint itself (memory-mapped: only its parts are copied). ``keep_quantized``: a quantized checkpoint's
+    weights the backend takes stay packed (engine/loading/quantized.py); False: all dequantized.
+    ``quantization`` "int8" / "int4": a float checkpoint's weights quantized after loading (engine/loading/quantize.py;
+    packed, or with ``keep_quantized`` False dequantized back: the reference); other values are the caller's."""
+    at_load = quantization if quantization in PROJECTION_FORMAT else None
+    if at_load:  # before any memory is spent: refused unless the checkpoint and the backend can
+        check_quantizable(model_path, at_load, ops, dtype, dense=not keep_quantized)
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_positions, tp)
     kept: dict[str, str] = {}
-    if is_gguf(model_path):
-        types = open_gguf(model_path).tensor_types()
+    hf_quant = None if is_gguf(model_path) else cfg.quantization
+    if is_gguf(model_path) or hf_quant is not None:
+        if hf_quant is not None:
+            dtypes = _tensor_dtypes(Path(model_path))
+            layers = quantized_layers(dtypes, hf_quant)
+            types = tensor_types(dtypes, hf_quant)
+        else:
+            types = open_gguf(model_path).tensor_types()
         reason = None if keep_quantized else "quantized_weights: dense, or quantization: w8a16"
         kept = packed_params(model, types, ops) if keep_quantized and device == "cpu" else {}
         report(model, kept, types, ops, reason or (None if device == "cpu" else f"no quantized kernels on {device}"))
@@ -136,14 +164,17 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[int]] = {}
     with torch.no_grad():
-        for hf_name, tensor in checkpoint_tensors(model_path, frozenset(kept.values())):
+        tensors = checkpoint_tensors(model_path, frozenset(kept.values()))
+        for hf_name, tensor in tensors if hf_quant is None else assemble(tensors, hf_quant, layers):
             target = model.checkpoint_to_param(hf_name)
             if target is None:
                 continue
             name, piece = target
-            if isinstance(tensor, QuantTensor):
+            if isinstance(tensor, (QuantTensor, GroupQuantWeight)) and name in kept:
                 pieces.add(name, piece, tensor)
                 continue
+            if isinstance(tensor, GroupQuantWeight):  # not kept packed: its float weights
+                tensor = dequantize_group_ref(tensor)
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
@@ -166,7 +197,7 @@ def load_model(
         for name, param in params.items():
             if name.endswith("norm.weight"):
                 param.data.add_(1.0)
-    packed = pieces.install(ops)
+    packed = pieces.install()
     missing = [name for name in kept if name not in packed]
     for name, _param in params.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -176,4 +207,6 @@ def load_model(
             missing.append(name)
     if missing:
         raise ModelLoadError(f"{model_path}: checkpoint does not provide {len(missing)} parameter(s), e.g. {missing[:4]}")
+    if at_load:
+        quantize_model(model, at_load, ops, dense=not keep_quantized)
     return model.eval()

@@ -4,6 +4,7 @@ Pieces (each module's docstring is its design note):
 - config.py           ModelConfig: what the checkpoint says, read from config.json (its rules in the docstring)
 - config_gemma.py     Gemma 2 / 3 fields of a config.json (ModelConfig.gemma)
 - config_moe.py       mixture-of-experts fields of a config.json (ModelConfig.moe)
+- config_quant.py     a config.json's quantization_config: GPTQ / AWQ / compressed-tensors read, the rest refused
 - config_rope.py      RoPE fields of a config.json, every transformers spelling, into one (type, theta, parameters)
 - llama.py            CausalLM: the Llama family (Qwen2/3, Mistral, Phi-3, Gemma, MoE) as one readable torch model
 - layers.py           building blocks matching Hugging Face's arithmetic: RMSNorm, RoPE, SwiGLU

@@ -11,8 +11,8 @@ Reading config.json — the rule (``ModelConfig.from_hf_dict``; each clause is t
    that names the field and its value. Refused today: an activation other than SiLU, partial rotary
    embeddings outside Phi-3 (engine/models/config_rope.py), RoPE types other than default / linear / llama3 / longrope,
    per-layer-type RoPE that differs
-   between layers, layer types other than full and sliding attention, ``quantization_config`` (packed
-   weights), and the fields of other families that a config must not carry with a non-neutral value (logit
+   between layers, layer types other than full and sliding attention, ``quantization_config`` methods and
+   settings outside engine/models/config_quant.py's (GPTQ, AWQ, compressed-tensors pack-quantized), and the fields of other families that a config must not carry with a non-neutral value (logit
    soft-capping, QK norm outside Qwen3, µP multipliers, experts outside the MoE architectures of
    engine/models/config_moe.py, bidirectional attention, ...).
 2. Fields that moved between transformers generations are read in every spelling: ``rope_parameters``
@@ -43,6 +43,7 @@ from engine.models.config_gemma import (
     read_gemma,
 )
 from engine.models.config_moe import MOE_ARCHITECTURES, MoeFields, read_moe
+from engine.models.config_quant import QuantFields, read_quantization
 from engine.models.config_rope import ROPE_TYPES, read_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -114,6 +115,7 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; () = all alike
     checkpoint_dtype: str = "float32"
+    quantization: QuantFields | None = None  # quantization_config (engine/models/config_quant.py); None: float
     model_id: str = ""
 
     def __post_init__(self) -> None:
@@ -238,6 +240,7 @@ class ModelConfig:
             sliding_window=window,
             layer_types=layer_types,
             checkpoint_dtype=_read_dtype(cfg),
+            quantization=read_quantization(cfg),
             model_id=model_id,
         )
 
@@ -268,11 +271,6 @@ def _refuse_unimplemented(cfg: dict[str, Any], arch: str) -> None:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in _SILU and not (arch in GEMMA_ARCHITECTURES and act in GELU_TANH):  # Gemma's: config_gemma.py
         raise ModelLoadError(f"hidden_act {act!r} is not supported (duet implements SiLU-gated MLPs only)")
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ModelLoadError(f"quantization_config (quant_method {method!r}) is not supported: the weights are "
-                             "packed in a format duet does not unpack; use an unquantized checkpoint or a GGUF file")
     for name, neutral in _FOREIGN_MATH_FIELDS.items():
         if arch in MOE_ARCHITECTURES and name in ("num_experts", "num_local_experts"):
             continue  # read by engine/models/config_moe.py

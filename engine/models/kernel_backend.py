@@ -121,6 +121,23 @@ def _cpu_quant_linear(activations: str) -> Callable:
     return linear
 
 
+def _cpu_pack_quant(w):
+    """Once per weight at load: GGUF blocks by kernels/cpu_quant.py, GPTQ / AWQ / compressed-tensors layers by
+    kernels/cpu_quant_group.py."""
+    from kernels import cpu_quant, cpu_quant_group
+    from kernels.quant_group import GroupQuantWeight
+
+    return cpu_quant_group.pack(w) if isinstance(w, GroupQuantWeight) else cpu_quant.pack(w)
+
+
+def _torch_quant_linear(x, w, bias=None):
+    from kernels import quant, quant_group
+
+    if isinstance(w, quant_group.GroupQuantWeight):
+        return quant_group.group_linear_ref(x, w, bias)
+    return quant.quant_linear_ref(x, w, bias)
+
+
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32") -> KernelOps:
     """``quantized_activations`` (EngineConfig's): "int8" makes the cpu backend's quantized linear quantize its
     activations per 32-block (llama.cpp's scheme); the other backends take fp32 only."""
@@ -147,17 +164,17 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             silu_mul=cpu_native.silu_mul,
             pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
             linear_packed=cpu_native.linear_packed,
-            quant_formats=frozenset(cpu_quant.GGUF_BLOCKS),  # kernels/cpu/quant.c
-            pack_quant=cpu_quant.pack, quant_rows=cpu_quant.rows,
+            quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
+            pack_quant=_cpu_pack_quant, quant_rows=cpu_quant.rows,
             quant_linear=_cpu_quant_linear(quantized_activations),
         )
     if backend == "torch":
-        from kernels import quant
+        from kernels import quant, quant_group
 
         return KernelOps(
-            name="torch",
-            quant_formats=frozenset(quant.GGUF_BLOCKS),  # the references: dequantized per call, exactly
-            pack_quant=lambda w: w, quant_linear=quant.quant_linear_ref, quant_rows=quant.quant_rows_ref,
+            name="torch",  # the references, dequantized per call, exactly:
+            quant_formats=frozenset(quant.GGUF_BLOCKS) | frozenset(quant_group.GROUP_FORMATS.values()),
+            pack_quant=lambda w: w, quant_linear=_torch_quant_linear, quant_rows=quant.quant_rows_ref,
             store_kv=store_kv.store_kv_ref,
             prefill_attention=prefill_attention.prefill_attention_ref,
             decode_attention=decode_attention.paged_decode_attention_ref,

@@ -114,7 +114,7 @@ def test_nested_rope_parameters_per_layer_type():
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 8.0}},
      r"\['factor'\] mean nothing for rope_type 'default'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}, "needs low_freq_factor"),
-    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({"use_qk_norm": True}, "use_qk_norm=True"),
