@@ -142,8 +142,12 @@ def load_model(
                 continue
             name, piece = target
             if isinstance(tensor, QuantTensor):
-                pieces.add(name, piece, tensor)
-                continue
+                if name in kept:
+                    pieces.add(name, piece, tensor)
+                    continue
+                # a piece of a parameter kept dense: a fused projection whose pieces' types differ (a Q4_K_M
+                # file's q, k in Q4_K and v in Q6_K); the tensor came whole because its type is kept elsewhere
+                tensor = torch.from_numpy(tensor.dequantize())
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
