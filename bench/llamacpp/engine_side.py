@@ -42,10 +42,10 @@ def make_engine(model: Path, activations: str, threads: int):
 
 
 def decode_tok_s(engine, seed: int) -> float:
-    """Batch-1 decode tokens per second over DECODE_TOKENS steps after a 1-token prompt."""
+    """Batch-1 decode tokens per second over DECODE_TOKENS steps after a 1-token prompt (``seed`` unused: the
+    prompt is run_decode's own, one random token; without prefix caching nothing carries over between runs)."""
     from bench.engine.decode import run_decode
 
-    torch.manual_seed(seed)  # run_decode draws its prompt from a generator seeded by the batch size: same prompt
     r = run_decode(engine, 1, 1, DECODE_TOKENS, engine.model_config.vocab_size, [])
     return r["tokens"] / r["seconds"]
 
