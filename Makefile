@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast lint bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast lint bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-llamacpp bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -154,6 +154,15 @@ bench-routing-trace: install
 bench-serve: install
 	bench/install_vllm.sh .cache/vllm-venv
 	$(HUGEPAGES) $(PY) -m bench.serve $(if $(SMALL),--small,)
+
+# duet vs llama.cpp (issue 48) on the same GGUF files, 2 threads each, alternated in one run: llama.cpp built once
+# from source into .cache/llama.cpp (bench/llamacpp/build.sh), SmolLM2 Q4_1 / Q8_0 and a synthetic 1.5B Q4_K_M made
+# into .cache/bench; batch-1 decode, 512-token prefill, `duet serve` vs llama-server at 1 / 8 / 32 streams, resident
+# weight bytes; JSON in build/bench/llamacpp/; last line: ratio: <batch-1 decode duet / llama.cpp, 1.5B Q4_K_M>.
+# SMALL=1: 2 rounds and short serving levels.
+bench-llamacpp: install
+	bash bench/llamacpp/build.sh
+	$(HUGEPAGES) $(PY) -m bench.llamacpp $(if $(SMALL),--small,)
 
 # the goodput simulator (no model): real router, index, block pools, scheduler and autoscaler policy over the
 # Mooncake trace, the engine replaced by a calibrated step-time model (docs/simulator.md)

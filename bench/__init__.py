@@ -16,4 +16,5 @@ Pieces (each module's docstring is its design note):
 - routing/           prefix-aware routing on a real cluster, and the router's decision cost
 - cluster/           the live autoscaler and role flips
 - api/               the API against references: lm-eval, tool calls
+- llamacpp/          duet vs llama.cpp built from source on the same GGUF files (`make bench-llamacpp`)
 """

@@ -16,6 +16,11 @@ Reported: useful output tokens per second of each, MFU (workload FLOPs / time / 
 layers' weights per token through the layers + attention's QK and AV over each token's context + the LM head
 per sampled token), and ``ratio: <duet/vLLM>`` as the last line (``<duet/transformers>`` with --skip-vllm).
 
+Quantized rows (issue 48), in the same alternation: on a GGUF model (the default one, also when vLLM's run loads
+its fp32 directory), duet's engine on the file with its weights kept packed (``quantized_activations`` fp32, the
+default, and int8) and with them dequantized to fp32 at load (``quantized_weights=dense``: the dense fp32 engine
+on the same file); their output tok/s, and packed / dequantized, are printed (``quantized_sides``).
+
 The VM this runs on has noisy neighbours (±50 % between runs), so the two are timed alternately
 ``--repeats`` times and each side's best run is compared (duet builds a fresh engine per run, so no run
 profits from an earlier run's prefix cache).
@@ -85,6 +90,17 @@ def bench_duet(model_dir: str, reqs, block_size: int, cpu_s: list[float] | None 
     n_out = sum(len(r["token_ids"]) for r in res)
     assert n_out == sum(o for _, o in reqs)
     return elapsed, n_out
+
+
+def quantized_sides(gguf: str | None, duet_runs_gguf: bool) -> dict[str, dict]:
+    """Issue 48's rows on ``gguf`` (None: no GGUF in this run, no rows): name -> bench_duet's config. When the
+    "duet engine" row already runs the file (packed, fp32 activations), that one is not repeated."""
+    if gguf is None:
+        return {}
+    sides = {} if duet_runs_gguf else {"duet, GGUF packed (fp32 activations)": {"model": gguf}}
+    sides["duet, GGUF packed (int8 activations)"] = {"model": gguf, "quantized_activations": "int8"}
+    sides["duet, GGUF dequantized at load (fp32)"] = {"model": gguf, "quantized_weights": "dense"}
+    return sides
 
 
 def load_hf(model_path: str):
@@ -183,10 +199,11 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="duet and transformers only")
     args = ap.parse_args()
     model_dir = args.model
+    gguf = model_dir if model_dir and model_dir.endswith(".gguf") else None
     if model_dir is None and not args.tiny:
         from engine.loading.default_model import default_model_path
 
-        model_dir = str(default_model_path())
+        model_dir = gguf = str(default_model_path())
         if not args.skip_vllm:  # vLLM CPU runs HF directories: all three load the same fp32 one
             from bench.hf_model import ensure_hf_model
 
@@ -206,13 +223,19 @@ def main() -> None:
     peak = gemm_peak_gflops()
     print(f"work: {flops / 1e12:.2f} TFLOP; fp32 GEMM peak {peak:.0f} GFLOP/s -> floor {flops / peak / 1e9:.1f} s")
     hf_model = load_hf(model_dir)
-    runs_duet, runs_hf = [], []
+    quant = quantized_sides(gguf, duet_runs_gguf=model_dir == gguf)
+    runs_duet, runs_hf, runs_quant = [], [], {name: [] for name in quant}
     for _ in range(args.repeats):
         runs_duet.append(bench_duet(model_dir, reqs, args.block_size))
         runs_hf.append(bench_hf(hf_model, reqs, args.hf_batch))
-        print(f"  run: duet {runs_duet[-1][0]:.2f} s, transformers {runs_hf[-1][0]:.2f} s", flush=True)
+        for name, config in quant.items():
+            config = dict(config)
+            runs_quant[name].append(bench_duet(config.pop("model"), reqs, args.block_size, **config))
+        print(f"  run: duet {runs_duet[-1][0]:.2f} s, transformers {runs_hf[-1][0]:.2f} s" +
+              "".join(f", {name} {runs[-1][0]:.2f} s" for name, runs in runs_quant.items()), flush=True)
     del hf_model
-    results = {"duet engine": min(runs_duet), f"transformers (batch {args.hf_batch})": min(runs_hf)}
+    results = {"duet engine": min(runs_duet), f"transformers (batch {args.hf_batch})": min(runs_hf),
+               **{name: min(runs) for name, runs in runs_quant.items()}}
     if not args.skip_vllm:
         runs_vllm = bench_vllm(model_dir, reqs, args.repeats, tempfile.mkdtemp(prefix="duet-bench-vllm-"))
         print("  vllm runs: " + ", ".join(f"{t:.2f} s" for t, _ in runs_vllm), flush=True)
@@ -221,6 +244,10 @@ def main() -> None:
     for name, (t, n) in results.items():
         tps[name] = n / t
         print(f"{name:<26} {n} tokens in {t:6.2f} s = {n / t:6.1f} output tok/s, MFU {flops / t / 1e9 / peak:5.1%}")
+    if quant:
+        dense = tps["duet, GGUF dequantized at load (fp32)"]
+        packed = {name: v for name, v in tps.items() if "packed" in name or (name == "duet engine" and model_dir == gguf)}
+        print("GGUF packed / dequantized at load: " + ", ".join(f"{k} {v / dense:.2f}x" for k, v in packed.items()))
     base = "transformers" if args.skip_vllm else "vLLM CPU (offline LLM)"
     base_tps = next(v for k, v in tps.items() if k.startswith(base))
     print(f"ratio: {tps['duet engine'] / base_tps:.2f}")

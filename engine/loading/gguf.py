@@ -57,6 +57,12 @@ class QuantTensor:
     cols: int
     data: np.ndarray
 
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols], by the ``gguf`` package (for a piece of a parameter that is not kept packed)."""
+        import gguf
+
+        return np.array(gguf.dequantize(self.data, gguf.GGMLQuantizationType[self.fmt]), dtype=np.float32)
+
 
 class GGUFCheckpoint:
     """One GGUF file, memory-mapped. Metadata is read once; tensors are dequantized one at a time."""

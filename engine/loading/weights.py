@@ -175,6 +175,9 @@ def load_model(
                 continue
             if isinstance(tensor, GroupQuantWeight):  # not kept packed: its float weights
                 tensor = dequantize_group_ref(tensor)
+            elif isinstance(tensor, QuantTensor):
+                # a piece of a parameter kept dense, come as blocks because its type is kept elsewhere
+                tensor = torch.from_numpy(tensor.dequantize())
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")

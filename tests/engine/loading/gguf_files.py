@@ -77,9 +77,12 @@ def _store(name: str, w: np.ndarray, qtype: str, rng: np.random.Generator):
 
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: str = "gpt-2",
                tokenizer_model: str = "gpt2", metadata: dict | None = None, drop_metadata: tuple[str, ...] = (),
-               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0, spm: dict | None = None) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None, seed: int = 0, spm: dict | None = None,
+               qtype_of: dict[str, str] | None = None) -> Path:
     """``spm``: a SentencePiece vocabulary instead of the directory's tokenizer (``tokens``, ``scores``,
-    ``token_type``, ``bos`` / ``eos`` / ``unk`` ids, ``chat_template``), written as llama.cpp writes one: no merges."""
+    ``token_type``, ``bos`` / ``eos`` / ``unk`` ids, ``chat_template``), written as llama.cpp writes one: no merges.
+    ``qtype_of``: another type for the tensors whose llama.cpp name has that part (``{"attn_v": "Q6_K"}``: a
+    Q4_K_M file's mix)."""
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = _GGUF_ARCH[cfg["architectures"][0]]
@@ -138,8 +141,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32", *, pre: 
             w = permute(w, kv_heads)
         if hf.endswith("mlp.shared_expert_gate.weight"):
             w = w.reshape(-1)  # llama.cpp stores this [1, hidden] gate as a vector
-        data, ggml_type = _store(hf, w, qtype, rng)
-        writer.add_tensor(gguf_name(hf, arch), data, raw_dtype=ggml_type)
+        name = gguf_name(hf, arch)
+        own = [t for part, t in (qtype_of or {}).items() if f".{part}." in name]
+        data, ggml_type = _store(hf, w, own[0] if own else qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=ggml_type)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data.astype(np.float32), raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()

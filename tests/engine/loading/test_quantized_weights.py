@@ -101,3 +101,21 @@ def test_the_cpu_kernels_serve_packed_weights_close_to_the_dense_engine(gguf_fil
     prompts = random_prompts(512, lens=(5, 33))
     assert [r["token_ids"] for r in packed.generate(prompts, params)] == \
         [r["token_ids"] for r in dense.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("qtype, v_type, model", [("Q4_1", "Q8_0", {}), ("Q4_K", "Q6_K", K_QUANT_MODEL)])
+def test_a_fused_projection_of_mixed_types_is_dequantized_and_the_rest_stays_packed(tiny_model, tmp_path, qtype,
+                                                                                   v_type, model):
+    """A Q4_K_M file's q and k in Q4_K and v in Q6_K (in about half the layers): one packed weight holds one
+    format, so that qkv is dequantized at load; its type is kept elsewhere (the v of other projections, the
+    down projection), so its pieces arrive as blocks and are dequantized by the loader."""
+    path = write_gguf(tiny_model("llama", **model), tmp_path / f"mixed.{qtype}.gguf", qtype,
+                      qtype_of={"attn_v": v_type, "ffn_down": v_type})
+    packed, dense = engines(path)
+    m, ref = packed.runner.model, dense.runner.model
+    for layer, ref_layer in zip(m.layers, ref.layers):
+        assert layer.self_attn.qkv_proj.quant is None
+        assert torch.equal(layer.self_attn.qkv_proj.weight, ref_layer.self_attn.qkv_proj.weight)
+        assert layer.self_attn.o_proj.quant.fmt == qtype and layer.mlp.down_proj.quant.fmt == v_type
+    prompt = random_prompts(512, lens=(40,))[0]
+    assert torch.equal(prompt_logits(packed, prompt), prompt_logits(dense, prompt))

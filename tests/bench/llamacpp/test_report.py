@@ -1,0 +1,38 @@
+"""bench/llamacpp/report.py: the best of each side, the ratios, and the last line's form."""
+from __future__ import annotations
+
+from bench.llamacpp.report import RATIO_MODEL, markdown, ratio_lines, serving_ratio
+
+
+def _doc(tok_s, slo_tok_s):
+    s = {"output_throughput": tok_s, "ttft_s": {"p50": 0.5, "p99": 1.0}, "tpot_s": {"p50": 0.05, "p99": None},
+         "failed": 0}
+    return {"summary": s, "slo_output_tok_s": slo_tok_s, "requests": [{}] * 4, "count_errors": []}
+
+
+def _result(label, duet_decode, llama_decode):
+    return {"label": label, "path": "/x.gguf",
+            "engine": {"rounds": 2, "sides": ["duet fp32", "llama.cpp"], "notes": [],
+                       "decode": {"duet fp32": duet_decode, "llama.cpp": llama_decode},
+                       "prefill": {"duet fp32": [100.0, 120.0], "llama.cpp": [60.0, 50.0]}},
+            "serving": {"slo": {"ttft_s": 2.0, "ttft_per_token_s": 0.01, "tpot_s": 0.25},
+                        "runs": {"duet 1P+1D": {"32": _doc(300.0, 100.0)}, "duet colocated": {"32": _doc(200.0, 150.0)},
+                                 "llama-server": {"32": _doc(100.0, 50.0)}}}}
+
+
+def test_ratios_take_each_sides_best_and_the_last_line_is_the_1_5b_decode():
+    results = {"smollm2-q4_1": _result("S", [50.0, 60.0], [120.0, 100.0]), RATIO_MODEL: _result("B", [4.0, 5.0], [20.0, 19.0])}
+    lines = ratio_lines(results)
+    assert lines[0] == ("S: duet / llama.cpp: decode 0.50x, prefill 2.00x, serving 32 streams 3.00x (duet 1P+1D), "
+                        "serving 32 streams in SLO 3.00x (duet colocated)")
+    assert lines[-1] == "ratio: 0.25"
+    assert any("| batch-1 decode, 128 tokens | 60.0 | 120.0 | 0.50x |" == line for line in markdown(results))
+
+
+def test_no_1_5b_decode_says_so_on_the_last_line():
+    assert ratio_lines({"smollm2-q4_1": _result("S", [1.0], [2.0])})[-1].startswith("ratio: n/a")
+
+
+def test_serving_ratio_without_llama_server_is_none():
+    serving = {"runs": {"duet 1P+1D": {"32": _doc(300.0, 100.0)}}}
+    assert serving_ratio(serving, 32, "output_tok_s") == ("—", None)
