@@ -29,5 +29,7 @@ Pieces:
 - cpu_native.py         the CPU path's kernels in C, loaded with ctypes
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
-- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c, quant_k.c)
+- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant*.c)
+- cpu_quant_k.py        the k-quants' (Q4_K, Q5_K, Q6_K) 8-row layout and C calls (kernels/cpu/quant_k*.c)
+- cpu_quant_isa.py      the quantized kernels' library and instruction set (scalar, avx2, avx512, vnni; DUET_QUANT_ISA)
 """

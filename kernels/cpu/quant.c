@@ -349,8 +349,8 @@ AVX2 static void dequant_group_avx2(const Weights *w, int64_t g, int first, int 
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// 1 when this machine takes the AVX2 path (unless forced scalar)
-int duet_quant_simd(void) { return avx2_supported(); }
+// the best instruction set level this machine takes (quant_common.h: ISA_SCALAR .. ISA_VNNI)
+int duet_quant_isa(void) { return isa_supported(); }
 
 // x [M, cols] (row stride x_s) -> xq int8 [M, cols], xd = amax / 127 and xs = xd * sum(xq) per block [M, nb]
 // (llama.cpp's quantize_row_q8_1: round to nearest even)
@@ -375,7 +375,7 @@ static void prepare_x(const float *x, int64_t x_s, int64_t M, int64_t cols, int8
 // out[i * o_s + n] = x[i] . w[n] (+ bias[n]); returns 0, or 1 when scratch memory could not be allocated
 int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                       int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
-                      float *out, int64_t o_s, int force_scalar, int num_threads) {
+                      float *out, int64_t o_s, int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
     int64_t nb = w.nb, groups = (rows + 7) / 8;
     int8_t *xq = malloc((size_t)(M * cols));
@@ -388,7 +388,7 @@ int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint
     float *xs = xd + M * nb;
     prepare_x(x, x_s, M, cols, xq, xd, xs, num_threads);
 #ifdef HAVE_X86
-    GroupFn simd = !force_scalar && avx2_supported() ? group_fn(fmt) : NULL;
+    GroupFn simd = isa_level(isa) >= ISA_AVX2 ? group_fn(fmt) : NULL;
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
@@ -422,7 +422,7 @@ int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint
 // returns 0, or 1 when scratch memory could not be allocated
 int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                           int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
-                          float *out, int64_t o_s, int force_scalar, int num_threads) {
+                          float *out, int64_t o_s, int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
     int64_t nb = w.nb, groups = (rows + 7) / 8;
     float *xs = NULL;
@@ -437,7 +437,7 @@ int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const 
             }
     }
 #ifdef HAVE_X86
-    GroupF32Fn simd = !force_scalar && avx2_supported() ? group_f32_fn(fmt) : NULL;
+    GroupF32Fn simd = isa_level(isa) >= ISA_AVX2 ? group_f32_fn(fmt) : NULL;
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
@@ -470,9 +470,9 @@ int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const 
 // out [count, cols] = rows (ids ? ids[i] : row0 + i) dequantized, exactly as gguf-py
 void duet_quant_dequantize(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                            int64_t cols, const int64_t *ids, int64_t row0, int64_t count, float *out,
-                           int force_scalar, int num_threads) {
+                           int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
-    const int simd = !force_scalar && avx2_supported();
+    const int simd = isa_level(isa) >= ISA_AVX2;
     (void)simd;
 #ifdef HAVE_X86
     if (simd && !ids) {  // a run of rows: whole groups at once
