@@ -54,6 +54,7 @@ on the dense weight):
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,8 @@ from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
-_TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
+_TILE_BYTES = 64 << 20  # a dequantized tile's fp32 at most (one buffer, reused: _tile_buffer)
+_scratch = threading.local()
 INT8_FORMATS = frozenset(GGUF_BLOCKS)  # activations="int8" takes these: every format
 
 
@@ -131,11 +133,12 @@ def unpack(p: PackedQuant) -> QuantWeight:
     return QuantWeight(p.fmt, p.rows, p.cols, torch.cat(parts, dim=-1).reshape(p.rows, -1))
 
 
-def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int,
-                     isa: str | None) -> torch.Tensor:
+def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int, isa: str | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(count, p.cols, dtype=torch.float32) if out is None else out
     if GGUF_BLOCKS[p.fmt].k_quant:
-        return cpu_quant_k.dequantize_rows(p._c_args[0], p.qs, p.cols, ids, row0, count, isa_level(isa))
-    out = torch.empty(count, p.cols, dtype=torch.float32)
+        cpu_quant_k.dequantize_rows_into(out, p._c_args[0], p.qs, ids, row0, isa_level(isa))
+        return out
     if count:
         lib().duet_quant_dequantize(*p._c_args, p.cols, ids.data_ptr() if ids is not None else None, row0,
                                     count, out.data_ptr(), isa_level(isa), torch.get_num_threads())
@@ -194,13 +197,27 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     return out
 
 
+def _tile_buffer(numel: int) -> torch.Tensor:
+    """``numel`` float32 of one buffer per thread, reused across calls: a fresh tile is fresh pages, and in this
+    machine's VM a page fault costs ~4 us (a fresh 64 MB tensor filled: 60-80 ms, against 15 ms to dequantize
+    8192x2048 Q4_K into it on one thread; /tmp measurement, see kernels/cpu_quant_k.py)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
 def _linear_gemm(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, isa: str | None) -> torch.Tensor:
-    """Prefill: up to ``_TILE_ROWS`` weight rows dequantized at a time (C, ~0.1 ms per 1M weights), each tile one
-    torch GEMM (a whole projection of the default model is one tile: no copy)."""
-    if p.rows <= _TILE_ROWS:
-        return torch.nn.functional.linear(x, _dequantize_rows(p, None, 0, p.rows, isa), bias)
+    """Prefill: weight rows dequantized a tile of at most ``_TILE_BYTES`` at a time (C) into a reused buffer, each
+    tile one torch GEMM (a whole projection of the default model, or a 1.5B Llama's but its head, is one tile)."""
+    tile_rows = max(8, min(p.rows, _TILE_BYTES // (4 * p.cols)))
+    buf = _tile_buffer(tile_rows * p.cols)
+    if tile_rows == p.rows:
+        return torch.nn.functional.linear(x, _dequantize_rows(p, None, 0, p.rows, isa, buf.view(p.rows, p.cols)),
+                                          bias)
     out = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
-    for r0 in range(0, p.rows, _TILE_ROWS):
-        tile = _dequantize_rows(p, None, r0, min(_TILE_ROWS, p.rows - r0), isa)
-        out[:, r0:r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile)
+    for r0 in range(0, p.rows, tile_rows):
+        n = min(tile_rows, p.rows - r0)
+        tile = _dequantize_rows(p, None, r0, n, isa, buf[:n * p.cols].view(n, p.cols))
+        out[:, r0:r0 + n] = torch.nn.functional.linear(x, tile)
     return out + bias if bias is not None else out

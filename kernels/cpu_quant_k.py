@@ -59,14 +59,14 @@ def unpack(fmt: str, rows: int, cols: int, qs: torch.Tensor) -> QuantWeight:
     return QuantWeight(fmt, rows, cols, torch.cat(parts, dim=-1).reshape(groups * 8, -1)[:rows].contiguous())
 
 
-def dequantize_rows(ggml_type: int, qs: torch.Tensor, cols: int, ids: torch.Tensor | None, row0: int, count: int,
-                    level: int) -> torch.Tensor:
-    """Rows ``ids`` (or ``row0`` .. ``row0 + count``) dequantized -> [count, cols] float32, exactly gguf-py's."""
-    out = torch.empty(count, cols, dtype=torch.float32)
-    if count:
-        lib().duet_quant_k_dequantize(ggml_type, qs.data_ptr(), cols, ids.data_ptr() if ids is not None else None,
-                                      row0, count, out.data_ptr(), level, torch.get_num_threads())
-    return out
+def dequantize_rows_into(out: torch.Tensor, ggml_type: int, qs: torch.Tensor, ids: torch.Tensor | None, row0: int,
+                         level: int) -> None:
+    """``out`` [count, cols] float32 (contiguous) = rows ``ids`` (or ``row0`` .. ``row0 + count``) dequantized,
+    exactly gguf-py's."""
+    if out.shape[0]:
+        lib().duet_quant_k_dequantize(ggml_type, qs.data_ptr(), out.shape[1],
+                                      ids.data_ptr() if ids is not None else None, row0, out.shape[0],
+                                      out.data_ptr(), level, torch.get_num_threads())
 
 
 def linear_into(out: torch.Tensor, x: torch.Tensor, ggml_type: int, qs: torch.Tensor, rows: int,

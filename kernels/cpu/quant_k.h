@@ -21,6 +21,18 @@ enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK 256
 #define MT 4  // rows of x per pass over a group's weights
 
+#ifndef K_PREFETCH_AHEAD
+#define K_PREFETCH_AHEAD 4
+#endif
+// the group-block K_PREFETCH_AHEAD ahead into L1, once per group (pass 0): the hardware prefetcher alone leaves a
+// thread short of memory bandwidth while it computes
+#define K_PREFETCH(gb, bytes, h)                                                                     \
+    do {                                                                                            \
+        if ((h) == 0)                                                                               \
+            for (int64_t o_ = 0; o_ < (bytes); o_ += 64)                                            \
+                _mm_prefetch((const char *)(gb) + K_PREFETCH_AHEAD * (bytes) + o_, _MM_HINT_T0);    \
+    } while (0)
+
 static inline int k_block_bytes(int fmt) { return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : 210; }
 
 // offset of the quants (Q4_K / Q5_K qs, Q6_K ql) and of the high bits (Q5_K, Q6_K qh) in a group-block
@@ -115,6 +127,35 @@ AVX2 static inline __attribute__((always_inline)) void k_scales_f32(const int fm
         const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
         for (int j = 0; j < 4; j++)
             _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j]))));
+    }
+}
+
+// k_scales_f32 with 512-bit conversions: 16 values (two sub-blocks of the 8 rows) per instruction
+AVX512 static inline __attribute__((always_inline)) void k_scales_f32_512(const int fmt, const uint8_t *gb,
+                                                                           float *D, float *M) {
+    if (fmt == Q6_K) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(gb + 1664))));
+        for (int g = 0; g < 16; g += 2)
+            _mm512_storeu_ps(D + 8 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                              _mm_loadu_si128((const __m128i *)(gb + 1536 + 8 * g))))));
+        return;
+    }
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(gb + 32)), b = _mm256_loadu_si256((const __m256i *)(gb + 64));
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(gb + 96));
+    const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    const __m256i v[4] = {_mm256_and_si256(a, m6),
+                          _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_srli_epi16(a, 2), m30)),
+                          _mm256_and_si256(b, m6),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                          _mm256_and_si256(_mm256_srli_epi16(b, 2), m30))};
+    const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gb)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(gb + 16))));
+    for (int i = 0; i < 4; i++) {  // sc[0..3], sc[4..7], mn[0..3], mn[4..7]
+        float *o = (i < 2 ? D : M) + 32 * (i & 1);
+        const __m512 s = i < 2 ? d : dmin;
+        _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v[i])))));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                      _mm256_extracti128_si256(v[i], 1)))));
     }
 }
 

@@ -28,8 +28,9 @@ KTGT static inline __attribute__((always_inline)) void K_F32_Q45(const int fmt, 
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
+        K_PREFETCH(gb, bb8, h);
         float D[64], M[64];
-        k_scales_f32(fmt, gb, D, M);
+        KV_SCALES(fmt, gb, D, M);
         for (int k = 0; k < 4; k++) {  // the 32-byte run k of each row: sub-blocks 2k (low nibbles), 2k + 1 (high)
             kvf slo[KMT][2], shi[KMT][2];
             for (int i = 0; i < mc; i++) slo[i][0] = slo[i][1] = shi[i][0] = shi[i][1] = KV_ZERO();
@@ -80,8 +81,9 @@ KTGT static inline __attribute__((always_inline)) void K_F32_Q6(const uint8_t *g
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
+        K_PREFETCH(gb, 1680, h);
         float D[128];
-        k_scales_f32(Q6_K, gb, D, NULL);
+        KV_SCALES(Q6_K, gb, D, NULL);
         for (int hh = 0; hh < 2; hh++)  // 128-weight halves
             for (int cp = 0; cp < 2; cp++) {  // qh chunks 2cp, 2cp + 1: groups 8hh + 2s + cp of 16 weights
                 kvf S[KMT][4];

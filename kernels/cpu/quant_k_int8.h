@@ -24,8 +24,9 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q45(const int fmt, c
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
+        K_PREFETCH(gb, bb8, h);
         float D[64], M[64];
-        k_scales_f32(fmt, gb, D, M);
+        KV_SCALES(fmt, gb, D, M);
         kvf accb[KMT];
         for (int i = 0; i < mc; i++) accb[i] = KV_ZERO();
         for (int k = 0; k < 4; k++) {  // the 32-byte run k of each row: sub-blocks 2k (low nibbles), 2k + 1 (high)
@@ -68,8 +69,9 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q6(const uint8_t *g0
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
+        K_PREFETCH(gb, 1680, h);
         float D[128];
-        k_scales_f32(Q6_K, gb, D, NULL);
+        KV_SCALES(Q6_K, gb, D, NULL);
         kvf accb[KMT];
         for (int i = 0; i < mc; i++) accb[i] = KV_ZERO();
         for (int hh = 0; hh < 2; hh++)

@@ -41,6 +41,7 @@
 #undef KV_STORE_ROWS
 #undef KV_DOT
 #undef KV_SET1_32
+#undef KV_SCALES
 
 #if K_ISA == ISA_AVX512 || K_ISA == ISA_VNNI
 #define KR 8
@@ -118,6 +119,7 @@ AVX512 static inline __attribute__((always_inline)) void kv_store_rows_512(__m51
 #define KV_PAIRS_I(a, b) kv_pairs_i_512(a, b)
 #define KV_LOAD_PAIR(p0, p1, h) kv_load_pair_512(p0, p1, h)
 #define KV_STORE_ROWS(v, out) kv_store_rows_512(v, out)
+#define KV_SCALES(fmt, gb, D, M) k_scales_f32_512(fmt, gb, D, M)
 #if K_ISA == ISA_VNNI  // acc + the 4 products u8 w x s8 x of each int32 lane, one instruction
 #define KV_DOT(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #else  // pairs summed to int16 (at most 2 * 63 * 127: no saturation), then to int32
@@ -186,6 +188,7 @@ AVX2 static inline __attribute__((always_inline)) void kv_store_rows_256(__m256 
 #define KV_PAIRS_I(a, b) kv_pairs_i_256(a, b)
 #define KV_LOAD_PAIR(p0, p1, h) kv_load_pair_256(p0, p1, h)
 #define KV_STORE_ROWS(v, out) kv_store_rows_256(v, out)
+#define KV_SCALES(fmt, gb, D, M) k_scales_f32(fmt, gb, D, M)
 #define KV_DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
 #else
 #error "K_ISA must be ISA_AVX2, ISA_AVX512 or ISA_VNNI"

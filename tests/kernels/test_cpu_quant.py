@@ -11,6 +11,8 @@ every instruction set: test_int8_kernel_on_every_level below.
 """
 from __future__ import annotations
 
+import threading
+
 import gguf
 import numpy as np
 import pytest
@@ -199,3 +201,22 @@ def test_bad_input_is_a_clear_value_error():
         cpu_quant.linear(torch.zeros(1, 32), p, torch.zeros(3))
     with pytest.raises(ValueError, match="activations"):
         cpu_quant.linear(torch.zeros(1, 32), p, activations="int4")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
+def test_prefill_tiles_reuse_one_buffer(fmt, two_threads, monkeypatch):
+    """Weight rows dequantized a tile at a time into one reused buffer (a fresh tile is page faults): several tiles,
+    the last partial, each one GEMM on exactly the dequantized rows, bias added once."""
+    cols = cols_for(fmt, 256)
+    w = quantized(fmt, 37, cols, seed=8)
+    monkeypatch.setattr(cpu_quant, "_TILE_BYTES", 16 * 4 * cols)  # 16 rows a tile: 16, 16, 5
+    monkeypatch.setattr(cpu_quant, "_scratch", threading.local())  # no buffer left by other tests
+    x, bias = torch.randn(cpu_quant.GEMM_ROWS, cols), torch.randn(37)
+    p = cpu_quant.pack(w)
+    first = cpu_quant.linear(x, p, bias)
+    buffer = cpu_quant._scratch.buf
+    again = cpu_quant.linear(x, p, bias)
+    assert cpu_quant._scratch.buf is buffer and buffer.numel() == 16 * cols
+    ref = x @ dequantize_ref(w).T + bias
+    assert torch.equal(first, again)
+    assert ((first - ref).abs().max() / ref.abs().max()).item() < FP32_TOL
