@@ -30,7 +30,9 @@ Pieces:
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
-- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c, quant_k.c)
+- cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant*.c)
+- cpu_quant_k.py        the k-quants' (Q4_K, Q5_K, Q6_K) 8-row layout and C calls (kernels/cpu/quant_k*.c)
+- cpu_quant_isa.py      the quantized kernels' library and instruction set (scalar, avx2, avx512, vnni; DUET_QUANT_ISA)
 - quant_group.py        GroupQuantWeight (GPTQ / AWQ / compressed-tensors: q, group scales and zeros) and its references
 - cpu_quant_group.py    group-quantized linears kept packed, C kernels (kernels/cpu/quant_g.c)
 """

@@ -26,11 +26,12 @@ import torch  # noqa: F401  (first: its libgomp is the one the library binds to)
 
 # source -> its own flags; elementwise.c: a * b + c stays two roundings (no FMA), as torch's elementwise ops
 # compute it, so the fused ops agree with the layers' torch code to the last bit where the order allows; quant.c,
-# quant_k.c: dequantizing is gguf-py's d * q + m, two roundings (its FMAs are explicit intrinsics); quant_g.c: its
+# quant_k*.c: dequantizing is gguf-py's d * q + m, two roundings (its FMAs are explicit intrinsics); quant_g.c: its
 # scalar twin's sums stay one rounding per operation, as written
 _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
     ("attention.c", []), ("elementwise.c", ["-ffp-contract=off"]), ("quant.c", ["-ffp-contract=off"]),
-    ("quant_k.c", ["-ffp-contract=off"]), ("quant_g.c", ["-ffp-contract=off"]))}
+    ("quant_k.c", ["-ffp-contract=off"]), ("quant_k_int8.c", ["-ffp-contract=off"]),
+    ("quant_g.c", ["-ffp-contract=off"]))}
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=gnu11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -24,7 +24,7 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
   prompts x 64 tokens stayed identical for 1 to 52 tokens.
 - "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
-All have a scalar twin, taken when the CPU lacks AVX2/FMA/F16C or forced (``scalar=True``, DUET_QUANT_SCALAR=1).
+All have a scalar twin (``isa="scalar"``, DUET_QUANT_ISA=scalar; kernels/cpu_quant_isa.py).
 
 The k-quants (Q4_K, Q5_K, Q6_K; 256-weight super-blocks) in this slice: a row-wise layout, the file's bytes as they
 are (``qs`` [rows, bytes per row], no 8-row interleave, no padding), and fp32 activations only (``INT8_FORMATS``:
@@ -54,32 +54,32 @@ on the dense weight):
 """
 from __future__ import annotations
 
-import ctypes
-import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_quant_group
-from kernels.cpu_build import NativeKernelError, load
+from kernels import cpu_quant_group, cpu_quant_k
+from kernels.cpu_build import NativeKernelError
 from kernels.cpu_graph import recording
+from kernels.cpu_quant_isa import isa_level, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 from kernels.quant_group import GROUP_FORMATS
 
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
-_TILE_ROWS = 8192  # 18 MB of fp32 at the default model's width
-INT8_FORMATS = frozenset(name for name, f in GGUF_BLOCKS.items() if not f.k_quant)  # activations="int8" takes these
-FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # read once: ~1 us a call otherwise
+_TILE_BYTES = 64 << 20  # a dequantized tile's fp32 at most (one buffer, reused: _tile_buffer)
+_scratch = threading.local()
+INT8_FORMATS = frozenset(GGUF_BLOCKS)  # activations="int8" takes these: every format
 GROUP_FORMAT_NAMES = frozenset(GROUP_FORMATS.values())  # kernels/cpu_quant_group.py's (linear hands them there)
 
 
 @dataclass(frozen=True)
 class PackedQuant:
     """A QuantWeight in the C kernels' layout: rows in groups of 8 (padded with zero rows), each array
-    [groups, nb, ...] (see kernels/cpu/quant.c); a k-quant: ``qs`` the file's bytes [rows, bytes per row], the
-    rest None (kernels/cpu/quant_k.c)."""
+    [groups, nb, ...] (see kernels/cpu/quant.c); a k-quant: ``qs`` [groups, nb, 8 * block_bytes], one group-block
+    per group and super-block, the rest None (kernels/cpu_quant_k.py, kernels/cpu/quant_k.h)."""
     fmt: str
     rows: int
     cols: int
@@ -104,8 +104,8 @@ class PackedQuant:
 def pack(w: QuantWeight) -> PackedQuant:
     """``w``'s blocks rearranged into the kernels' layout (once, at load)."""
     f = GGUF_BLOCKS[w.fmt]
-    if f.k_quant:  # row-wise: the file's bytes
-        return PackedQuant(w.fmt, w.rows, w.cols, w.data.contiguous(), None, None, None)
+    if f.k_quant:
+        return PackedQuant(w.fmt, w.rows, w.cols, cpu_quant_k.pack(w), None, None, None)
     nb, groups = w.num_blocks, -(-w.rows // 8)
     blocks = w.data.reshape(w.rows, nb, f.block_bytes)
     if groups * 8 > w.rows:
@@ -125,7 +125,7 @@ def pack(w: QuantWeight) -> PackedQuant:
 def unpack(p: PackedQuant) -> QuantWeight:
     """The GGUF bytes ``p`` was packed from, byte for byte."""
     if GGUF_BLOCKS[p.fmt].k_quant:
-        return QuantWeight(p.fmt, p.rows, p.cols, p.qs.clone())
+        return cpu_quant_k.unpack(p.fmt, p.rows, p.cols, p.qs)
     groups, nb = p.qs.shape[0], p.cols // GGUF_BLOCKS[p.fmt].block_size
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [groups, nb, 8] -> [rows, nb, bytes]
@@ -136,63 +136,29 @@ def unpack(p: PackedQuant) -> QuantWeight:
     return QuantWeight(p.fmt, p.rows, p.cols, torch.cat(parts, dim=-1).reshape(p.rows, -1))
 
 
-_lib_ready: ctypes.CDLL | None = None
-_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-def _lib() -> ctypes.CDLL:
-    global _lib_ready
-    if _lib_ready is None:
-        lib = load()
-        lib.duet_quant_simd.restype = _INT
-        lib.duet_quant_simd.argtypes = []
-        for fn in (lib.duet_quant_linear, lib.duet_quant_linear_f32):
-            fn.restype = _INT
-            fn.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
-        lib.duet_quant_k_linear_f32.restype = None
-        lib.duet_quant_k_linear_f32.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
-        lib.duet_quant_k_dequantize.restype = None
-        lib.duet_quant_k_dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
-        lib.duet_quant_dequantize.restype = None
-        lib.duet_quant_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT,
-                                              _INT]
-        _lib_ready = lib
-    return _lib_ready
-
-
-def simd_available() -> bool:
-    """This CPU takes the AVX2 + FMA + F16C path."""
-    return bool(_lib().duet_quant_simd())
-
-
-def _scalar(scalar: bool | None) -> int:
-    return int(scalar if scalar is not None else FORCE_SCALAR)
-
-
-def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int,
-                     scalar: bool | None) -> torch.Tensor:
-    out = torch.empty(count, p.cols, dtype=torch.float32)
-    if count and GGUF_BLOCKS[p.fmt].k_quant:
-        _lib().duet_quant_k_dequantize(p._c_args[0], p.qs.data_ptr(), p.cols,
-                                       ids.data_ptr() if ids is not None else None, row0, count, out.data_ptr(),
-                                       _scalar(scalar), torch.get_num_threads())
-    elif count:
-        _lib().duet_quant_dequantize(*p._c_args, p.cols, ids.data_ptr() if ids is not None else None, row0,
-                                     count, out.data_ptr(), _scalar(scalar), torch.get_num_threads())
+def _dequantize_rows(p: PackedQuant, ids: torch.Tensor | None, row0: int, count: int, isa: str | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(count, p.cols, dtype=torch.float32) if out is None else out
+    if GGUF_BLOCKS[p.fmt].k_quant:
+        cpu_quant_k.dequantize_rows_into(out, p._c_args[0], p.qs, ids, row0, isa_level(isa))
+        return out
+    if count:
+        lib().duet_quant_dequantize(*p._c_args, p.cols, ids.data_ptr() if ids is not None else None, row0,
+                                    count, out.data_ptr(), isa_level(isa), torch.get_num_threads())
     return out
 
 
-def dequantize(p: PackedQuant, *, scalar: bool | None = None) -> torch.Tensor:
+def dequantize(p: PackedQuant, *, isa: str | None = None) -> torch.Tensor:
     """[rows, cols] float32: exactly ``dequantize_ref(unpack(p))``."""
-    return _dequantize_rows(p, None, 0, p.rows, scalar)
+    return _dequantize_rows(p, None, 0, p.rows, isa)
 
 
-def rows(p: PackedQuant, ids: torch.Tensor, *, scalar: bool | None = None) -> torch.Tensor:
+def rows(p: PackedQuant, ids: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """Rows ``ids`` dequantized (an embedding lookup) -> [len(ids), cols] float32."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and not recording() and (int(ids.min()) < 0 or int(ids.max()) >= p.rows):
         raise ValueError(f"ids must be in [0, {p.rows})")
-    return _dequantize_rows(p, ids, 0, ids.numel(), scalar)
+    return _dequantize_rows(p, ids, 0, ids.numel(), isa)
 
 
 def _check_x(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> None:
@@ -207,46 +173,57 @@ def _check_x(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> None
 
 
 def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
-           activations: str | None = None, scalar: bool | None = None, tiles: bool = True) -> torch.Tensor:
+           activations: str | None = None, isa: str | None = None, tiles: bool = True) -> torch.Tensor:
     """``x [M, cols] @ Wᵀ (+ bias)`` -> [M, rows] float32, W the dequantized weight (see the module docstring).
-    ``tiles`` False: the GEMV kernel at every M (benchmarks), never the dequantized tiles + GEMM."""
-    if p.fmt in GROUP_FORMAT_NAMES:  # GPTQ / AWQ / compressed-tensors weights: fp32 activations, their own kernel
-        return cpu_quant_group.linear(x, p, bias, scalar=scalar, tiles=tiles)
+    ``isa``: the instruction set (kernels/cpu_quant_isa.py; None: the default). ``tiles`` False: the GEMV kernel
+    at every M (benchmarks), never the dequantized tiles + GEMM. GPTQ / AWQ / compressed-tensors weights go to
+    kernels/cpu_quant_group.py (fp32 activations; ``isa`` "scalar" takes its scalar twin)."""
+    if p.fmt in GROUP_FORMAT_NAMES:
+        return cpu_quant_group.linear(x, p, bias, scalar=None if isa is None else isa == "scalar", tiles=tiles)
     _check_x(x, p, bias)
     acts = activations or ACTIVATIONS
     if acts not in ("int8", "fp32"):
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
-    if acts == "int8" and p.fmt not in INT8_FORMATS:
-        raise ValueError(f"activations='int8' takes {', '.join(sorted(INT8_FORMATS))}, not {p.fmt}: "
-                         f"use activations='fp32' for the k-quants")
+    level = isa_level(isa)
     m = x.shape[0]
     if tiles and m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS):
-        return _linear_gemm(x, p, bias, scalar)
+        return _linear_gemm(x, p, bias, isa)
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
         return out
-    lib = _lib()
     if GGUF_BLOCKS[p.fmt].k_quant:
-        lib.duet_quant_k_linear_f32(p._c_args[0], p.qs.data_ptr(), p.rows, p.cols, x.data_ptr(), x.stride(0), m,
-                                    bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                                    _scalar(scalar), torch.get_num_threads())
+        cpu_quant_k.linear_into(out, x, p._c_args[0], p.qs, p.rows, bias, acts, level)
         return out
-    fn = lib.duet_quant_linear_f32 if acts == "fp32" else lib.duet_quant_linear
+    fn = lib().duet_quant_linear_f32 if acts == "fp32" else lib().duet_quant_linear
     rc = fn(*p._c_args, p.rows, p.cols, x.data_ptr(), x.stride(0), m,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-            _scalar(scalar), torch.get_num_threads())
+            level, torch.get_num_threads())
     if rc:
         raise NativeKernelError(f"{fn.__name__} failed (code {rc}: no scratch memory)")
     return out
 
 
-def _linear_gemm(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, scalar: bool | None) -> torch.Tensor:
-    """Prefill: up to ``_TILE_ROWS`` weight rows dequantized at a time (C, ~0.1 ms per 1M weights), each tile one
-    torch GEMM (a whole projection of the default model is one tile: no copy)."""
-    if p.rows <= _TILE_ROWS:
-        return torch.nn.functional.linear(x, _dequantize_rows(p, None, 0, p.rows, scalar), bias)
+def _tile_buffer(numel: int) -> torch.Tensor:
+    """``numel`` float32 of one buffer per thread, reused across calls: a fresh tile is fresh pages, and in this
+    machine's VM a page fault costs ~4 us (a fresh 64 MB tensor filled: 60-80 ms, against 15 ms to dequantize
+    8192x2048 Q4_K into it on one thread; /tmp measurement, see kernels/cpu_quant_k.py)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
+def _linear_gemm(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, isa: str | None) -> torch.Tensor:
+    """Prefill: weight rows dequantized a tile of at most ``_TILE_BYTES`` at a time (C) into a reused buffer, each
+    tile one torch GEMM (a whole projection of the default model, or a 1.5B Llama's but its head, is one tile)."""
+    tile_rows = max(8, min(p.rows, _TILE_BYTES // (4 * p.cols)))
+    buf = _tile_buffer(tile_rows * p.cols)
+    if tile_rows == p.rows:
+        return torch.nn.functional.linear(x, _dequantize_rows(p, None, 0, p.rows, isa, buf.view(p.rows, p.cols)),
+                                          bias)
     out = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
-    for r0 in range(0, p.rows, _TILE_ROWS):
-        tile = _dequantize_rows(p, None, r0, min(_TILE_ROWS, p.rows - r0), scalar)
-        out[:, r0:r0 + tile.shape[0]] = torch.nn.functional.linear(x, tile)
+    for r0 in range(0, p.rows, tile_rows):
+        n = min(tile_rows, p.rows - r0)
+        tile = _dequantize_rows(p, None, r0, n, isa, buf[:n * p.cols].view(n, p.cols))
+        out[:, r0:r0 + n] = torch.nn.functional.linear(x, tile)
     return out + bias if bias is not None else out

@@ -16,7 +16,7 @@ these formats; the engine's ``quantized_activations: int8`` leaves them fp32, as
 - M >= ``GEMM_ROWS``: the weight dequantized (C, exactly the reference) in tiles of rows into torch's fp32 GEMM.
 Act-order weights (``perm``): x's columns are gathered into the kernel's order first (``x[:, perm]``), one
 [M, cols] copy per call. All paths have a scalar twin (no AVX2/FMA/F16C, or forced: ``scalar=True``,
-DUET_QUANT_SCALAR=1).
+DUET_QUANT_ISA=scalar).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kernels.cpu_build import load
 from kernels.quant_group import GroupQuantWeight
 
 GEMM_ROWS = 24  # M at and above which linear dequantizes tiles for torch's GEMM (measured: see above)
-FORCE_SCALAR = os.environ.get("DUET_QUANT_SCALAR", "") not in ("", "0")  # as kernels/cpu_quant.py reads it
+FORCE_SCALAR = os.environ.get("DUET_QUANT_ISA", "") == "scalar"  # kernels/cpu_quant_isa.py's setting (no AVX-512 here)
 _SCALE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _TILE_ROWS = 8192
 

@@ -108,8 +108,8 @@ def _load_native() -> None:
 
 def _cpu_quant_linear(activations: str) -> Callable:
     """kernels/cpu_quant.py's linear for ``activations``, chosen once here rather than per call: int8 activations
-    where its int8 kernel takes the format (``INT8_FORMATS``), fp32 for the rest (the k-quants: no int8 kernel
-    yet), so a model mixing them runs in one mode."""
+    where its int8 kernel takes the format (``INT8_FORMATS``: every GGUF format, the k-quants' x per 256), fp32
+    for the rest, so a model mixing them runs in one mode."""
     from kernels import cpu_quant
 
     if activations == "fp32":

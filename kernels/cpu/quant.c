@@ -163,79 +163,63 @@ AVX2 static inline __attribute__((always_inline)) void expand_avx2(const int fmt
     }
 }
 
-// res[i] (lane r) = row 8g + r . x_i for mc rows of x; inlined with constant fmt and mc
-AVX2 static inline __attribute__((always_inline)) void group_avx2(
-    const Weights *w, const int fmt, int64_t g, const int8_t *xq, const float *xd, const float *xs, const int mc,
-    __m256 *res) {
-    const int64_t nb = w->nb;
+// q . xq of a block for the mc rows of x, lane r: row r (v: the block's 8 chunks from expand_avx2), in int32
+AVX2 static inline __attribute__((always_inline)) void dots_avx2(const int fmt, const __m256i v[8],
+                                                                  const int8_t *xb, int64_t x_s, const int mc,
+                                                                  __m256i *isum) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT], corr[MT];
-    for (int i = 0; i < mc; i++) acc[i] = corr[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i v[8], isum[MT];
-        expand_avx2(fmt, w->qs + (g * nb + b) * 8 * w->qb, w->qh ? w->qh + (g * nb + b) * 8 : NULL, v);
-        for (int i = 0; i < mc; i++) {
-            const int8_t *xb = xq + i * nb * 32 + b * 32;
-            int32_t x4[8];
-            memcpy(x4, xb, 32);
-            if (fmt == Q4_0 || fmt == Q4_1) {  // 8 x 2 * 15 * 127 < 32767: one int16 sum per block
-                __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x4[0]));
-                for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])));
-                isum[i] = _mm256_madd_epi16(s16, ones);
-            } else if (fmt == Q8_0) {  // |w| as unsigned, x takes w's sign
-                isum[i] = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v[c], v[c]),
-                                                     _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), v[c]));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
-                }
-            } else {  // Q5: 2 x 2 * 31 * 127 < 32767: int16 sums of two chunks
-                isum[i] = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c += 2) {
-                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])),
-                                                 _mm256_maddubs_epi16(v[c + 1], _mm256_set1_epi32(x4[c + 1])));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
-                }
+    for (int i = 0; i < mc; i++) {
+        int32_t x4[8];
+        memcpy(x4, xb + i * x_s, 32);
+        if (fmt == Q4_0 || fmt == Q4_1) {  // 8 x 2 * 15 * 127 < 32767: one int16 sum per block
+            __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(x4[0]));
+            for (int c = 1; c < 8; c++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])));
+            isum[i] = _mm256_madd_epi16(s16, ones);
+        } else if (fmt == Q8_0) {  // |w| as unsigned, x takes w's sign
+            isum[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v[c], v[c]),
+                                                 _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), v[c]));
+                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
+            }
+        } else {  // Q5: 2 x 2 * 31 * 127 < 32767: int16 sums of two chunks
+            isum[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += 2) {
+                __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[c], _mm256_set1_epi32(x4[c])),
+                                             _mm256_maddubs_epi16(v[c + 1], _mm256_set1_epi32(x4[c + 1])));
+                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
             }
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + (g * nb + b) * 8)));
-        for (int i = 0; i < mc; i++)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]),
-                                     _mm256_mul_ps(d, _mm256_broadcast_ss(xd + i * nb + b)), acc[i]);
-        if (fmt != Q8_0) {
-            __m256 c = fmt == Q4_1 || fmt == Q5_1
-                           ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + (g * nb + b) * 8)))
-                           : _mm256_mul_ps(d, _mm256_set1_ps(-(float)w->offset));
-            for (int i = 0; i < mc; i++) corr[i] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(xs + i * nb + b), corr[i]);
-        }
     }
-    for (int i = 0; i < mc; i++) res[i] = _mm256_add_ps(acc[i], corr[i]);
+}
+
+// the same with AVX512-VNNI (256-bit vpdpbusd: 4 products of u8 w by s8 x into each int32 lane, one instruction)
+VNNI static inline __attribute__((always_inline)) void dots_vnni(const int fmt, const __m256i v[8],
+                                                                  const int8_t *xb, int64_t x_s, const int mc,
+                                                                  __m256i *isum) {
+    for (int i = 0; i < mc; i++) {
+        int32_t x4[8];
+        memcpy(x4, xb + i * x_s, 32);
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++)
+            s = fmt == Q8_0 ? _mm256_dpbusd_epi32(s, _mm256_sign_epi8(v[c], v[c]),
+                                                  _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), v[c]))
+                            : _mm256_dpbusd_epi32(s, v[c], _mm256_set1_epi32(x4[c]));
+        isum[i] = s;
+    }
 }
 
 typedef void (*GroupFn)(const Weights *, int64_t, const int8_t *, const float *, const float *, int, __m256 *);
 
-// one function per format, each with the row-of-x count unrolled for 4, 3, 2 and 1
-#define GROUP_FN(F)                                                                                         \
-    AVX2 static void group_avx2_##F(const Weights *w, int64_t g, const int8_t *xq, const float *xd,        \
-                                    const float *xs, int mc, __m256 *res) {                                 \
-        switch (mc) {                                                                                       \
-            case 4: group_avx2(w, F, g, xq, xd, xs, 4, res); break;                                         \
-            case 3: group_avx2(w, F, g, xq, xd, xs, 3, res); break;                                         \
-            case 2: group_avx2(w, F, g, xq, xd, xs, 2, res); break;                                         \
-            default: group_avx2(w, F, g, xq, xd, xs, 1, res); break;                                        \
-        }                                                                                                   \
-    }
-GROUP_FN(Q8_0) GROUP_FN(Q4_0) GROUP_FN(Q4_1) GROUP_FN(Q5_0) GROUP_FN(Q5_1)
-
-static GroupFn group_fn(int fmt) {
-    switch (fmt) {
-        case Q8_0: return group_avx2_Q8_0;
-        case Q4_0: return group_avx2_Q4_0;
-        case Q4_1: return group_avx2_Q4_1;
-        case Q5_0: return group_avx2_Q5_0;
-        default: return group_avx2_Q5_1;
-    }
-}
+// the int8 kernel per group (quant_int8_group.h), once with each dots step
+#define Q_TGT AVX2
+#define Q_DOTS dots_avx2
+#define Q_SFX(name) name##_avx2
+#include "quant_int8_group.h"
+#define Q_TGT VNNI
+#define Q_DOTS dots_vnni
+#define Q_SFX(name) name##_vnni
+#include "quant_int8_group.h"
 
 // res[i] (lane r) = row 8g + r . x_i for mc rows of fp32 x (row stride x_s), the fp32-activation kernel;
 // inlined with constant fmt and mc. S chains per row of x keep the FMA latency hidden at small mc.
@@ -349,8 +333,8 @@ AVX2 static void dequant_group_avx2(const Weights *w, int64_t g, int first, int 
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// 1 when this machine takes the AVX2 path (unless forced scalar)
-int duet_quant_simd(void) { return avx2_supported(); }
+// the best instruction set level this machine takes (quant_common.h: ISA_SCALAR .. ISA_VNNI)
+int duet_quant_isa(void) { return isa_supported(); }
 
 // x [M, cols] (row stride x_s) -> xq int8 [M, cols], xd = amax / 127 and xs = xd * sum(xq) per block [M, nb]
 // (llama.cpp's quantize_row_q8_1: round to nearest even)
@@ -375,7 +359,7 @@ static void prepare_x(const float *x, int64_t x_s, int64_t M, int64_t cols, int8
 // out[i * o_s + n] = x[i] . w[n] (+ bias[n]); returns 0, or 1 when scratch memory could not be allocated
 int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                       int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
-                      float *out, int64_t o_s, int force_scalar, int num_threads) {
+                      float *out, int64_t o_s, int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
     int64_t nb = w.nb, groups = (rows + 7) / 8;
     int8_t *xq = malloc((size_t)(M * cols));
@@ -388,7 +372,8 @@ int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint
     float *xs = xd + M * nb;
     prepare_x(x, x_s, M, cols, xq, xd, xs, num_threads);
 #ifdef HAVE_X86
-    GroupFn simd = !force_scalar && avx2_supported() ? group_fn(fmt) : NULL;
+    const int level = isa_level(isa);
+    GroupFn simd = level >= ISA_VNNI ? group_fn_vnni(fmt) : level >= ISA_AVX2 ? group_fn_avx2(fmt) : NULL;
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
@@ -422,7 +407,7 @@ int duet_quant_linear(int fmt, const uint8_t *qs, const uint32_t *qh, const uint
 // returns 0, or 1 when scratch memory could not be allocated
 int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                           int64_t rows, int64_t cols, const float *x, int64_t x_s, int64_t M, const float *bias,
-                          float *out, int64_t o_s, int force_scalar, int num_threads) {
+                          float *out, int64_t o_s, int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
     int64_t nb = w.nb, groups = (rows + 7) / 8;
     float *xs = NULL;
@@ -437,7 +422,7 @@ int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const 
             }
     }
 #ifdef HAVE_X86
-    GroupF32Fn simd = !force_scalar && avx2_supported() ? group_f32_fn(fmt) : NULL;
+    GroupF32Fn simd = isa_level(isa) >= ISA_AVX2 ? group_f32_fn(fmt) : NULL;
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
@@ -470,9 +455,9 @@ int duet_quant_linear_f32(int fmt, const uint8_t *qs, const uint32_t *qh, const 
 // out [count, cols] = rows (ids ? ids[i] : row0 + i) dequantized, exactly as gguf-py
 void duet_quant_dequantize(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
                            int64_t cols, const int64_t *ids, int64_t row0, int64_t count, float *out,
-                           int force_scalar, int num_threads) {
+                           int isa, int num_threads) {
     Weights w = weights(fmt, qs, qh, d, m, cols / 32);
-    const int simd = !force_scalar && avx2_supported();
+    const int simd = isa_level(isa) >= ISA_AVX2;
     (void)simd;
 #ifdef HAVE_X86
     if (simd && !ids) {  // a run of rows: whole groups at once

@@ -1,13 +1,27 @@
-// What the quantized kernels (kernels/cpu/quant.c, quant_k.c) share: fp16 -> fp32 exactly for the scalar paths,
-// and the run-time choice of the AVX2 + FMA + F16C paths (``HAVE_X86``, ``AVX2`` on the functions compiled for them).
+// What the quantized kernels (kernels/cpu/quant*.c) share: fp16 -> fp32 exactly for the scalar paths, and the
+// run-time choice of instruction set. Every kernel is compiled for every level below (gcc target attributes on
+// the functions, whatever -march the file gets), and the entry points take ``isa``, the level to use: the best
+// this CPU has (``isa_supported``) unless the caller forces a lower one (DUET_QUANT_ISA); each kernel runs its
+// best variant at or below that level (a kernel without an AVX-512 variant runs its AVX2 one).
+//   ISA_SCALAR  portable C
+//   ISA_AVX2    AVX2 + FMA + F16C
+//   ISA_AVX512  + AVX-512 F/BW/VL/DQ (512-bit registers, 32 of them)
+//   ISA_VNNI    + AVX512-VNNI (vpdpbusd: u8 x s8 dot products of 4, summed into int32, one instruction)
 #pragma once
 #include <stdint.h>
 #include <string.h>
+
+#define ISA_SCALAR 0
+#define ISA_AVX2 1
+#define ISA_AVX512 2
+#define ISA_VNNI 3  // macros, not an enum: quant_k_vec.h tests them with #if
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_X86 1
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #endif
 
 // exact for every value, subnormals included
@@ -26,15 +40,34 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// the best level this CPU takes (cpuid, once)
 #ifdef HAVE_X86
-static inline int avx2_supported(void) {
+static inline int isa_supported(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        int level = ISA_SCALAR;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+            level = ISA_AVX2;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+                level = ISA_AVX512;
+                if (__builtin_cpu_supports("avx512vnni")) level = ISA_VNNI;
+            }
+        }
+        cached = level;
     }
     return cached;
 }
 #else
-static inline int avx2_supported(void) { return 0; }
+static inline int isa_supported(void) { return ISA_SCALAR; }
 #endif
+
+// the level a kernel runs at: the caller's, never above what this CPU takes
+static inline int isa_level(int isa) {
+    int best = isa_supported();
+    return isa < best ? (isa < 0 ? ISA_SCALAR : isa) : best;
+}
+
+// avx2_supported(): this CPU takes the AVX2 + FMA + F16C paths
+static inline int avx2_supported(void) { return isa_supported() >= ISA_AVX2; }

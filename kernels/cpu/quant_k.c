@@ -1,89 +1,70 @@
 // duet's GGUF k-quant linears and embeddings for the CPU path (Q4_K, Q5_K, Q6_K: 256-weight super-blocks), called
-// from kernels/cpu_quant.py through ctypes. The 32-weight formats are kernels/cpu/quant.c.
+// from kernels/cpu_quant_k.py through ctypes: the fp32-activation GEMV and dequantize (rows, prefill tiles). The
+// int8-activation GEMV is quant_k_int8.c, the packed layout quant_k.h, the 32-weight formats quant.c.
 //
-// Layout: row-wise, the file's bytes as they are (cpu_quant.pack keeps them; no 8-row interleave in this slice):
-// data uint8 [rows, nb * block_bytes], nb = cols / 256 super-blocks per row, each exactly ggml's block_q*_K.
+// linear_f32 (activations="fp32", the default): x stays fp32; per sub-block (32 weights; Q6_K 16) of each row,
+//   y += sum_j(x_j * q_j) * (d * sc) - (dmin * mn) * sum_j(x_j)        (Q6_K: q_j - 32, no min)
+// q_j exact in fp32, d * sc and dmin * mn the reference's own (exact) products, sum(x) per sub-block once per call.
+// The reference (quant_linear_ref) rounds w_j = (d * sc) * q_j - dmin * mn once and sums x_j * w_j; this sums
+// the exact products x_j * q_j in fp32 and scales once per sub-block. Both are within gamma_n * sum_j |x_j| *
+// (|d * sc * q_j| + |dmin * mn|) of the exact value (n = cols, gamma_n = n * 2^-24 / (1 - n * 2^-24): fp32
+// summation in any order), so |y - y_ref| <= 2 * gamma_n * that sum; tests/kernels/test_cpu_quant_k.py checks
+// it per output. Kernels (quant_k_f32.h, one source per instruction set): lanes (row, t) of 8 rows x 2
+// neighbouring weights (AVX-512; AVX2: 4 rows a pass), so each 64-byte load of the 8x8 layout feeds every lane
+// and x comes as (x_j, x_j+1) broadcast; OpenMP over groups of 8 rows. The scalar twin sums each sub-block in j
+// order (fp32 order differs only).
 //
-// A super-block is decoded into its 256 fp32 weights exactly as gguf-py dequantizes it (kernels/quant.py):
+// dequantize / rows: a row's super-block gathered back into the file's bytes, then decoded exactly as gguf-py:
 //   Q4_K / Q5_K: w = (d * sc_j) * q - dmin * mn_j   (sub-block j of 32 weights; two roundings, never an FMA)
 //   Q6_K:        w = (d * sc_g) * (q - 32)          (group g of 16 weights)
-// dequantize / rows write these; linear_f32 keeps them in L1 (1 KB) and FMAs them against up to 4 rows of fp32
-// x at once (8 independent 8-lane chains per row of x for M = 1), so its products are quant_linear_ref's own and
-// only the order of the fp32 sum differs (tests: within 1e-5 of the output's RMS). Threads over weight rows.
-// The scalar twin (no AVX2/FMA/F16C, or forced) decodes with the same operations (bit-exact) and sums in j order.
-//
 // Compiled with -ffp-contract=off (the decode's mul then sub stay two roundings, as gguf-py).
-#include <stdint.h>
-#include <string.h>
+#include <stdlib.h>
 
-#include "quant_common.h"
+#include "quant_k.h"
 
-enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-#define QK 256
-#define MT 4  // rows of x per pass over a weight row
-
-static int block_bytes(int fmt) { return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : 210; }
-
-
-static float fp16_at(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
-
-// the super-block's per-32 (Q4_K / Q5_K: 8) or per-16 (Q6_K: 16) scales d * sc and mins dmin * mn
-static int block_scales(int fmt, const uint8_t *blk, float *scale, float *min) {
-    if (fmt == Q6_K) {
-        float d = fp16_at(blk + 208);
-        for (int g = 0; g < 16; g++) scale[g] = d * (float)(int8_t)blk[192 + g];
-        return 16;
-    }
-    float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-    const uint8_t *s = blk + 4;
-    for (int j = 0; j < 8; j++) {  // ggml's get_scale_min_k4
-        int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        scale[j] = d * (float)sc;
-        min[j] = dmin * (float)mn;
-    }
-    return 8;
-}
-
-// the 256 quants of a super-block, signed (Q6_K: q - 32), weight order
-static void block_quants_scalar(int fmt, const uint8_t *blk, int8_t q[QK]) {
-    if (fmt == Q6_K) {
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t *ql = blk + 64 * h, hb = blk[128 + 32 * h + l];
-                int8_t *o = q + 128 * h + l;
-                o[0] = (int8_t)(((ql[l] & 15) | ((hb & 3) << 4)) - 32);
-                o[32] = (int8_t)(((ql[l + 32] & 15) | (((hb >> 2) & 3) << 4)) - 32);
-                o[64] = (int8_t)(((ql[l] >> 4) | (((hb >> 4) & 3) << 4)) - 32);
-                o[96] = (int8_t)(((ql[l + 32] >> 4) | (((hb >> 6) & 3) << 4)) - 32);
-            }
-        return;
-    }
-    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16), *qh = blk + 16;
-    for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) {
-            q[64 * k + l] = (int8_t)(qs[32 * k + l] & 15);
-            q[64 * k + 32 + l] = (int8_t)(qs[32 * k + l] >> 4);
-        }
-    if (fmt == Q5_K)
-        for (int j = 0; j < 8; j++)
-            for (int l = 0; l < 32; l++) q[32 * j + l] |= (int8_t)(((qh[l] >> j) & 1) << 4);
-}
+// ------------------------------------------------------------------------------------------ scalar
 
 static void decode_scalar(int fmt, const uint8_t *blk, float w[QK]) {
-    int8_t q[QK];
-    float scale[16], min[16];
-    int groups = block_scales(fmt, blk, scale, min), len = QK / groups;
-    block_quants_scalar(fmt, blk, q);
-    for (int g = 0; g < groups; g++)
+    uint8_t q[QK];
+    int sc[16], mn[16];
+    const int groups = k_block_scales(fmt, blk, sc, mn), len = QK / groups;
+    const float d = k_fp16_at(blk + (fmt == Q6_K ? 208 : 0)), dmin = fmt == Q6_K ? 0.0f : k_fp16_at(blk + 2);
+    k_block_quants(fmt, blk, q);
+    for (int g = 0; g < groups; g++) {
+        const float scale = d * (float)sc[g], min = dmin * (float)mn[g];
         for (int l = 0; l < len; l++) {
-            float v = scale[g] * (float)q[g * len + l];
-            w[g * len + l] = fmt == Q6_K ? v : v - min[g];
+            const int j = g * len + l;
+            w[j] = fmt == Q6_K ? scale * (float)((int)q[j] - 32) : scale * (float)q[j] - min;
         }
+    }
 }
 
+// out[i] = row r of the group at g0 . x_i for mc rows of x (the exact form above; xs: sums of x per 32)
+static void row_f32_scalar(int fmt, const uint8_t *g0, int64_t nb, int r, const float *x, int64_t x_s,
+                           const float *xs, int64_t xs_s, int mc, float *out) {
+    const int64_t bb = k_block_bytes(fmt);
+    uint8_t blk[210], q[QK];
+    int sc[16], mn[16];
+    for (int i = 0; i < mc; i++) out[i] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        k_file_block(fmt, g0 + b * 8 * bb, r, blk);
+        k_block_quants(fmt, blk, q);
+        const int groups = k_block_scales(fmt, blk, sc, mn), len = QK / groups, off = fmt == Q6_K ? 32 : 0;
+        const float d = k_fp16_at(blk + (fmt == Q6_K ? 208 : 0)), dmin = fmt == Q6_K ? 0.0f : k_fp16_at(blk + 2);
+        for (int g = 0; g < groups; g++)
+            for (int i = 0; i < mc; i++) {
+                const float *xg = x + i * x_s + b * QK + g * len;
+                float s = 0.0f;
+                for (int l = 0; l < len; l++) s += xg[l] * (float)((int)q[g * len + l] - off);
+                out[i] += s * (d * (float)sc[g]);
+                if (fmt != Q6_K) out[i] -= (dmin * (float)mn[g]) * xs[i * xs_s + b * 8 + g];
+            }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ SIMD
 #ifdef HAVE_X86
-// the same quants with AVX2: 32 at a time
+// a file super-block's quants with AVX2, 32 at a time, signed (Q6_K: q - 32)
 AVX2 static void block_quants_avx2(int fmt, const uint8_t *blk, int8_t q[QK]) {
     const __m256i m4 = _mm256_set1_epi8(15);
     if (fmt == Q6_K) {
@@ -121,11 +102,12 @@ AVX2 static void block_quants_avx2(int fmt, const uint8_t *blk, int8_t q[QK]) {
 // the 256 weights, bit-exactly decode_scalar's
 AVX2 static void decode_avx2(int fmt, const uint8_t *blk, float w[QK]) {
     int8_t q[QK];
-    float scale[16], min[16];
-    int groups = block_scales(fmt, blk, scale, min), len = QK / groups;
+    int sc[16], mn[16];
+    const int groups = k_block_scales(fmt, blk, sc, mn), len = QK / groups;
+    const float d = k_fp16_at(blk + (fmt == Q6_K ? 208 : 0)), dmin = fmt == Q6_K ? 0.0f : k_fp16_at(blk + 2);
     block_quants_avx2(fmt, blk, q);
     for (int g = 0; g < groups; g++) {
-        __m256 s = _mm256_set1_ps(scale[g]), m = _mm256_set1_ps(min[g]);
+        __m256 s = _mm256_set1_ps(d * (float)sc[g]), m = _mm256_set1_ps(dmin * (float)mn[g]);
         for (int l = 0; l < len; l += 8) {
             __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * len + l))));
             v = _mm256_mul_ps(s, v);
@@ -135,104 +117,87 @@ AVX2 static void decode_avx2(int fmt, const uint8_t *blk, float w[QK]) {
     }
 }
 
-// out[i] = row . x_i for mc rows of x (row stride x_s); inlined with constant mc
-AVX2 static inline __attribute__((always_inline)) void row_f32_avx2(int fmt, const uint8_t *row, int64_t nb,
-                                                                     const float *x, int64_t x_s, const int mc,
-                                                                     float *out) {
-    enum { C = 8 };  // chains per row of x at mc = 1
-    const int S = mc == 1 ? C : mc == 2 ? 4 : 2;
-    const int64_t bb = block_bytes(fmt);
-    __m256 acc[MT][C];
-    for (int i = 0; i < mc; i++)
-        for (int s = 0; s < S; s++) acc[i][s] = _mm256_setzero_ps();
-    float w[QK] __attribute__((aligned(32)));
-    for (int64_t b = 0; b < nb; b++) {
-        decode_avx2(fmt, row + b * bb, w);
-        for (int k = 0; k < QK / 8; k++) {
-            __m256 wk = _mm256_load_ps(w + 8 * k);
-            for (int i = 0; i < mc; i++)
-                acc[i][k % S] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + i * x_s + b * QK + 8 * k), acc[i][k % S]);
-        }
-    }
-    for (int i = 0; i < mc; i++) {
-        __m256 a = acc[i][0];
-        for (int s = 1; s < S; s++) a = _mm256_add_ps(a, acc[i][s]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        out[i] = _mm_cvtss_f32(h);
-    }
-}
 
-AVX2 static void row_f32_avx2_mc(int fmt, const uint8_t *row, int64_t nb, const float *x, int64_t x_s, int mc,
-                                 float *out) {
-    switch (mc) {
-        case 4: row_f32_avx2(fmt, row, nb, x, x_s, 4, out); break;
-        case 3: row_f32_avx2(fmt, row, nb, x, x_s, 3, out); break;
-        case 2: row_f32_avx2(fmt, row, nb, x, x_s, 2, out); break;
-        default: row_f32_avx2(fmt, row, nb, x, x_s, 1, out); break;
-    }
-}
-
+#define K_ISA ISA_AVX2
+#include "quant_k_vec.h"
+#include "quant_k_f32.h"
+#undef K_ISA
+#define K_ISA ISA_AVX512
+#include "quant_k_vec.h"
+#include "quant_k_f32.h"
+#undef K_ISA
 #endif
-
-static void row_f32_scalar(int fmt, const uint8_t *row, int64_t nb, const float *x, int64_t x_s, int mc,
-                           float *out) {
-    const int64_t bb = block_bytes(fmt);
-    float w[QK];
-    for (int i = 0; i < mc; i++) out[i] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        decode_scalar(fmt, row + b * bb, w);
-        for (int i = 0; i < mc; i++) {
-            const float *xb = x + i * x_s + b * QK;
-            float s = 0.0f;
-            for (int j = 0; j < QK; j++) s += w[j] * xb[j];
-            out[i] += s;
-        }
-    }
-}
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// out[i * o_s + n] = x[i] . w[n] (+ bias[n]), x fp32 [M, cols] (row stride x_s); data [rows, nb * block_bytes]
-void duet_quant_k_linear_f32(int fmt, const uint8_t *data, int64_t rows, int64_t cols, const float *x, int64_t x_s,
-                             int64_t M, const float *bias, float *out, int64_t o_s, int force_scalar,
-                             int num_threads) {
-    const int64_t nb = cols / QK, row_bytes = nb * block_bytes(fmt);
-    const int simd = !force_scalar && avx2_supported();
-    (void)simd;
+// out[i * o_s + n] = x[i] . w[n] (+ bias[n]), x fp32 [M, cols] (row stride x_s), qs the packed groups (quant_k.h);
+// isa: the instruction set level (quant_common.h); returns 0, or 1 when scratch memory could not be allocated
+int duet_quant_k_linear_f32(int fmt, const uint8_t *qs, int64_t rows, int64_t cols, const float *x, int64_t x_s,
+                            int64_t M, const float *bias, float *out, int64_t o_s, int isa, int num_threads) {
+    const int64_t nb = cols / QK, groups = (rows + 7) / 8, group_bytes = nb * 8 * k_block_bytes(fmt);
+    const int64_t xs_s = nb * 8;
+    isa = isa_level(isa);
+    float *xs = NULL;
+    if (fmt != Q6_K) {  // sum(x) per 32, once per call
+        xs = malloc(sizeof(float) * (size_t)(M * xs_s + 1));
+        if (!xs) return 1;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < xs_s; j++) {
+                float s = 0.0f;
+                for (int l = 0; l < 32; l++) s += x[i * x_s + j * 32 + l];
+                xs[i * xs_s + j] = s;
+            }
+    }
+    const int mt = isa == ISA_AVX2 ? 2 : MT;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
-    for (int64_t n = 0; n < rows; n++)
-        for (int64_t i0 = 0; i0 < M; i0 += MT) {
-            int mc = M - i0 < MT ? (int)(M - i0) : MT;
-            float res[MT];
+    for (int64_t g = 0; g < groups; g++) {
+        const int count = rows - g * 8 < 8 ? (int)(rows - g * 8) : 8;
+        const uint8_t *g0 = qs + g * group_bytes;
+        for (int64_t i0 = 0; i0 < M; i0 += mt) {
+            const int mc = M - i0 < mt ? (int)(M - i0) : mt;
+            const float *xi = x + i0 * x_s, *si = xs ? xs + i0 * xs_s : NULL;
+            float res[MT][8];
 #ifdef HAVE_X86
-            if (simd)
-                row_f32_avx2_mc(fmt, data + n * row_bytes, nb, x + i0 * x_s, x_s, mc, res);
+            if (isa >= ISA_AVX512)
+                k_f32_group_avx512(fmt, g0, nb, xi, x_s, si, xs_s, mc, res);
+            else if (isa == ISA_AVX2)
+                k_f32_group_avx2(fmt, g0, nb, xi, x_s, si, xs_s, mc, res);
             else
 #endif
-                row_f32_scalar(fmt, data + n * row_bytes, nb, x + i0 * x_s, x_s, mc, res);
-            for (int i = 0; i < mc; i++) out[(i0 + i) * o_s + n] = res[i] + (bias ? bias[n] : 0.0f);
+                for (int r = 0; r < count; r++) {
+                    float one[MT];
+                    row_f32_scalar(fmt, g0, nb, r, xi, x_s, si, xs_s, mc, one);
+                    for (int i = 0; i < mc; i++) res[i][r] = one[i];
+                }
+            for (int i = 0; i < mc; i++)
+                for (int r = 0; r < count; r++)
+                    out[(i0 + i) * o_s + g * 8 + r] = res[i][r] + (bias ? bias[g * 8 + r] : 0.0f);
         }
+    }
+    free(xs);
+    return 0;
 }
 
 // out [count, cols] = rows (ids ? ids[i] : row0 + i) dequantized, exactly as gguf-py
-void duet_quant_k_dequantize(int fmt, const uint8_t *data, int64_t cols, const int64_t *ids, int64_t row0,
-                             int64_t count, float *out, int force_scalar, int num_threads) {
-    const int64_t nb = cols / QK, row_bytes = nb * block_bytes(fmt);
-    const int simd = !force_scalar && avx2_supported();
+void duet_quant_k_dequantize(int fmt, const uint8_t *qs, int64_t cols, const int64_t *ids, int64_t row0,
+                             int64_t count, float *out, int isa, int num_threads) {
+    const int64_t nb = cols / QK, bb = k_block_bytes(fmt);
+    const int simd = isa_level(isa) >= ISA_AVX2;
     (void)simd;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = data + (ids ? ids[i] : row0 + i) * row_bytes;
+        const int64_t n = ids ? ids[i] : row0 + i;
+        const uint8_t *g0 = qs + (n / 8) * nb * 8 * bb;
+        uint8_t blk[210];
         for (int64_t b = 0; b < nb; b++) {
+            k_file_block(fmt, g0 + b * 8 * bb, (int)(n % 8), blk);
 #ifdef HAVE_X86
             if (simd) {
-                decode_avx2(fmt, row + b * block_bytes(fmt), out + i * cols + b * QK);
+                decode_avx2(fmt, blk, out + i * cols + b * QK);
                 continue;
             }
 #endif
-            decode_scalar(fmt, row + b * block_bytes(fmt), out + i * cols + b * QK);
+            decode_scalar(fmt, blk, out + i * cols + b * QK);
         }
     }
 }

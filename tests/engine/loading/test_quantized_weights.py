@@ -83,12 +83,14 @@ def test_the_cpu_kernels_serve_packed_weights_close_to_the_dense_engine(gguf_fil
     """The C kernels (kernels/cpu_quant.py) against the same engine on the dequantized weights. Stated tolerances, as
     the RMS of the logits' error over their spread: fp32 activations 1e-5 (reordered fp32 sums, measured ~1.5e-6);
     int8 activations per 32-block (llama.cpp's scheme, the default) 5 % on this random tiny model, whose logits
-    amplify every error (measured 2.6-2.7 %). fp32 (the default): the same greedy tokens; int8: the same argmax at
-    >= 85 % of the prompt's positions (measured 87.5-100 %: a random model's near-ties flip under 8-bit activations,
-    which is why int8 is opt-in: ``quantized_activations``)."""
+    amplify every error (measured 2.4-2.7 %); the k-quants' x per 256 (llama.cpp's q8_K) 10 % (measured 3.0 % Q6_K,
+    4.1 % Q5_K, 6.3 % Q4_K). fp32 (the default): the same greedy tokens; int8: the same argmax at >= 85 % of the
+    prompt's positions (measured 87.5-100 %: a random model's near-ties flip under 8-bit activations, which is why
+    int8 is opt-in: ``quantized_activations``)."""
     fmt = gguf_file.suffixes[-2].lstrip(".")
-    exact = activations == "fp32" or GGUF_BLOCKS[fmt].k_quant  # k-quants: no int8 kernel, fp32 in either mode
-    rel_rms = 1e-5 if exact else rel_rms
+    exact = activations == "fp32"  # every format has an int8 kernel (the k-quants: x per 256, as llama.cpp's q8_K)
+    if not exact and GGUF_BLOCKS[fmt].k_quant:
+        rel_rms = 0.1
     packed, dense = engines(gguf_file, kernels="cpu", activations=activations)
     assert packed.runner.model.layers[0].self_attn.qkv_proj.quant is not None
     prompt = random_prompts(512, lens=(40,))[0]
