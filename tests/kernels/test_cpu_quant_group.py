@@ -75,7 +75,7 @@ def test_linear_matches_the_reference(bits, group_size, scale_dtype, perm, scala
                 p, 0, 77, scalar), bias)
             assert torch.equal(out, want)
     x = torch.randn(2, 256)  # the engine's entry point hands these weights over
-    assert torch.equal(cpu_quant.linear(x, p, bias, activations="fp32", scalar=scalar),
+    assert torch.equal(cpu_quant.linear(x, p, bias, activations="fp32", isa="scalar" if scalar else None),
                        cpu_quant_group.linear(x, p, bias, scalar=scalar))
 
 
