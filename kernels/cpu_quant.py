@@ -173,13 +173,21 @@ def _check_x(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> None
 
 
 def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
-           activations: str | None = None, isa: str | None = None, tiles: bool = True) -> torch.Tensor:
+           activations: str | None = None, isa: str | None = None, tiles: bool = True,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, cols] @ Wᵀ (+ bias)`` -> [M, rows] float32, W the dequantized weight (see the module docstring).
     ``isa``: the instruction set (kernels/cpu_quant_isa.py; None: the default). ``tiles`` False: the GEMV kernel
     at every M (benchmarks), never the dequantized tiles + GEMM. GPTQ / AWQ / compressed-tensors weights go to
-    kernels/cpu_quant_group.py (fp32 activations; ``isa`` "scalar" takes its scalar twin)."""
+    kernels/cpu_quant_group.py (fp32 activations; ``isa`` "scalar" takes its scalar twin). ``out``: a float32
+    [M, rows] view (rows contiguous, any row stride: columns of a wider output) the GEMV kernels write into;
+    returned (the other paths copy into it)."""
+    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (x.shape[0], p.rows)
+                            or (out.numel() and out.stride(1) != 1)):
+        raise ValueError(f"out must be a float32 [{x.shape[0]}, {p.rows}] view with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if p.fmt in GROUP_FORMAT_NAMES:
-        return cpu_quant_group.linear(x, p, bias, scalar=None if isa is None else isa == "scalar", tiles=tiles)
+        y = cpu_quant_group.linear(x, p, bias, scalar=None if isa is None else isa == "scalar", tiles=tiles)
+        return y if out is None else out.copy_(y)
     _check_x(x, p, bias)
     acts = activations or ACTIVATIONS
     if acts not in ("int8", "fp32"):
@@ -187,8 +195,10 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     level = isa_level(isa)
     m = x.shape[0]
     if tiles and m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS):
-        return _linear_gemm(x, p, bias, isa)
-    out = torch.empty(m, p.rows, dtype=torch.float32)
+        y = _linear_gemm(x, p, bias, isa)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(m, p.rows, dtype=torch.float32)
     if m == 0 or p.rows == 0:
         return out
     if GGUF_BLOCKS[p.fmt].k_quant:

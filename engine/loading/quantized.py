@@ -6,8 +6,8 @@ GGUF block types, and G4 / G8 for GPTQ / AWQ / compressed-tensors layers, engine
 checkpoint tensor that fills it has that one type (q, k and v of a fused projection alike), and it is a
 projection's weight (a ``Linear``) or, in a GGUF block type, the token table (with it a tied LM head: one packed
 table serves the lookup and the head). The rest is dequantized at load, and the loader says how much of each:
-other block types, norms and biases (float in the files), a fused projection whose pieces are not all quantized
-alike, MoE expert tensors, tensor parallelism (splitting packed rows across ranks is not built yet), CUDA (no
+other block types, norms and biases (float in the files), a fused projection whose GPTQ / AWQ pieces are not all
+quantized alike, MoE expert tensors, tensor parallelism (splitting packed rows across ranks is not built yet), CUDA (no
 quantized kernels in Triton yet), ``quantization: w8a16`` (it quantizes float weights itself) and
 ``quantized_weights: dense``.
 
@@ -27,7 +27,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.models.kernel_backend import KernelOps
-from engine.models.layers import Linear
+from engine.models.layers import Linear, QuantParts
 from engine.models.llama import CausalLM
 from kernels.quant import GGUF_BLOCKS  # the block formats a token table may stay packed in (``quant_rows``)
 
@@ -46,13 +46,22 @@ def packed_params(model: CausalLM, tensor_types: dict[str, str], ops: KernelOps)
             by_param.setdefault(target[0], set()).add(fmt)
     kept = {}
     for name, fmts in by_param.items():
-        if len(fmts) != 1 or not fmts <= ops.quant_formats or not name.endswith(".weight"):
+        if not fmts <= ops.quant_formats or not name.endswith(".weight"):
+            continue
+        is_linear = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), Linear)
+        if len(fmts) > 1:  # a fused projection of GGUF pieces in several block types: kept as parts (QuantParts)
+            if is_linear and fmts <= set(GGUF_BLOCKS):
+                kept[name] = "+".join(sorted(fmts))
             continue
         fmt = next(iter(fmts))
-        if (name == EMBEDDING and fmt in GGUF_BLOCKS) or isinstance(model.get_submodule(name.rsplit(".", 1)[0]),
-                                                                      Linear):
+        if (name == EMBEDDING and fmt in GGUF_BLOCKS) or is_linear:
             kept[name] = fmt
     return kept
+
+
+def kept_formats(kept: dict[str, str]) -> frozenset[str]:
+    """Every block type some kept parameter holds (a parameter of parts: "Q4_K+Q6_K")."""
+    return frozenset(f for v in kept.values() for f in v.split("+"))
 
 
 def drop_dense(model: CausalLM, kept: dict[str, str]) -> None:
@@ -103,12 +112,21 @@ class PackedPieces:
             if weight is None:
                 return
         else:
-            data = np.concatenate([p.data for p in parts]) if len(parts) > 1 else parts[0].data
-            cols = {p.cols for p in parts}
-            if len(cols) != 1 or (data.shape[0], *cols) != want:
-                raise ModelLoadError(f"{name}: quantized pieces of {data.shape[0]} x {sorted(cols)} weights, the "
+            rows, cols = sum(p.data.shape[0] for p in parts), {p.cols for p in parts}
+            if len(cols) != 1 or (rows, *cols) != want:
+                raise ModelLoadError(f"{name}: quantized pieces of {rows} x {sorted(cols)} weights, the "
                                      f"model config implies {want[0]} x {want[1]}")
-            weight = QuantWeight(self.kept[name], data.shape[0], want[1], torch.from_numpy(data))
+            runs = self._runs(parts)  # consecutive pieces of one block type joined: one packed weight each
+            if len(runs) > 1:
+                packed, r0 = [], 0
+                for fmt, data in runs:
+                    packed.append((r0, self.model.ops.pack_quant(QuantWeight(fmt, data.shape[0], want[1],
+                                                                             torch.from_numpy(data)))))
+                    r0 += data.shape[0]
+                module.quant = QuantParts(tuple(packed), want[0], want[1])
+                self.done.add(name)
+                return
+            weight = QuantWeight(runs[0][0], rows, want[1], torch.from_numpy(runs[0][1]))
         packed = self.model.ops.pack_quant(weight)
         if name == EMBEDDING:
             self.model.embed_quant = packed
@@ -117,6 +135,17 @@ class PackedPieces:
         else:
             module.quant = packed
         self.done.add(name)
+
+    @staticmethod
+    def _runs(parts: list) -> list[tuple[str, np.ndarray]]:
+        """(block type, joined rows) per run of consecutive pieces of one type (q, k Q4_K | v Q6_K)."""
+        runs: list[tuple[str, list]] = []
+        for p in parts:
+            if runs and runs[-1][0] == p.fmt:
+                runs[-1][1].append(p.data)
+            else:
+                runs.append((p.fmt, [p.data]))
+        return [(fmt, np.concatenate(d) if len(d) > 1 else d[0]) for fmt, d in runs]
 
     def _join_group(self, name: str, module, parts: list, want: tuple[int, int]):
         """The GPTQ / AWQ / compressed-tensors pieces of one weight joined row-wise; when their act-order column

@@ -22,7 +22,7 @@ from engine.loading.gguf import QuantTensor, open_gguf
 from engine.loading.hf_quantized import assemble, quantized_layers, tensor_types
 from engine.loading.paths import is_gguf
 from engine.loading.quantize import PROJECTION_FORMAT, check_quantizable, quantize_model
-from engine.loading.quantized import PackedPieces, drop_dense, packed_params, report
+from engine.loading.quantized import PackedPieces, drop_dense, kept_formats, packed_params, report
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import KernelOps
 from engine.models.llama import CausalLM
@@ -164,7 +164,7 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[int]] = {}
     with torch.no_grad():
-        tensors = checkpoint_tensors(model_path, frozenset(kept.values()))
+        tensors = checkpoint_tensors(model_path, kept_formats(kept))
         for hf_name, tensor in tensors if hf_quant is None else assemble(tensors, hf_quant, layers):
             target = model.checkpoint_to_param(hf_name)
             if target is None:

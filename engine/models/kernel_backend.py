@@ -54,8 +54,9 @@ class KernelOps:
     # GEMMs through ``linear``
     fused_moe: Callable | None = None
     # quantized checkpoint weights kept packed (engine/loading/quantized.py): the block types (ggml names) this
-    # backend takes; ``pack_quant(kernels.quant.QuantWeight)`` once at load, then ``quant_linear(x, packed, bias)``
-    # and ``quant_rows(packed, ids)`` (a quantized token table). Empty: such weights are dequantized at load.
+    # backend takes; ``pack_quant(kernels.quant.QuantWeight)`` once at load, then ``quant_linear(x, packed, bias,
+    # out=None)`` (``out``: a [M, rows] view, columns of a wider output, written and returned) and
+    # ``quant_rows(packed, ids)`` (a quantized token table). Empty: such weights are dequantized at load.
     quant_formats: frozenset[str] = frozenset()
     pack_quant: Callable | None = None
     quant_linear: Callable | None = None
@@ -116,8 +117,9 @@ def _cpu_quant_linear(activations: str) -> Callable:
         return functools.partial(cpu_quant.linear, activations="fp32")
     int8_formats = cpu_quant.INT8_FORMATS
 
-    def linear(x, packed, bias=None):
-        return cpu_quant.linear(x, packed, bias, activations=activations if packed.fmt in int8_formats else "fp32")
+    def linear(x, packed, bias=None, out=None):
+        return cpu_quant.linear(x, packed, bias, activations=activations if packed.fmt in int8_formats else "fp32",
+                                out=out)
     return linear
 
 
@@ -130,12 +132,14 @@ def _cpu_pack_quant(w):
     return cpu_quant_group.pack(w) if isinstance(w, GroupQuantWeight) else cpu_quant.pack(w)
 
 
-def _torch_quant_linear(x, w, bias=None):
+def _torch_quant_linear(x, w, bias=None, out=None):
     from kernels import quant, quant_group
 
     if isinstance(w, quant_group.GroupQuantWeight):
-        return quant_group.group_linear_ref(x, w, bias)
-    return quant.quant_linear_ref(x, w, bias)
+        y = quant_group.group_linear_ref(x, w, bias)
+    else:
+        y = quant.quant_linear_ref(x, w, bias)
+    return y if out is None else out.copy_(y)
 
 
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32") -> KernelOps:

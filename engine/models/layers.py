@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +45,36 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+@dataclass(frozen=True)
+class QuantParts:
+    """A fused projection whose pieces are quantized in different formats (a llama.cpp Q4_K_M file: q and k Q4_K, v
+    Q6_K), kept packed as runs of rows: ``parts`` (first row, the backend's packed weight) in row order. One
+    ``quant_linear`` per part, each writing its columns of one output (``out=``: no copy, and a CPU recording of the
+    step sees only the kernels' calls)."""
+    parts: tuple[tuple[int, object], ...]
+    rows: int
+    cols: int
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(dict.fromkeys(p.fmt for _, p in self.parts))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(_packed_bytes(p) for _, p in self.parts)
+
+    def linear(self, quant_linear: Callable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
+        for r0, p in self.parts:
+            quant_linear(x, p, None if bias is None else bias[r0:r0 + p.rows], out=out[:, r0:r0 + p.rows])
+        return out
+
+
+def _packed_bytes(p) -> int:
+    """A packed weight's bytes (the C kernels' ``num_bytes``; the torch references hold the file's ``data``)."""
+    return p.num_bytes if hasattr(p, "num_bytes") else p.data.numel() * p.data.element_size()
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` through the backend; ``quantize_int8`` swaps W for int8 + scales (w8a16), ``pack``
     for the backend's packed layout (the CPU path: oneDNN); ``quant``: a checkpoint's quantized weight kept packed
@@ -67,7 +99,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None else None
-        if self.quant is not None:
+        if isinstance(self.quant, QuantParts):
+            out = self.quant.linear(self.ops.quant_linear, x, bias)
+        elif self.quant is not None:
             out = self.ops.quant_linear(x, self.quant, bias)
         elif self.packed is not None:
             out = self.ops.linear_packed(x, self.packed, bias)

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.loading.gguf import open_gguf
+from engine.models.layers import QuantParts
 from engine.request import SamplingParams
 from kernels.quant import GGUF_BLOCKS, dequantize_ref
 from tests.engine.loading.gguf_files import write_gguf
@@ -105,19 +106,27 @@ def test_the_cpu_kernels_serve_packed_weights_close_to_the_dense_engine(gguf_fil
         [r["token_ids"] for r in dense.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("qtype, v_type, model", [("Q4_1", "Q8_0", {}), ("Q4_K", "Q6_K", K_QUANT_MODEL)])
-def test_a_fused_projection_of_mixed_types_is_dequantized_and_the_rest_stays_packed(tiny_model, tmp_path, qtype,
-                                                                                   v_type, model):
-    """A Q4_K_M file's q and k in Q4_K and v in Q6_K (in about half the layers): one packed weight holds one
-    format, so that qkv is dequantized at load; its type is kept elsewhere (the v of other projections, the
-    down projection), so its pieces arrive as blocks and are dequantized by the loader."""
+@pytest.mark.parametrize("qtype, v_type, model", [("Q4_1", "Q8_0", {}), ("Q4_K", "Q6_K", K_QUANT_MODEL),
+                                                   ("Q4_1", "F16", {})])
+def test_a_fused_projection_of_mixed_types(tiny_model, tmp_path, qtype, v_type, model):
+    """A Q4_K_M file's q and k in Q4_K and v in Q6_K (in about half the layers): that qkv stays packed as two parts
+    (engine/models/layers.py ``QuantParts``: q and k joined, v apart), each exactly its dense rows. A piece in a
+    float type (F16 v) cannot be packed: that qkv is dequantized at load, its q and k arriving as blocks (their type
+    is kept elsewhere) and dequantized by the loader."""
     path = write_gguf(tiny_model("llama", **model), tmp_path / f"mixed.{qtype}.gguf", qtype,
                       qtype_of={"attn_v": v_type, "ffn_down": v_type})
     packed, dense = engines(path)
     m, ref = packed.runner.model, dense.runner.model
+    q_rows = (m.cfg.num_heads + m.cfg.num_kv_heads) * m.cfg.head_dim
     for layer, ref_layer in zip(m.layers, ref.layers):
-        assert layer.self_attn.qkv_proj.quant is None
-        assert torch.equal(layer.self_attn.qkv_proj.weight, ref_layer.self_attn.qkv_proj.weight)
-        assert layer.self_attn.o_proj.quant.fmt == qtype and layer.mlp.down_proj.quant.fmt == v_type
+        qkv, want = layer.self_attn.qkv_proj, ref_layer.self_attn.qkv_proj.weight
+        assert layer.self_attn.o_proj.quant.fmt == qtype
+        if v_type == "F16":
+            assert qkv.quant is None and torch.equal(qkv.weight, want)
+            continue
+        assert isinstance(qkv.quant, QuantParts) and qkv.quant.fmt == f"{qtype}+{v_type}"
+        assert [(r0, p.fmt) for r0, p in qkv.quant.parts] == [(0, qtype), (q_rows, v_type)]
+        assert torch.equal(torch.cat([dequantize_ref(p) for _, p in qkv.quant.parts]), want)
+        assert layer.mlp.down_proj.quant.fmt == v_type
     prompt = random_prompts(512, lens=(40,))[0]
     assert torch.equal(prompt_logits(packed, prompt), prompt_logits(dense, prompt))
