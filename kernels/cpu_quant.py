@@ -1,5 +1,5 @@
 """GGUF block-quantized linears and embeddings on the CPU, kept packed (issue 48; C: kernels/cpu/quant.c, the
-k-quants kernels/cpu/quant_k.c).
+k-quants kernels/cpu_quant_k.py and kernels/cpu/quant_k*.c).
 
 ``pack`` rearranges a ``QuantWeight``'s blocks once, at load: rows in groups of 8, each block's quant bytes of
 the 8 rows interleaved in 4-byte chunks (llama.cpp's repacked layout: one 32-byte load is 4 weights of 8 rows),
@@ -17,22 +17,20 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
   reference: ~3e-7 to 5e-7 of the output's RMS (tests bound it at 1e-5). SmolLM2-135M Q4_1, 8 prompts x 64
   greedy tokens: identical to the dense model (quantized_weights="dense") on all 512.
 - "int8", M < ``GEMM_ROWS``: llama.cpp's method: x quantized per 32-block to int8 (amax / 127), integer
-  dots (_mm256_maddubs_epi16) whose 8 lanes are a group's 8 rows, one scale FMA per block and group; each packed
+  dots (_mm256_maddubs_epi16; with AVX512-VNNI _mm256_dpbusd_epi32) whose 8 lanes are a group's 8 rows, one scale
+  FMA per block and group; each packed
   byte read from memory once per call; OpenMP over groups (torch.get_num_threads()). Error vs
   ``quant_linear_ref``: 8-bit activations, ~5e-3 of the output's RMS (576x576 Q4_1 and Q8_0, Gaussian x; the
   tests bound it at 1e-2). Faster, but on SmolLM2-135M Q4_1 greedy tokens drift from the dense model's: 8
   prompts x 64 tokens stayed identical for 1 to 52 tokens.
 - "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
-All have a scalar twin (``isa="scalar"``, DUET_QUANT_ISA=scalar; kernels/cpu_quant_isa.py).
+Instruction sets: kernels/cpu_quant_isa.py (``isa=``; the default the best the CPU has, DUET_QUANT_ISA forces
+one): every kernel has a scalar twin and an AVX2 one; the int8 kernel a VNNI one (256-bit: the 4-byte interleave
+gives 512-bit lanes no single x to broadcast, so the fp32 kernel of these formats stays AVX2).
 
-The k-quants (Q4_K, Q5_K, Q6_K; 256-weight super-blocks) in this slice: a row-wise layout, the file's bytes as they
-are (``qs`` [rows, bytes per row], no 8-row interleave, no padding), and fp32 activations only (``INT8_FORMATS``:
-the formats the int8 kernel takes; a k-quant with ``activations="int8"`` is a ValueError). The fp32 GEMV decodes
-each super-block into its 256 fp32 weights exactly as ``dequantize_ref`` (AVX2: one shuffle-free pass of masks
-and shifts, int8 -> fp32, scale, min) and FMAs them against up to 4 rows of x (kernels/cpu/quant_k.c): the
-reference's own products, summed in another order; the tiles + GEMM path and ``rows`` use the same decode. Not
-measured yet (the 8-row interleave and an int8 kernel are the next slices).
+The k-quants (Q4_K, Q5_K, Q6_K; 256-weight super-blocks): their own 8-row layout and kernels, kernels/cpu_quant_k.py
+(fp32 and int8 activations, AVX2 / AVX-512 / VNNI); ``INT8_FORMATS`` is every format.
 
 Measured on this 2-vCPU machine (lscpu: an Intel Xeon with AVX-512/VNNI; the kernels use AVX2 only), 2 threads,
 ``python -m bench.kernels.quant_gemv --prefill`` (µs per call, weights cold; int8 / fp32 kernel / torch fp32 GEMM
@@ -62,7 +60,7 @@ import torch
 from kernels import cpu_quant_group, cpu_quant_k
 from kernels.cpu_build import NativeKernelError
 from kernels.cpu_graph import recording
-from kernels.cpu_quant_isa import isa_level, lib
+from kernels.cpu_quant_isa import in_huge_pages, isa_level, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 from kernels.quant_group import GROUP_FORMATS
 
@@ -102,7 +100,8 @@ class PackedQuant:
 
 
 def pack(w: QuantWeight) -> PackedQuant:
-    """``w``'s blocks rearranged into the kernels' layout (once, at load)."""
+    """``w``'s blocks rearranged into the kernels' layout (once, at load; the quants of a large weight in huge
+    pages: kernels/cpu_quant_isa.py ``in_huge_pages``)."""
     f = GGUF_BLOCKS[w.fmt]
     if f.k_quant:
         return PackedQuant(w.fmt, w.rows, w.cols, cpu_quant_k.pack(w), None, None, None)
@@ -117,7 +116,7 @@ def pack(w: QuantWeight) -> PackedQuant:
 
     qb = f.block_bytes - f.quant_start
     qs = blocks[..., f.quant_start:].reshape(groups, 8, nb, qb // 4, 4).permute(0, 2, 3, 1, 4)
-    return PackedQuant(w.fmt, w.rows, w.cols, qs.contiguous().reshape(groups, nb, 8 * qb),
+    return PackedQuant(w.fmt, w.rows, w.cols, in_huge_pages(qs.contiguous().reshape(groups, nb, 8 * qb)),
                        per_row(0, 2, torch.float16), per_row(2, 4, torch.float16) if f.has_min else None,
                        per_row(2 + 2 * f.has_min, f.quant_start, torch.int32) if f.high_bits else None)
 

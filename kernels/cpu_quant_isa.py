@@ -1,4 +1,5 @@
-"""The quantized C kernels' library (kernels/cpu/quant*.c, argument types set once) and the instruction set they run.
+"""The quantized C kernels' library (kernels/cpu/quant*.c, argument types set once), the instruction set they run and
+the memory their packed weights live in.
 
 Levels (kernels/cpu/quant_common.h), each including the one before: ``scalar`` (portable C), ``avx2`` (AVX2 + FMA
 + F16C), ``avx512`` (+ AVX-512 F/BW/VL/DQ), ``vnni`` (+ AVX512-VNNI). Every kernel is compiled for every level
@@ -7,13 +8,26 @@ kernel's best variant at or below it (the fp32 kernels of the 32-weight formats 
 k-quants' fp32 kernels none above avx512). ``default_isa()``: the best this CPU has (cpuid), unless
 DUET_QUANT_ISA=scalar|avx2|avx512|vnni forces one, read once at import (a level above what the CPU has is a
 ValueError naming both, at the first call). tests/kernels/test_cpu_quant*.py run every level the CPU has.
+
+``in_huge_pages``: a packed weight of 2 MB or more is copied into memory advised for transparent huge pages
+(Linux, ``madvise(MADV_HUGEPAGE)``: THP's "madvise" mode, the common default). A GEMV streams each weight once;
+with 4 KB pages every 4 KB is a TLB miss (in a VM, a two-level page walk) that the prefetchers do not run ahead
+of. Measured on this 2-vCPU KVM guest, 2048x8192 Q4_K M=1 from memory, C loop (the same kernels), 4 KB -> 2 MB
+pages: fp32 5.6 -> 8.5 GB/s on 1 thread, int8 (VNNI) 7.9 -> 10.9; 2 threads int8 15.2 -> 18.7 (plain reads:
+12.8 GB/s on 1 thread, 23.6 on 2). Where madvise fails the weight stays where it was, logged once.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import sys
+
+import torch
 
 from kernels.cpu_build import load
+
+log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512", "vnni")
 _FORCED = os.environ.get("DUET_QUANT_ISA", "")
@@ -24,6 +38,9 @@ if os.environ.get("DUET_QUANT_SCALAR"):
 
 _lib_ready: ctypes.CDLL | None = None
 _default_level: int | None = None
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_huge_pages_failed = False
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -73,3 +90,25 @@ def isa_level(isa: str | None) -> int:
 def default_isa() -> str:
     """The level the kernels run at unless told otherwise."""
     return ISAS[isa_level(None)]
+
+
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) copied into fresh memory whose whole 2 MB pages are advised for transparent huge pages;
+    under 2 MB, off Linux, or where madvise fails (logged once): ``t`` itself."""
+    global _huge_pages_failed
+    nbytes = t.numel() * t.element_size()
+    if nbytes < _HUGE_PAGE or _huge_pages_failed or not sys.platform.startswith("linux"):
+        return t
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # untouched yet: its pages come at the copy
+    start = raw.data_ptr()
+    offset = -start % _HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(start + offset, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+        _huge_pages_failed = True
+        log.warning("kernels: madvise(MADV_HUGEPAGE) failed (%s): packed weights stay in 4 KB pages",
+                    os.strerror(ctypes.get_errno()))
+        return t
+    out = raw[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out

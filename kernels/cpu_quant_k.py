@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_build import NativeKernelError
-from kernels.cpu_quant_isa import lib
+from kernels.cpu_quant_isa import in_huge_pages, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight
 
 # per format, its fields as (file offset, end, element bytes), in the file's order (kernels/cpu/quant_k.h)
@@ -37,14 +37,16 @@ _FIELDS = {
 
 
 def pack(w: QuantWeight) -> torch.Tensor:
-    """``w``'s super-blocks as uint8 [groups, nb, 8 * block_bytes] group-blocks (once, at load)."""
+    """``w``'s super-blocks as uint8 [groups, nb, 8 * block_bytes] group-blocks (once, at load; in huge pages:
+    kernels/cpu_quant_isa.py ``in_huge_pages``)."""
     bb, nb, groups = GGUF_BLOCKS[w.fmt].block_bytes, w.num_blocks, -(-w.rows // 8)
     blocks = w.data.reshape(w.rows, nb, bb)
     if groups * 8 > w.rows:
         blocks = torch.cat([blocks, blocks.new_zeros(groups * 8 - w.rows, nb, bb)])
     blocks = blocks.reshape(groups, 8, nb, bb)
-    return torch.cat([blocks[..., lo:hi].reshape(groups, 8, nb, (hi - lo) // e, e).permute(0, 2, 3, 1, 4)
-                      .reshape(groups, nb, -1) for lo, hi, e in _FIELDS[w.fmt]], dim=-1).contiguous()
+    return in_huge_pages(torch.cat([blocks[..., lo:hi].reshape(groups, 8, nb, (hi - lo) // e, e)
+                                    .permute(0, 2, 3, 1, 4).reshape(groups, nb, -1) for lo, hi, e in _FIELDS[w.fmt]],
+                                   dim=-1).contiguous())
 
 
 def unpack(fmt: str, rows: int, cols: int, qs: torch.Tensor) -> QuantWeight:

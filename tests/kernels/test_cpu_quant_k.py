@@ -170,3 +170,33 @@ def test_isa_choice_is_checked():
     env["DUET_QUANT_ISA"] = "avx1024"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert "DUET_QUANT_ISA='avx1024': expected one of scalar, avx2, avx512, vnni" in run.stderr
+
+
+def _huge_kb(addr: int) -> int | None:
+    """AnonHugePages of the mapping holding ``addr`` (/proc/self/smaps), None off Linux."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_large_packed_weights_live_in_huge_pages():
+    w = k_weight("Q4_K", 8 * 256, 2048, seed=7)  # 2.4 MB packed
+    p = cpu_quant.pack(w)
+    assert torch.equal(cpu_quant.unpack(p).data, w.data)
+    assert p.qs.data_ptr() % (2 << 20) == 0  # its first whole huge page starts the tensor
+    small = torch.arange(1000, dtype=torch.float32)
+    assert cpu_quant_isa.in_huge_pages(small) is small  # under 2 MB: as it is
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel grants no transparent huge pages")  # the copy and its alignment are checked above
+    assert (_huge_kb(p.qs.data_ptr()) or 0) >= 2048
