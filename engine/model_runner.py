@@ -159,10 +159,10 @@ class ModelRunner:
             else:
                 self.decode_graphs = DecodeGraphs(self, min(cfg.cpu_graph_max_batch, cfg.max_num_seqs),
                                                   -(-self.max_model_len // cfg.block_size))
-        elif not kv_blocks:
-            reason = "no KV cache of its own (a draft model)"
-        else:
+        elif (cfg.cuda_graph_max_batch if self.device.type == "cuda" else cfg.cpu_graph_max_batch) == 0:
             reason = f"{'cuda' if self.device.type == 'cuda' else 'cpu'}_graph_max_batch is 0"
+        else:
+            reason = "no KV cache of its own at load (a draft model)"
         return reason
 
     def _cpu_graph_refusal(self) -> str | None:

@@ -359,23 +359,27 @@ function renderDecisions(decisions) {
   }
 }
 
-const fmtBytes = (n) => { for (const [u, k] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
-  if (n >= k) return (n / k).toFixed(1) + " " + u; } return n + " B"; };
+function fmtSize(n) {  // bytes in binary units, as the worker's log and engine/loading/weights_summary.py write them
+  for (const [unit, k] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) if (n >= k) return (n / k).toFixed(1) + " " + unit;
+  return n + " B";
+}
 
-function renderWeights(w) {
+function renderWeights(w) {  // static while the page is open: drawn when it arrives, not on every poll
   const body = $("weights");
+  if (body.dataset.drawn === String(Boolean(w))) return;
+  body.dataset.drawn = String(Boolean(w));
   while (body.firstChild) body.removeChild(body.firstChild);
-  $("weights-total").textContent = w ? fmtBytes(w.weight_bytes) + " resident" + (w.checkpoint_bytes
-    ? " · checkpoint " + fmtBytes(w.checkpoint_bytes) + " (" + (w.weight_bytes / w.checkpoint_bytes).toFixed(2) + "×)" : "")
+  $("weights-total").textContent = w ? fmtSize(w.weight_bytes) + " resident" + (w.checkpoint_bytes
+    ? " · checkpoint " + fmtSize(w.checkpoint_bytes) + " (" + (w.weight_bytes / w.checkpoint_bytes).toFixed(2) + "×)" : "")
     + " · kernels " + w.kernels + " · decode steps: " + w.decode_graphs : "";
   if (!w) {
     body.appendChild(el("tr", {}, [el("td", { colspan: "5", class: "muted", text: "the server did not say" })]));
     return;
   }
   for (const g of w.weights) {
-    const shared = g.shared_bytes ? " (+" + fmtBytes(g.shared_bytes) + " shared)" : "";
+    const shared = g.shared_bytes ? " (+" + fmtSize(g.shared_bytes) + " shared)" : "";
     body.appendChild(el("tr", { "data-kind": g.kind }, [el("td", { text: g.kind }), el("td", { text: g.format }),
-      el("td", { class: "num", text: fmtBytes(g.bytes) + shared }), el("td", { class: "num", text: String(g.tensors) }),
+      el("td", { class: "num", text: fmtSize(g.bytes) + shared }), el("td", { class: "num", text: String(g.tensors) }),
       el("td", { class: "muted", text: g.kernel })]));
   }
 }
