@@ -139,8 +139,11 @@ def _linear(lin: Linear, ops: KernelOps) -> tuple[str, str, list[torch.Tensor]]:
 
 
 def _fmt(packed) -> str:
+    """The packed object's format name (its ``fmt``, with its ``group_size`` where it has one)."""
     fmt = getattr(packed, "fmt", None)
-    return fmt if isinstance(fmt, str) else type(packed).__name__
+    fmt = fmt if isinstance(fmt, str) else type(packed).__name__
+    group = getattr(packed, "group_size", None)
+    return f"{fmt} g{group}" if isinstance(group, int) else fmt
 
 
 def _packed_tensors(packed) -> list[torch.Tensor]:
@@ -164,13 +167,21 @@ def _quant_kernel(ops: KernelOps, packed) -> str:
     if ops.name == "torch":
         return "torch reference (dequantized per call)"
     module = type(packed).__module__
-    if ops.name == "cpu" and module == "kernels.cpu_quant":
+    if ops.name == "cpu" and module == "kernels.cpu_quant":  # GGUF blocks (and int8 / int4 quantized at load)
         from kernels import cpu_quant
+        from kernels.cpu_quant_isa import default_isa
 
         int8 = ops.quantized_activations == "int8" and packed.fmt in cpu_quant.INT8_FORMATS
-        simd = "AVX2" if cpu_quant.simd_available() and not cpu_quant.FORCE_SCALAR else "scalar"
         rows = cpu_quant.GEMM_ROWS if int8 else cpu_quant.GEMM_ROWS_FP32
-        return f"C GEMV {simd}, {'int8' if int8 else 'fp32'} activations; tiles + torch GEMM from {rows} rows"
+        # the level the calls pass: each kernel runs its best variant at or below it (kernels/cpu_quant_isa.py)
+        return (f"C GEMV ({default_isa()} or below), {'int8' if int8 else 'fp32'} activations; "
+                f"tiles + torch GEMM from {rows} rows")
+    if ops.name == "cpu" and module == "kernels.cpu_quant_group":  # GPTQ / AWQ / compressed-tensors
+        from kernels import cpu_quant_group
+        from kernels.cpu_quant_isa import default_isa
+
+        isa = "scalar" if cpu_quant_group.FORCE_SCALAR or default_isa() == "scalar" else "avx2"
+        return f"C group GEMV ({isa}), fp32 activations; tiles + torch GEMM from {cpu_quant_group.GEMM_ROWS} rows"
     return f"{ops.name}: {module}.{type(packed).__qualname__}"
 
 

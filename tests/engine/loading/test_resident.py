@@ -158,3 +158,22 @@ def test_a_packed_object_of_any_format_is_counted_by_its_tensors(q4_1):
 
     with pytest.raises(TypeError, match="holds no tensor"):
         _packed_tensors(Empty())
+
+
+def test_a_gptq_checkpoint_is_reported_as_its_group_packed_objects_hold_it(tiny_model, tmp_path):
+    """GPTQ int4, group 32, act-order (engine/loading/hf_quantized.py; kernels/cpu_quant_group.py's PackedGroup):
+    the format and group size from the packed objects, every array they hold counted (quants, scales, zeros and
+    the column permutation), the C group kernel named; the file's bytes are the directory's safetensors."""
+    from tests.engine.loading import hf_quant_files
+
+    path = hf_quant_files.write_gptq(tiny_model("llama"), tmp_path / "gptq", bits=4, group_size=32, desc_act=True)
+    e = engine(path, kernels="cpu")
+    model, groups = e.runner.model, by_kind(e.runner.weights)
+    down = linears_of(model, "mlp down")
+    assert groups["mlp down"].format == "G4 g32 packed" == f"{down[0].quant.fmt} g{down[0].quant.group_size} packed"
+    assert groups["mlp down"].num_bytes == sum(lin.quant.num_bytes for lin in down)
+    assert down[0].quant.perm is not None  # act-order: the permutation is part of what is held
+    assert groups["mlp down"].kernel.startswith("C group GEMV") and "fp32 activations" in groups["mlp down"].kernel
+    assert groups["embedding"].format == "float32 dense"  # GPTQ leaves the table in float
+    assert e.runner.weights.checkpoint_bytes == sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert e.runner.weights.weight_bytes < e.runner.weights.checkpoint_bytes * 1.15
