@@ -31,6 +31,7 @@ from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers
 from engine.errors import ConfigError
 from engine.kv.hashing import BlockHasher
 from engine.loading.checkpoint import load_model_config, load_tokenizer
+from engine.loading.weights_summary import WeightsSummary
 from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
@@ -158,7 +159,7 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     model_config = load_model_config(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()),
-                     longrope_original_len=model_config.longrope_original_len)
+                     longrope_original_len=model_config.longrope_original_len, weights=_card_weights(infos))
     for i in infos:  # each worker sized its KV cache (engine/kv/sizing.py; the reason is in its own log)
         log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
                  i.max_model_len)
@@ -191,3 +192,16 @@ def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[R
         return feed, [start_feed(c) for c in clients], start_feed
     task, feed = start_redis_feed(config.router.index, backend, on_load=on_load)
     return feed, [task], None
+
+
+def _card_weights(infos: list[WorkerInfo]) -> WeightsSummary | None:
+    """What /v1/models says is loaded: a decode worker's weights (decode makes every token); a worker that holds
+    them otherwise (a role's own engine settings) is logged, and /metrics shows each worker's own."""
+    shown = next((i for i in infos if i.role == "decode"), infos[0])
+    for i in infos:
+        if i.weights != shown.weights:
+            log.warning("worker %s holds its weights otherwise than %s (/v1/models shows %s's; /metrics each "
+                        "worker's duet_weight_bytes):\n%s", i.worker_id, shown.worker_id, shown.worker_id,
+                        i.weights.log_block(i.model_id) if i.weights else "no summary")
+    return shown.weights
+

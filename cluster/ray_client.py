@@ -33,7 +33,7 @@ class RayWorkerClient(WorkerClient):
         self.info = info
         self.why_not: str | None = None  # what its last health answer said was wrong
         self.descriptor = WorkerDescriptor(info.worker_id, Role(info.role), tuple(info.hash_fingerprint),
-                                           info.max_model_len)
+                                           info.max_model_len, info.weights)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       peer: PeerBlocks | None = None) -> RequestOutput:

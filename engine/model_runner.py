@@ -22,6 +22,8 @@ import torch
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.kv.sizing import cap_max_model_len, size_kv_cache
+from engine.loading.paths import checkpoint_name
+from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
 from engine.models.attention import AttentionMetadata
 from engine.models.config import ModelConfig
@@ -122,11 +124,22 @@ class ModelRunner:
             reason = f"attention logit soft-capping (Gemma 2): the {self.backend} attention kernels take no cap"
             log.warning("attention runs the torch references: %s", reason)
             self.fallbacks.append(f"attention: {reason}")
-        self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.tp.enabled:
             reason = "tensor parallelism on CUDA: the collectives go through gloo in host memory (no NCCL group yet)"
             log.warning("%s", reason)
             self.fallbacks.append(reason)
+        self.decode_graphs: DecodeGraphs | None = None
+        eager = self._set_up_decode_graphs(cfg, kv_blocks)
+        graphs = self.decode_graphs
+        steps = f"eager ({eager})" if graphs is None else \
+            f"{'CPU recordings of C kernel calls' if graphs.cpu else 'CUDA graphs'}, batch <= {graphs.max_batch}"
+        # what this engine holds and runs (engine/loading/resident.py): the log, WorkerInfo, /v1/models, /metrics
+        self.weights = summarize_weights(self.model, self.ops, steps, checkpoint_tensor_bytes(cfg.model))
+        log.info("%s", self.weights.log_block(checkpoint_name(cfg.model)))
+
+    def _set_up_decode_graphs(self, cfg: EngineConfig, kv_blocks: bool) -> str | None:
+        """``decode_graphs`` where decode steps can replay; else None there and why they run eagerly returned."""
+        model_cfg, reason = self.model_cfg, None
         if (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
                 and self.ops.fused_moe is None):  # the Triton fused MoE reads nothing on the host: it replays
             reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/models/moe.py)"
@@ -146,6 +159,11 @@ class ModelRunner:
             else:
                 self.decode_graphs = DecodeGraphs(self, min(cfg.cpu_graph_max_batch, cfg.max_num_seqs),
                                                   -(-self.max_model_len // cfg.block_size))
+        elif (cfg.cuda_graph_max_batch if self.device.type == "cuda" else cfg.cpu_graph_max_batch) == 0:
+            reason = f"{'cuda' if self.device.type == 'cuda' else 'cpu'}_graph_max_batch is 0"
+        else:
+            reason = "no KV cache of its own at load (a draft model)"
+        return reason
 
     def _cpu_graph_refusal(self) -> str | None:
         """Why a decode step of this model cannot be a recording of C calls (engine/decode_graphs.py); None: it can."""

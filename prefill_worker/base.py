@@ -40,6 +40,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import DuetError
+from engine.loading.weights_summary import WeightsSummary
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
@@ -95,6 +96,7 @@ class WorkerInfo:
     peer: PeerInfo
     pid: int
     node: str = ""  # host name (the pod's name on Kubernetes)
+    weights: WeightsSummary | None = None  # what its engine holds and runs (engine/loading/resident.py)
 
 
 class WorkerRole(ABC):
@@ -239,7 +241,8 @@ class WorkerBase(ABC):
             worker_id=self.options.worker_id, role=self.options.role, model_id=self.compat.model_id,
             hash_fingerprint=e.hasher.fingerprint,
             block_size=e.config.block_size, max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
-            num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid(), node=platform.node())
+            num_blocks=e.pool.num_blocks, peer=self.peer_info(), pid=os.getpid(), node=platform.node(),
+            weights=e.runner.weights)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """Prefill and decode here (colocated; a decode worker's conditional local prefill)."""

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.loading.weights_summary import WeightsSummary
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams, check_prompt
 from engine.text.tokenizer import Tokenizer
@@ -34,6 +35,7 @@ class ModelCard:
     vocab_size: int
     created: int = 0  # unix seconds
     longrope_original_len: int | None = None  # LongRoPE's pre-training length (the factor-set boundary), or None
+    weights: WeightsSummary | None = None  # what the engines hold and run (the ``duet`` object of /v1/models)
 
 
 @dataclass(frozen=True)

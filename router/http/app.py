@@ -208,8 +208,11 @@ class _OpenAIServer:
 
     def _model_entry(self, name: str) -> dict[str, Any]:
         card = self.backend.card
-        return {"id": name, "object": "model", "created": card.created, "owned_by": "duet",
-                "root": card.model_id, "max_model_len": card.max_model_len}
+        entry = {"id": name, "object": "model", "created": card.created, "owned_by": "duet",
+                 "root": card.model_id, "max_model_len": card.max_model_len}
+        if card.weights is not None:  # an extension field (OpenAI clients keep unknown fields as extras)
+            entry["duet"] = card.weights.to_json()
+        return entry
 
 
 async def _stream_events(run: ChoiceRun, builder: ResponseBuilder,

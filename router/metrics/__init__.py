@@ -4,4 +4,5 @@ Pieces (each module's docstring is its design note):
 - collector.py    RouterMetrics: the router's own counters and histograms, and the workers' snapshots
 - speculative.py  speculative decoding families, under vLLM's names
 - tiers.py        KV tier and pool families
+- weights.py      duet_weight_bytes: each worker's resident weights by layer kind and format
 """

@@ -31,6 +31,7 @@ from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, t
 from engine.outputs import RequestOutput
 from router.metrics.speculative import spec_families
 from router.metrics.tiers import tier_families
+from router.metrics.weights import weight_family
 from router.workers.registry import LIVE_STATES, WorkerRegistry, tier_usage
 
 WORKER_LABELS = ("model_name", "engine", "worker", "role")
@@ -260,6 +261,7 @@ class ClusterCollector:
                 if snap:
                     family.add_metric(self._labels(rec), cumulative_buckets(snap), sum_value=snap["sum"])
             yield family
+        yield weight_family(live, self._labels, WORKER_LABELS)
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         yield from spec_families(live, self._labels, WORKER_LABELS)
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.errors import ConfigError
 from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.kv.hashing import BlockHasher
+from engine.loading.weights_summary import WeightsSummary
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.routing.policy import Role
@@ -23,6 +24,7 @@ class WorkerDescriptor:
     role: Role
     hash_fingerprint: tuple  # BlockHasher.fingerprint (version, block_size, seed, namespace)
     max_model_len: int
+    weights: WeightsSummary | None = None  # what its engine holds and runs (/metrics: duet_weight_bytes)
 
 
 class WorkerClient(ABC):

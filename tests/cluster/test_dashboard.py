@@ -110,6 +110,15 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
         assert wait_for(lambda: dom(browser, '[data-worker="prefill-0"][data-state="ready"]')
                         and dom(browser, '[data-worker="decode-0"][data-state="ready"]'), timeout_s=20)
         assert browser.find_element("id", "model").text == cluster.config.model_name
+        # the Weights table: what /v1/models says the engines hold (format, bytes, kernel per layer kind)
+        weights = lambda: dict(browser.execute_script(  # noqa: E731 - read in one go (the page re-renders)
+            "return [...document.querySelectorAll('#weights tr[data-kind]')].map(r => [r.dataset.kind, r.innerText])"))
+        assert wait_for(weights, timeout_s=10)
+        card = cluster.backend.card.weights
+        assert list(weights()) == [g.kind for g in card.groups]
+        assert all(g.format in weights()[g.kind] and g.kernel in weights()[g.kind] for g in card.groups)
+        size, unit, rest = browser.find_element("id", "weights-total").text.split(" ", 2)
+        assert unit == "KiB" and abs(float(size) - card.weight_bytes / 1024) <= 0.05 and rest.startswith("resident")
         assert browser.find_element("id", "ratio").text == "1 : 1"
         charts = ("chart-ttft", "chart-itl", "chart-traffic", "chart-pools", "chart-kv", "chart-xfer")
         assert wait_for(lambda: all(points(browser, c) >= 5 for c in charts), timeout_s=40, interval_s=0.5), \
@@ -132,6 +141,8 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
         assert wait_for(lambda: points(browser, "chart-pools") >= 20, timeout_s=30)
         browser.save_screenshot(str(SHOTS / "dashboard-scaled.png"))
         assert not enabled(browser, '#pool-decode button[data-action="plus"]')  # at its maximum of 2
+        browser.execute_script("document.getElementById('weights-panel').scrollIntoView()")
+        browser.save_screenshot(str(SHOTS / "dashboard-weights.png"))
     finally:
         loop_thread.run(load.stop())
         errors = leave(browser)

@@ -207,6 +207,36 @@ class Weather(BaseModel):
 WEATHER_ASK = [{"role": "user", "content": "What will the weather be in Paris over the next 3 days?"}]
 
 
+def test_served_smollm2_says_what_is_loaded(smollm2_served, smollm2_gguf):
+    """Issue 48: /v1/models and /metrics say what the workers hold and run. SmolLM2's file: Q4_1 projections, a Q8_0
+    token table that is also the (tied) head, F32 norms; all kept as stored (the resident bytes are the file's
+    tensor bytes, must-show 2 asks within 1.15x), run by the C kernels, decode steps replayed from recordings; each
+    worker's duet_weight_bytes series add up to what /v1/models says."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.loading.gguf import open_gguf
+
+    client = openai.OpenAI(base_url=smollm2_served + "/v1", api_key="-", max_retries=0, timeout=60)
+    duet = client.models.retrieve(SMOLLM2).model_extra["duet"]
+    assert client.models.list().data[0].model_extra["duet"] == duet
+    kinds = {w["kind"]: w for w in duet["weights"]}
+    assert list(kinds) == ["embedding", "attention qkv", "attention output", "mlp gate_up", "mlp down", "norms",
+                           "lm_head"]
+    assert {kinds[k]["format"] for k in ("attention qkv", "attention output", "mlp gate_up", "mlp down")} == \
+        {"Q4_1 packed"}
+    assert kinds["embedding"]["format"] == kinds["lm_head"]["format"] == "Q8_0 packed"
+    assert kinds["lm_head"]["bytes"] == 0 and kinds["lm_head"]["shared_bytes"] == kinds["embedding"]["bytes"]
+    assert kinds["mlp down"]["tensors"] == 30 and kinds["mlp down"]["kernel"].startswith("C GEMV")
+    assert duet["weight_bytes"] == duet["checkpoint_bytes"] == open_gguf(smollm2_gguf).num_bytes
+    assert duet["kernels"] == "cpu" and duet["decode_graphs"].startswith("CPU recordings of C kernel calls")
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(smollm2_served + "/metrics").text)}
+    series = families["duet_weight_bytes"].samples
+    for worker in ("prefill-0", "decode-0"):
+        mine = {(s.labels["kind"], s.labels["format"]): s.value for s in series if s.labels["worker"] == worker}
+        assert mine == {(w["kind"], w["format"]): w["bytes"] for w in duet["weights"]}, worker
+
+
 def test_agent_clients_against_duet_serve_with_smollm2(ray_session, smollm2_served):
     """Issue 25, must-show 1, on the real model through `duet serve`, disaggregated: openai-python's
     ``chat.completions.parse`` with a ``pydantic_function_tool`` and its streaming helper, OpenAI's Agents SDK

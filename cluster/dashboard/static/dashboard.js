@@ -8,7 +8,7 @@ const COLORS = { prefill: "#f2a33a", decode: "#36b9d6", p50: "#3ccf8e", p90: "#f
 const SVG = "http://www.w3.org/2000/svg";
 
 const state = { key: sessionStorage.getItem("duet-key") || "", points: [], lastT: 0, access: null,
-                workers: [], auto: null, model: null, busy: false, error: null };
+                workers: [], auto: null, model: null, weights: null, busy: false, error: null };
 
 // ---------------------------------------------------------------------------------------- data
 
@@ -34,7 +34,11 @@ async function refresh() {
       api("/admin/access"), api("/admin/workers"), api("/admin/autoscaler"),
       api("/admin/timeline?since=" + state.lastT)]);
     if (!state.model) {
-      try { state.model = (await api("/v1/models")).data[0].id; } catch (e) { state.model = ""; }
+      try {
+        const entry = (await api("/v1/models")).data[0];
+        state.model = entry.id;
+        state.weights = entry.duet || null;  // what the engines hold and run (the card's extension object)
+      } catch (e) { state.model = ""; }
     }
     state.access = access; state.workers = workers.data; state.auto = auto;
     for (const p of timeline.data) state.points.push(p);
@@ -175,6 +179,7 @@ function render() {
   banner.classList.toggle("hidden", !state.error);
   const auto = state.auto;
   $("model").textContent = state.model || "";
+  renderWeights(state.weights);
   const readyDecode = state.workers.filter((w) => w.role === "decode" && w.state === "ready").length;
   const status = $("status");
   status.textContent = state.error ? "unreachable" : readyDecode ? "serving" : "no decode worker";
@@ -351,6 +356,31 @@ function renderDecisions(decisions) {
     body.appendChild(el("tr", {}, [el("td", { class: "muted", text: ago }), el("td", { text: d.role }),
                                    el("td", { class: d.direction, text: d.direction === "up" ? "▲ up" : "▼ down" }),
                                    el("td", { text: String(d.target) }), el("td", { text: d.reason })]));
+  }
+}
+
+function fmtSize(n) {  // bytes in binary units, as the worker's log and engine/loading/weights_summary.py write them
+  for (const [unit, k] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) if (n >= k) return (n / k).toFixed(1) + " " + unit;
+  return n + " B";
+}
+
+function renderWeights(w) {  // static while the page is open: drawn when it arrives, not on every poll
+  const body = $("weights");
+  if (body.dataset.drawn === String(Boolean(w))) return;
+  body.dataset.drawn = String(Boolean(w));
+  while (body.firstChild) body.removeChild(body.firstChild);
+  $("weights-total").textContent = w ? fmtSize(w.weight_bytes) + " resident" + (w.checkpoint_bytes
+    ? " · checkpoint " + fmtSize(w.checkpoint_bytes) + " (" + (w.weight_bytes / w.checkpoint_bytes).toFixed(2) + "×)" : "")
+    + " · kernels " + w.kernels + " · decode steps: " + w.decode_graphs : "";
+  if (!w) {
+    body.appendChild(el("tr", {}, [el("td", { colspan: "5", class: "muted", text: "the server did not say" })]));
+    return;
+  }
+  for (const g of w.weights) {
+    const shared = g.shared_bytes ? " (+" + fmtSize(g.shared_bytes) + " shared)" : "";
+    body.appendChild(el("tr", { "data-kind": g.kind }, [el("td", { text: g.kind }), el("td", { text: g.format }),
+      el("td", { class: "num", text: fmtSize(g.bytes) + shared }), el("td", { class: "num", text: String(g.tensors) }),
+      el("td", { class: "muted", text: g.kernel })]));
   }
 }
 

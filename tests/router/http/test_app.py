@@ -200,6 +200,13 @@ def test_chat_logprobs_shapes_and_stream_consistency(served):
 
 def test_models_list_and_retrieve(served):
     assert [m.id for m in served.client.models.list().data] == ["tiny", "tiny-alias"]
+    # what the engine holds and runs, in the entry's "duet" extension (the openai client keeps it as an extra)
+    weights = served.backend.engine.runner.weights
+    for entry in (*served.client.models.list().data, served.client.models.retrieve("tiny")):
+        duet = entry.model_extra["duet"]
+        assert duet == weights.to_json() and duet["weight_bytes"] == sum(w["bytes"] for w in duet["weights"]) > 0
+        assert duet["kernels"] == served.backend.engine.runner.ops.name
+        assert {w["kind"] for w in duet["weights"]} >= {"embedding", "attention qkv", "mlp down", "norms", "lm_head"}
     assert served.client.models.retrieve("tiny-alias").id == "tiny-alias"
     with pytest.raises(openai.NotFoundError):
         served.client.models.retrieve("nope")

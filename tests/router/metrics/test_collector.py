@@ -213,3 +213,29 @@ def test_spec_decode_series_from_worker_stats():
     assert [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j), **d)
             for j in range(4)] == [9, 7, 4, 2]
     assert not [k for k in values if k[0].startswith("vllm:spec_decode") and ("worker", "prefill-0") in k[1]]
+
+
+def test_weight_bytes_per_worker_kind_and_format():
+    """duet_weight_bytes from each worker's summary (its WorkerInfo, kept in its descriptor): one series per kind and
+    format (two kernels of one kind and format summed); a worker without a summary, or not yet answering, has none."""
+    from types import SimpleNamespace
+
+    from engine.loading.weights_summary import WeightGroup, WeightsSummary
+
+    summary = WeightsSummary((WeightGroup("embedding", "Q8_0 packed", "C rows", 1000, 1),
+                              WeightGroup("mlp down", "Q4_1 packed", "C GEMV", 300, 2),
+                              WeightGroup("mlp down", "Q4_1 packed", "torch reference", 200, 1),
+                              WeightGroup("lm_head", "Q8_0 packed", "C GEMV", 0, 1, shared_bytes=1000)), "cpu", "eager")
+    reg = registry_with_workers()
+    reg.get("decode-0").client = SimpleNamespace(descriptor=SimpleNamespace(weights=summary))
+    reg.get("prefill-0").client = SimpleNamespace(descriptor=SimpleNamespace(weights=None))
+    reg.add("decode-1", Role.DECODE, 0.0)  # starting: no client yet
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector("m", reg))
+    family = scrape(metrics)["duet_weight_bytes"]
+    assert family.type == "gauge"
+    got = {(s.labels["worker"], s.labels["kind"], s.labels["format"]): s.value for s in family.samples}
+    assert got == {("decode-0", "embedding", "Q8_0 packed"): 1000, ("decode-0", "mlp down", "Q4_1 packed"): 500,
+                   ("decode-0", "lm_head", "Q8_0 packed"): 0}
+    assert sum(got.values()) == summary.weight_bytes
+    assert all(s.labels["role"] == "decode" and s.labels["model_name"] == "m" for s in family.samples)
