@@ -24,7 +24,7 @@ import torch
 from engine.loading.paths import is_gguf
 from engine.loading.weights_summary import KINDS, WeightGroup, WeightsSummary
 from engine.models.kernel_backend import KernelOps
-from engine.models.layers import Linear, RMSNorm
+from engine.models.layers import Linear, QuantParts, RMSNorm
 from engine.models.llama import CausalLM
 from engine.models.moe import Experts
 
@@ -147,7 +147,10 @@ def _fmt(packed) -> str:
 
 
 def _packed_tensors(packed) -> list[torch.Tensor]:
-    """Every tensor a packed weight object holds (its dataclass fields, or attributes), however its format packs."""
+    """Every tensor a packed weight object holds (its dataclass fields, or attributes), however its format packs;
+    a projection packed in parts (``QuantParts``): every part's."""
+    if isinstance(packed, QuantParts):
+        return [t for _, p in packed.parts for t in _packed_tensors(p)]
     values = [getattr(packed, f.name) for f in dataclasses.fields(packed)] if dataclasses.is_dataclass(packed) \
         else list(vars(packed).values())
     out = []
@@ -164,6 +167,8 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def _quant_kernel(ops: KernelOps, packed) -> str:
+    if isinstance(packed, QuantParts):  # one call per part, each its format's kernel
+        return "; ".join(dict.fromkeys(f"{p.fmt}: {_quant_kernel(ops, p)}" for _, p in packed.parts))
     if ops.name == "torch":
         return "torch reference (dequantized per call)"
     module = type(packed).__module__

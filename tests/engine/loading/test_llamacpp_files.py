@@ -83,3 +83,19 @@ def test_logits_and_greedy_tokens_equal_the_dense_engines(engines):
     cpu = engines["cpu"]
     assert [r["token_ids"] for r in cpu.generate(prompts, params)] == want
     assert cpu.runner.decode_graphs is not None and cpu.runner.decode_graphs.replays > 0  # recorded decode steps
+
+
+def test_the_weights_summary_counts_every_part(engines):
+    """What /v1/models and /metrics report (engine/loading/resident.py) for a projection packed in parts: both
+    formats, every part's bytes."""
+    from engine.loading.resident import summarize_weights
+
+    e = engines["cpu"]
+    model = e.runner.model
+    summary = summarize_weights(model, e.runner.ops, "eager")
+    held = sum(m.quant.num_bytes for m in model.modules() if getattr(m, "quant", None) is not None)
+    held += model.embed_quant.num_bytes
+    assert sum(g.num_bytes for g in summary.groups if "packed" in g.format) == held
+    if e.config.model.endswith("_K_M.gguf"):
+        qkv = next(g for g in summary.groups if g.kind == "attention qkv")
+        assert "Q6_K" in qkv.format and "Q6_K" in qkv.kernel, qkv
