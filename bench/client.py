@@ -12,7 +12,8 @@ temperature 0) with a token-id or text prompt. The metrics are defined exactly a
 - TTFT: send → the first SSE chunk that carries ``choices`` (even with empty text);
 - ITL: the gaps between consecutive ``choices`` chunks;
 - end-to-end latency: send → the last ``choices`` chunk;
-- output tokens: the server's ``usage.completion_tokens`` (1 if it sent none);
+- output tokens: the server's ``usage.completion_tokens`` (1 if it sent none), in a chunk of its own (duet, vLLM)
+  or in the last chunk with ``choices`` (llama-server);
 - TPOT: ``(e2e - TTFT) / (output tokens - 1)`` for requests with more than one output token;
 - duration: the start of the run → the last request done; throughput = tokens / duration;
 - goodput: requests that meet both ``--slo-ttft-s`` and ``--slo-tpot-s`` (a request with one output token
@@ -93,7 +94,7 @@ async def _one(client, url: str, model: str, req: BenchRequest, res: RequestResu
                         else:
                             res.itl_s.append(now - last)
                         last = now
-                    elif msg.get("usage"):
+                    if msg.get("usage"):  # its own chunk (duet, vLLM) or the last one with choices (llama-server)
                         res.output_tokens = msg["usage"].get("completion_tokens") or 0
                         res.prompt_tokens = msg["usage"].get("prompt_tokens")
     except TimeoutError:

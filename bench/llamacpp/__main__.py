@@ -106,14 +106,15 @@ def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir:
         {"duet colocated": lambda: serving.duet_server(model.path, "colocated", log_dir)}]
     out = {"slo": serving.SLO, "plan": {"prompt_lens": plan.prompt_lens, "output_len": plan.output_len,
                                         "requests": plan.requests, "llama_server_slot_context": plan.slot_context},
-           "runs": {}, "memory": {}, "kv": {}, "ready_s": {}, "killed_after_stop": {}, "ran_at": _now()}
+           "runs": {}, "memory": {}, "kv": {}, "ready_s": {}, "failed_starts": {}, "killed_after_stop": {},
+           "ran_at": _now()}
     for group in groups:
         servers = {}
         try:
             for name, start in group.items():
-                servers[name] = start()
-            for name, server in servers.items():
-                out["ready_s"][name] = server.wait_ready(timeout_s=900)
+                servers[name], out["ready_s"][name], failed = serving.start_ready(start)
+                if failed:
+                    out["failed_starts"][name] = failed
             for c, reqs in level_reqs.items():
                 for name, server in servers.items():
                     doc = serving.run_level(server, reqs, c, f"{name} x{c}")

@@ -1,5 +1,6 @@
 """duet's side of the engine rows, in process through its own engine API (as bench/engine/decode.py), on the
-GGUF file as it is (weights kept packed), one engine per ``quantized_activations`` mode:
+GGUF file as it is (weights kept packed), one engine per ``quantized_activations`` mode, its decode recordings
+captured at start as a decode worker's (engine/decode_graphs.py):
 
 - batch-1 decode: one random 1-token prompt, then 128 decode steps timed (``bench.engine.decode.run_decode``,
   batch 1): what ``llama-bench -p 0 -n 128`` times (128 tokens from an empty context); duet's steps include
@@ -36,9 +37,11 @@ def make_engine(model: Path, activations: str, threads: int):
     dtype = resolve_dtype("auto", mcfg, "cpu")
     kv_token_bytes = mcfg.num_layers * 2 * mcfg.num_kv_heads * mcfg.head_dim * torch.finfo(dtype).bits // 8
     tokens = 2 * (PREFILL_TOKENS + DECODE_TOKENS + 64)
-    return Engine(EngineConfig(model=str(model), device="cpu", quantized_weights="auto",
-                               quantized_activations=activations, max_num_seqs=4, max_num_batched_tokens=1024,
-                               kv_cache_bytes=tokens * kv_token_bytes, enable_prefix_caching=False))
+    engine = Engine(EngineConfig(model=str(model), device="cpu", quantized_weights="auto",
+                                 quantized_activations=activations, max_num_seqs=4, max_num_batched_tokens=1024,
+                                 kv_cache_bytes=tokens * kv_token_bytes, enable_prefix_caching=False))
+    engine.capture_decode_graphs()  # as a decode worker does at start-up (a CPU: recordings of the C calls)
+    return engine
 
 
 def decode_tok_s(engine, seed: int) -> float:
@@ -58,9 +61,11 @@ def prefill_tok_s(engine, seed: int) -> float:
     prompt = torch.randint(3, engine.model_config.vocab_size, (PREFILL_TOKENS,), generator=g).tolist()
     t0 = time.perf_counter()
     req = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0))
-    steps = 0
-    while req.num_computed_tokens < req.num_prompt_tokens or engine.scheduler.waiting:
-        engine.step()
+    steps, done = 0, False
+    while not done:  # until the step that emits its one token: the one that ends the prefill
+        if steps == 8:
+            raise RuntimeError(f"the {PREFILL_TOKENS}-token prompt emitted no token in {steps} steps")
+        done = any(out.request_id == req.request_id for out in engine.step())
         steps += 1
     elapsed = time.perf_counter() - t0
     while engine.has_unfinished_requests():

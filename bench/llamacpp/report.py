@@ -81,10 +81,14 @@ def serving_memory_lines(serving: Mapping) -> list[str]:
         out.append(f"- {server}: peak RSS {m['hwm_bytes'] / 2**20:,.0f} MiB over {len(m['processes'])} processes "
                    f"(largest {biggest['hwm_bytes'] / 2**20:,.0f} MiB: {biggest['name']}), PSS {m['pss_bytes'] / 2**20:,.0f} MiB"
                    if biggest else f"- {server}: no processes seen")
+    for server, fails in serving.get("failed_starts", {}).items():
+        out.append(f"- {server}: {len(fails)} start(s) failed and were retried: " +
+                   "; ".join(f.splitlines()[-1][:120] for f in fails))
     for server, sizes in serving.get("kv", {}).items():
         for kv in sizes:
-            out.append(f"- {server} KV cache: {kv['blocks']} blocks of {kv['block_tokens']} tokens ({kv['size']}): "
-                       f"{kv['reason']}")
+            how = f"{kv['size']}: {kv['reason']}" if "reason" in kv else f"context {kv['context_tokens']} tokens"
+            out.append(f"- {server}, {kv['engine']}: KV cache {kv['blocks']} blocks of {kv['block_tokens']} tokens "
+                       f"({how})")
     return out
 
 

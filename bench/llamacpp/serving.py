@@ -18,6 +18,7 @@ RSS (the kernel's VmHWM) and PSS of the server's processes, read at the end of i
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import re
@@ -28,10 +29,12 @@ from pathlib import Path
 from bench.summary import meets_slo
 from bench.workloads import TOKEN_LO, BenchRequest
 
+log = logging.getLogger(__name__)
 # the project's CPU SLOs (bench/serve's defaults, the simulator's): TTFT 2 s + 10 ms per prompt token, TPOT 0.25 s
 SLO = {"ttft_s": 2.0, "ttft_per_token_s": 0.01, "tpot_s": 0.25}
 MODEL_NAME = "bench-model"
-KV_LINE = re.compile(r"KV cache: (\d+) blocks of (\d+) tokens \(([^)]*)\) on (\w+): (.*)")
+KV_LINE = re.compile(r"KV cache: (\d+) blocks of (\d+) tokens \(([^)]*)\) on (\w+): (.*)")  # an engine's own
+WORKER_KV_LINE = re.compile(r"worker (\S+): (\d+) KV blocks of (\d+) tokens, context (\d+) tokens")  # the launcher's
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,13 @@ def output_count_errors(requests: Sequence[Mapping], asked: Sequence[BenchReques
 
 
 def kv_sizes(log_text: str) -> list[dict]:
-    """The engines' ``KV cache:`` log lines (engine/kv/sizing.py) as dicts."""
-    return [{"blocks": int(m[1]), "block_tokens": int(m[2]), "size": m[3], "device": m[4], "reason": m[5].strip()}
-            for m in KV_LINE.finditer(log_text)]
+    """The KV cache sizes a server's log states: an engine's ``KV cache:`` line (engine/kv/sizing.py: a colocated
+    engine logs it in the server's log) or, for worker pools, the launcher's line per worker (cluster/launcher.py;
+    the workers' own lines, with the reason, stay in Ray's worker logs)."""
+    out = [{"engine": "colocated", "blocks": int(m[1]), "block_tokens": int(m[2]), "size": m[3], "reason": m[5].strip()}
+           for m in KV_LINE.finditer(log_text)]
+    return out + [{"engine": m[1], "blocks": int(m[2]), "block_tokens": int(m[3]), "context_tokens": int(m[4])}
+                  for m in WORKER_KV_LINE.finditer(log_text)]
 
 
 def duet_server(model: Path, layout: str, log_dir: Path, *, activations: str = "fp32"):
@@ -103,6 +110,25 @@ def llama_server(binary: Path, model: Path, log_dir: Path, *, slots: int, slot_c
     argv = [str(binary), "-m", str(model), "--alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(slots * slot_context), "--cont-batching", "-t", str(threads)]
     return ServerProcess("llama-server", argv, port, log_dir / f"server-llama-{model.stem}.log", MODEL_NAME)
+
+
+def start_ready(start, timeout_s: float = 900) -> tuple[object, float, list[str]]:
+    """``start()``'s server once it is ready: (server, seconds to ready, the failed starts' logs). A server that
+    exits while starting is started once more (logged, and returned for the results): `duet serve` died once
+    here at start-up with glibc's "munmap_chunk(): invalid pointer" before its first log line, and started
+    the next time."""
+    failures: list[str] = []
+    for attempt in range(2):
+        server = start()
+        try:
+            return server, server.wait_ready(timeout_s), failures
+        except RuntimeError as e:
+            stop_server(server)
+            if server.proc.poll() is None or attempt == 1:  # not ready in time, or the second exit: give up
+                raise
+            failures.append(str(e))
+            log.warning("%s exited while starting; starting it once more: %s", server.name, e)
+    raise AssertionError("unreachable")
 
 
 def run_level(server, reqs: list[BenchRequest], concurrency: int, label: str) -> dict:

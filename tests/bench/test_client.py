@@ -121,3 +121,26 @@ def test_duet_bench_against_a_real_engine(tiny_model):
     assert s["output_tokens"] == 30 and s["goodput"] == pytest.approx(6 / doc["duration_s"])
     arrivals = [r["arrival_s"] for r in doc["requests"]]
     assert arrivals == sorted(arrivals) and arrivals[-1] > 0  # Poisson-spaced, not all at once
+
+
+def test_usage_in_the_last_chunk_with_choices_is_read():
+    """llama-server sends ``usage`` in its final chunk (empty text, finish_reason), not in a chunk of its own."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from tests.router.http.http_harness import ServerThread
+
+    async def completions(request):
+        async def events():
+            for text in ("a", "b", "c"):
+                yield f"data: {json.dumps({'choices': [{'text': text, 'index': 0, 'finish_reason': None}]})}\n\n"
+            last = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+                    "usage": {"completion_tokens": 3, "prompt_tokens": 4, "total_tokens": 7}}
+            yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with ServerThread(Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])) as server:
+        doc = asyncio.run(run(server.url, [BenchRequest((5, 6, 7, 8), 3)], model="m", progress=False))
+    r = doc["requests"][0]
+    assert r["ok"] and (r["output_tokens"], r["prompt_tokens"]) == (3, 4)

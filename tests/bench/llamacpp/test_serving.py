@@ -46,10 +46,13 @@ def test_kv_sizes_read_the_engines_log_lines():
     log = ("(DecodeWorker pid=12) INFO engine.kv.sizing: KV cache: 1234 blocks of 16 tokens (1.51 GiB) on cpu: auto: "
            "0.25 x 12.10 GiB RAM available (MemAvailable) / 2 co-located engine(s)\nother line\n"
            "KV cache: 16 blocks of 16 tokens (256.0 KiB) on cpu: num_blocks is set\n")
-    first, second = kv_sizes(log)
-    assert first == {"blocks": 1234, "block_tokens": 16, "size": "1.51 GiB", "device": "cpu",
+    log += ("2026-11-28 09:42:12,498 INFO cluster.launcher: worker prefill-0: 1258 KV blocks of 16 tokens, context 8192 "
+            "tokens\n")
+    first, second, worker = kv_sizes(log)
+    assert first == {"engine": "colocated", "blocks": 1234, "block_tokens": 16, "size": "1.51 GiB",
                      "reason": "auto: 0.25 x 12.10 GiB RAM available (MemAvailable) / 2 co-located engine(s)"}
     assert second["blocks"] == 16 and second["reason"] == "num_blocks is set"
+    assert worker == {"engine": "prefill-0", "blocks": 1258, "block_tokens": 16, "context_tokens": 8192}
     assert kv_sizes("nothing here") == []
 
 
