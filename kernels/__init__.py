@@ -31,4 +31,8 @@ Pieces:
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
 - cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant.c, quant_k.c)
+- quant_gpu.py          GpuQuant: the Triton kernels' packed layout of every quantized format (GGUF blocks, groups)
+- quant_gemm.py         quant_gemm: y = x @ W.T, W packed, dequantized in registers (W4A16 / W8A16; split-K)
+- quant_rows.py         quant_rows: rows of a packed weight gathered and dequantized (token table, large-M fallback)
+- _quant_values.py      the two quantized kernels' shared steps: high bits, a group's scale / min / zero
 """
