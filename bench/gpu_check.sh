@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # duet's GPU path in one bounded call, for a lent GPU machine (no network there): the CUDA tests, then
-# make bench-kernels, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier copies.
+# make bench-kernels, the quantized GEMMs, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier
+# copies.
 #
-#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels decode tiers (the default), gemm, prefill
+#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels quant decode tiers (the default), gemm, prefill
+#
+# quant (issue 48, ~2 min): python -m bench.kernels.quant_gemm: W4A16 (Q4_0) and W8A16 (Q8_0) Triton GEMMs vs bf16
+# cuBLAS and vs dequantize + cuBLAS at M = 1 .. 1024 on Llama-8B shapes; its "crossover" lines say where
+# kernels/quant_gemm.py DEQUANT_GEMM_ROWS (a placeholder until then) should be, "ratio:" the W4A16 speedup at M = 1
+# (the kernels' correctness on the GPU is in the tests stage: tests/kernels/test_quant_*.py and
+# tests/engine/loading/test_quantized_triton.py).
 #
 # prefill (issue 51, ~3 min): the prefill attention tests compiled on the GPU (every tile config, pinned), then
 # python -m bench.kernels.triton_kernels --prefill (the autotuned kernel, each config,
@@ -15,7 +22,7 @@
 set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-STAGES=${*:-env tests kernels decode tiers}
+STAGES=${*:-env tests kernels quant decode tiers}
 PY=${PYTHON:-python3}
 export PYTHONPATH=/tmp/site:$PWD DUET_GPU_CHECK=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -37,7 +44,7 @@ stage() {  # stage NAME LIMIT_S CMD...: run, bounded; print rc, time and the fig
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)"
-    grep -E "ratio:|passed|failed|error|Error|MISMATCH|tok/s|GB/s|TFLOP|HBM|check |captured" "$OUT/$name.log" \
+    grep -E "ratio:|crossover|x[0-9.]+ \\(geometric|passed|failed|error|Error|MISMATCH|tok/s|GB/s|TFLOP|HBM|check |captured" "$OUT/$name.log" \
         | grep -v "^\s*$" | tail -n 40
 }
 
@@ -59,10 +66,14 @@ for s in $STAGES; do
             tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_cuda_features.py \
             tests/engine/test_decode_graphs.py tests/engine/models/test_kernel_backends.py tests/engine/models/test_moe.py \
             tests/engine/models/test_partial_rotary.py tests/engine/test_longrope_sets.py tests/kvtransfer/test_kv_nixl_transfer.py \
+            tests/engine/loading/test_quantized_triton.py \
             --ignore tests/kernels/test_cpu_native.py --ignore tests/kernels/test_sm90_compile.py
         ;;
     kernels)
         stage kernels 120 $PY -m bench.kernels.triton_kernels
+        ;;
+    quant)
+        stage quant 200 $PY -m bench.kernels.quant_gemm --device cuda --formats Q4_0 Q8_0
         ;;
     decode)
         [ -n "${MODEL_PID:-}" ] && wait "$MODEL_PID"

@@ -97,7 +97,7 @@ class ModelRunner:
                          "more speed on a CPU (docs/operating.md)", HUGEPAGE_TUNABLE)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
         self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
-        self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations)
+        self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations, self.dtype)
         self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp,
                                 keep_quantized=cfg.quantized_weights == "auto" and cfg.quantization != "w8a16",
                                 quantization=cfg.quantization)

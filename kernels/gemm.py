@@ -173,12 +173,17 @@ def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> _G
         cfg = _GemmConfig(128, 128, 64, 8, 3)
     else:
         cfg = _GemmConfig(128, 256, 64, 8, 3)
-    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = 1
-    # weight-bound shapes: split K until ~2 programs per SM, keeping >= 4 K tiles per split
-    while num_tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * cfg.block_k:
-        split *= 2
+    split = split_k(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), k, cfg.block_k, num_sms)
     return _GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split)
+
+
+def split_k(num_tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """K splits for a grid of ``num_tiles`` output tiles: weight-bound shapes split K until ~2 programs per SM,
+    keeping >= 4 K tiles per split (kernels/quant_gemm.py's configs too)."""
+    split = 1
+    while num_tiles * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
 
 
 def _launch_gemm(x, w, scales, bias, group_size: int | None, cfg: _GemmConfig | None = None) -> torch.Tensor:

@@ -149,8 +149,8 @@ def load_model(
         else:
             types = open_gguf(model_path).tensor_types()
         reason = None if keep_quantized else "quantized_weights: dense, or quantization: w8a16"
-        kept = packed_params(model, types, ops) if keep_quantized and device == "cpu" else {}
-        report(model, kept, types, ops, reason or (None if device == "cpu" else f"no quantized kernels on {device}"))
+        kept = packed_params(model, types, ops) if keep_quantized else {}
+        report(model, kept, types, ops, reason)
         drop_dense(model, kept)
     pieces = PackedPieces(model, kept)
     model.to_empty(device=device)

@@ -8,7 +8,9 @@ interpreter on CPU when forced, as the tests do). One exception, by measurement:
 (unquantized) GEMMs go to cuBLAS through ``torch.nn.functional.linear``: on an H200 it ran 1.1-1.2x our best
 Triton tile config at decode shapes replayed from CUDA graphs (M = 1, 16 of 4096x4096; 3x when launched from
 Python) and 1.3x at prefill (M = 4096) (bench/kernels/gemm_sweep.py, `make bench-kernels`, 2026-11-25,
-docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton. In the interpreter
+docs/benchmarks.md); the int8 weight-only GEMM (no cuBLAS equivalent) stays Triton, and so do the GEMMs of a
+quantized checkpoint's packed weights (kernels/quant_gemm.py; dequantize + cuBLAS from its ``DEQUANT_GEMM_ROWS``
+rows of x). In the interpreter
 the Triton GEMM runs, so the tests keep it exercised through the engine. A MoE layer's experts run as one
 fused-MoE kernel pair (kernels/fused_moe.py), on a GPU and in the interpreter alike.
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
@@ -143,9 +145,20 @@ def _torch_quant_linear(x, w, bias=None, out=None):
     return y if out is None else out.copy_(y)
 
 
-def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32") -> KernelOps:
+def _with_out(linear: Callable) -> Callable:
+    """A quantized linear without ``out=``, given one: its result copied into ``out`` (a ``QuantParts`` column
+    slice; one device copy, captured by a CUDA graph like the GEMM)."""
+    def with_out(x, packed, bias=None, out=None):
+        y = linear(x, packed, bias)
+        return y if out is None else out.copy_(y)
+    return with_out
+
+
+def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32",
+            dtype: torch.dtype = torch.float32) -> KernelOps:
     """``quantized_activations`` (EngineConfig's): "int8" makes the cpu backend's quantized linear quantize its
-    activations per 32-block (llama.cpp's scheme); the other backends take fp32 only."""
+    activations per 32-block (llama.cpp's scheme); the other backends take fp32 only. ``dtype``: the model's; the
+    triton backend's quantized token-table rows come out in it."""
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
     if quantized_activations != "fp32" and backend != "cpu":
@@ -177,8 +190,10 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
         from kernels import quant, quant_group
 
         return KernelOps(
-            name="torch",  # the references, dequantized per call, exactly:
-            quant_formats=frozenset(quant.GGUF_BLOCKS) | frozenset(quant_group.GROUP_FORMATS.values()),
+            name="torch",
+            # the references, dequantized per call, exactly; on CPU tensors (the loader's blocks stay in host memory)
+            quant_formats=(frozenset(quant.GGUF_BLOCKS) | frozenset(quant_group.GROUP_FORMATS.values())
+                           if device == "cpu" else frozenset()),
             pack_quant=lambda w: w, quant_linear=_torch_quant_linear, quant_rows=quant.quant_rows_ref,
             store_kv=store_kv.store_kv_ref,
             prefill_attention=prefill_attention.prefill_attention_ref,
@@ -187,10 +202,13 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             w8a16_linear=gemm.w8a16_gemm_ref,
             attention_softcap=True,
         )
-    from kernels import fused, fused_moe
+    from kernels import fused, fused_moe, quant_gemm, quant_gpu, quant_rows
 
     return KernelOps(
         name="triton",
+        # quantized weights kept packed on the device, dequantized in registers (kernels/quant_gemm.py)
+        quant_formats=quant_gpu.GPU_FORMATS, pack_quant=functools.partial(quant_gpu.pack_gpu, device=device),
+        quant_linear=_with_out(quant_gemm.quant_gemm), quant_rows=functools.partial(quant_rows.quant_rows, dtype=dtype),
         store_kv=store_kv.store_kv,
         prefill_attention=prefill_attention.prefill_attention,
         decode_attention=decode_attention.paged_decode_attention,

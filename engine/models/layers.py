@@ -64,7 +64,7 @@ class QuantParts:
         return sum(_packed_bytes(p) for _, p in self.parts)
 
     def linear(self, quant_linear: Callable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape[0], self.rows, dtype=x.dtype, device=x.device)
         for r0, p in self.parts:
             quant_linear(x, p, None if bias is None else bias[r0:r0 + p.rows], out=out[:, r0:r0 + p.rows])
         return out

@@ -9,7 +9,7 @@ Tensors live on the CPU: only their dtypes, strides and alignment reach the comp
 
 Prints one JSON line per compiled kernel; exits 1 if any kernel fails to compile, or spills registers to local
 memory in fp16/bf16 (fp32 is a correctness path, not a fast one).
-By default a representative subset (every kernel and config branch, ~25 compilations); ``--all`` compiles
+By default a representative subset (every kernel and config branch, ~45 compilations); ``--all`` compiles
 every dtype x head_dim x GQA ratio x M combination (minutes).
 """
 from __future__ import annotations
@@ -130,6 +130,7 @@ def _cases(full: bool):
         qkv, table = torch.zeros(8, 48 * 128, dtype=dtype), torch.zeros(4096, 128)
         yield f"rotary {dtype}", lambda: fu.rotary_(qkv, 40, 128, torch.zeros(8, dtype=torch.long), table, table)
         yield f"silu_mul {dtype}", lambda: fu.silu_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
+    yield from _quant_cases(full)
     for dtype, m, groups in gemms:
         x = torch.zeros(m, 4096, dtype=dtype)
         if groups is None:
@@ -138,6 +139,36 @@ def _cases(full: bool):
         else:
             qw, s = torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096, groups)
             yield f"w8a16 {dtype} M={m} groups={groups}", lambda: gemm.w8a16_gemm(x, qw, s)
+
+
+def _quant_cases(full: bool):
+    """kernels/quant_gemm.py at each config branch (M = 1 with split-K, 16, 64, 200) for the bit widths and affine
+    maps (offset, min, two-level k-quant scales, zeros with act order), and kernels/quant_rows.py."""
+    from kernels import quant_gemm as qg
+    from kernels import quant_rows as qr
+    from kernels.quant import GGUF_BLOCKS, QuantWeight
+    from kernels.quant_gpu import pack_gpu, pack_groups
+
+    def packed(fmt, n=4096, k=4096):
+        f = GGUF_BLOCKS[fmt]
+        return pack_gpu(QuantWeight(fmt, n, k, torch.zeros(n, k // f.block_size * f.block_bytes, dtype=torch.uint8)))
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    g4 = pack_groups(4, 128, torch.zeros(4096, 4096, dtype=torch.uint8), torch.ones(4096, 32, dtype=fp16),
+                     torch.zeros(4096, 32, dtype=torch.int16), torch.arange(4096))
+    weights = {f: packed(f) for f in GGUF_BLOCKS} | {"G4 act-order": g4}
+    if full:
+        cases = [(f, dt, m) for f in weights for dt in (bf16, fp16, fp32) for m in (1, 16, 64, 200)]
+    else:
+        cases = [("Q4_0", bf16, 1), ("Q4_0", bf16, 16), ("Q4_0", bf16, 64), ("Q4_0", bf16, 200), ("Q8_0", bf16, 1),
+                 ("Q8_0", fp16, 64), ("Q4_1", fp16, 16), ("Q5_0", bf16, 1), ("Q4_K", bf16, 1), ("Q4_K", bf16, 64),
+                 ("Q5_K", bf16, 16), ("Q6_K", bf16, 1), ("Q6_K", fp16, 200), ("G4 act-order", bf16, 16),
+                 ("Q4_1", fp32, 1)]
+    for fmt, dtype, m in cases:
+        x, w = torch.zeros(m, 4096, dtype=dtype), weights[fmt]
+        yield f"quant_gemm {fmt} {dtype} M={m}", lambda: qg.quant_gemm(x, w, torch.zeros(4096, dtype=dtype))
+    for fmt in (("Q4_K", "Q6_K", "Q5_1", "Q8_0", "G4 act-order") if not full else weights):
+        yield f"quant_rows {fmt} bf16", lambda: qr.quant_rows(weights[fmt], torch.zeros(8, dtype=torch.int64), bf16)
 
 
 def main() -> int:

@@ -25,7 +25,9 @@ def test_every_kernel_compiles_for_h100_without_spills():
     kernels = {r["kernel"] for r in rows if "kernel" in r}
     assert kernels == {"_store_kv_kernel", "_decode_partition_kernel", "_decode_reduce_kernel",
                        "_prefill_attention_kernel", "_gemm_kernel", "_rms_norm_kernel", "_rotary_kernel",
-                       "_silu_mul_kernel", "_moe_gemm_kernel"}
+                       "_silu_mul_kernel", "_moe_gemm_kernel", "_quant_gemm_kernel", "_quant_rows_kernel"}
     cases = {r["case"] for r in rows if "kernel" in r}
-    assert {"decode softcap bf16", "prefill softcap bf16", "fused_moe bf16 T=1", "rotary partial bf16"} <= cases
+    assert {"decode softcap bf16", "prefill softcap bf16", "fused_moe bf16 T=1", "rotary partial bf16",
+            "quant_gemm Q4_0 torch.bfloat16 M=1", "quant_gemm Q6_K torch.float16 M=200",
+            "quant_gemm G4 act-order torch.bfloat16 M=16", "quant_rows Q4_K bf16"} <= cases
     assert rows[-1]["compiled"] >= 20
