@@ -194,9 +194,10 @@ def _rows_kernel(ops: KernelOps) -> str:
     """What looks up a packed token table's rows (``KernelOps.quant_rows``)."""
     if ops.name == "torch":
         return "torch reference (rows dequantized per lookup)"
-    if ops.quant_rows.__module__ == "kernels.cpu_quant":
+    fn = getattr(ops.quant_rows, "func", ops.quant_rows)  # a functools.partial: the function it calls
+    if fn.__module__ == "kernels.cpu_quant":
         return "C rows dequantized per lookup"
-    return f"{ops.name}: {ops.quant_rows.__module__}.{ops.quant_rows.__name__}"
+    return f"{ops.name}: {fn.__module__}.{fn.__name__}"
 
 
 def _dense_kernel(ops: KernelOps, weight: torch.Tensor) -> str:

@@ -81,7 +81,8 @@ def test_what_quantization_at_load_cannot_do_is_refused(tiny_model, tmp_path):
     gguf_file = write_gguf(path, tmp_path / "tiny.Q8_0.gguf", "Q8_0")
     with pytest.raises(ConfigError, match=r"quantized already \(Q8_0 tensors\)"):
         Engine(EngineConfig(model=str(gguf_file), num_blocks=64, kernels="torch", quantization="int4"))
-    with pytest.raises(ConfigError, match="packs Q4_1 blocks, which the triton kernels do not take"):
-        Engine(EngineConfig(model=str(path), num_blocks=64, kernels="triton", quantization="int4"))
+    # the triton kernels take Q4_1 and Q8_0 (kernels/quant_gemm.py): packed there too, not refused
+    triton = Engine(EngineConfig(model=str(path), num_blocks=64, kernels="triton", quantization="int4"))
+    assert triton.runner.model.layers[0].mlp.down_proj.quant.fmt == "Q4_1"
     with pytest.raises(ConfigError, match="packs weights for the float32 kernels; this model runs in torch.bfloat16"):
         Engine(EngineConfig(model=str(path), num_blocks=64, kernels="torch", dtype="bfloat16", quantization="int8"))
