@@ -21,18 +21,6 @@ enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK 256
 #define MT 4  // rows of x per pass over a group's weights
 
-#ifndef K_PREFETCH_AHEAD
-#define K_PREFETCH_AHEAD 4
-#endif
-// the group-block K_PREFETCH_AHEAD ahead into L1, once per group (pass 0): the hardware prefetcher alone leaves a
-// thread short of memory bandwidth while it computes
-#define K_PREFETCH(gb, bytes, h)                                                                     \
-    do {                                                                                            \
-        if ((h) == 0)                                                                               \
-            for (int64_t o_ = 0; o_ < (bytes); o_ += 64)                                            \
-                _mm_prefetch((const char *)(gb) + K_PREFETCH_AHEAD * (bytes) + o_, _MM_HINT_T0);    \
-    } while (0)
-
 static inline int k_block_bytes(int fmt) { return fmt == Q4_K ? 144 : fmt == Q5_K ? 176 : 210; }
 
 // offset of the quants (Q4_K / Q5_K qs, Q6_K ql) and of the high bits (Q5_K, Q6_K qh) in a group-block

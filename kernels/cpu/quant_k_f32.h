@@ -28,7 +28,6 @@ KTGT static inline __attribute__((always_inline)) void K_F32_Q45(const int fmt, 
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
-        K_PREFETCH(gb, bb8, h);
         float D[64], M[64];
         KV_SCALES(fmt, gb, D, M);
         for (int k = 0; k < 4; k++) {  // the 32-byte run k of each row: sub-blocks 2k (low nibbles), 2k + 1 (high)
@@ -81,7 +80,6 @@ KTGT static inline __attribute__((always_inline)) void K_F32_Q6(const uint8_t *g
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
-        K_PREFETCH(gb, 1680, h);
         float D[128];
         KV_SCALES(Q6_K, gb, D, NULL);
         for (int hh = 0; hh < 2; hh++)  // 128-weight halves

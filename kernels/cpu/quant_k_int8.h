@@ -24,7 +24,6 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q45(const int fmt, c
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
-        K_PREFETCH(gb, bb8, h);
         float D[64], M[64];
         KV_SCALES(fmt, gb, D, M);
         kvf accb[KMT];
@@ -69,7 +68,6 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q6(const uint8_t *g0
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
-        K_PREFETCH(gb, 1680, h);
         float D[128];
         KV_SCALES(Q6_K, gb, D, NULL);
         kvf accb[KMT];
