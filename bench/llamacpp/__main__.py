@@ -92,23 +92,31 @@ def engine_part(model: bench_models.BenchModel, rounds: int) -> tuple[dict, dict
             **runs}, memory
 
 
-def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir: Path) -> dict:
+SERVERS = ("disagg", "llama", "colocated")
+
+
+def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir: Path,
+               servers: tuple[str, ...] = SERVERS) -> dict:
+    """The serving rows of ``servers`` (``SERVERS``' keys)."""
     from engine.loading.checkpoint import load_model_config
 
     vocab = load_model_config(str(model.path)).vocab_size
     level_reqs = {c: serving.serve_requests(vocab, n, plan.prompt_lens, plan.output_len, seed=c)
                   for c, n in plan.requests.items()}
     slots = max(plan.requests)
-    groups = [  # servers up together alternate level by level
-        {"duet 1P+1D": lambda: serving.duet_server(model.path, "disagg", log_dir),
-         "llama-server": lambda: serving.llama_server(BIN / "llama-server", model.path, log_dir, slots=slots,
-                                                      slot_context=plan.slot_context, threads=THREADS)},
-        {"duet colocated": lambda: serving.duet_server(model.path, "colocated", log_dir)}]
-    out = {"slo": serving.SLO, "plan": {"prompt_lens": plan.prompt_lens, "output_len": plan.output_len,
-                                        "requests": plan.requests, "llama_server_slot_context": plan.slot_context},
+    starts = {"disagg": ("duet 1P+1D", lambda: serving.duet_server(model.path, "disagg", log_dir)),
+              "llama": ("llama-server", lambda: serving.llama_server(BIN / "llama-server", model.path, log_dir,
+                                                                     slots=slots, slot_context=plan.slot_context,
+                                                                     threads=THREADS)),
+              "colocated": ("duet colocated", lambda: serving.duet_server(model.path, "colocated", log_dir))}
+    # servers up together alternate level by level: duet 1P+1D with llama-server, then duet colocated alone
+    groups = [dict(starts[k] for k in keys if k in servers) for keys in (("disagg", "llama"), ("colocated",))]
+    plan_doc = {"prompt_lens": plan.prompt_lens, "output_len": plan.output_len, "requests": plan.requests,
+                "llama_server_slot_context": plan.slot_context}
+    out = {"slo": serving.SLO, "plan": json.loads(json.dumps(plan_doc)),  # as it reads back from the file
            "runs": {}, "memory": {}, "kv": {}, "ready_s": {}, "failed_starts": {}, "killed_after_stop": {},
            "ran_at": _now()}
-    for group in groups:
+    for group in [g for g in groups if g]:
         servers = {}
         try:
             for name, start in group.items():
@@ -135,6 +143,18 @@ def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir:
     return out
 
 
+def merge_serving(previous: dict | None, new: dict) -> dict:
+    """``new`` serving rows over ``previous`` ones: the servers run now replace theirs, the others' stay (a run
+    of some servers only); a different plan or SLO discards the previous rows."""
+    if not previous or previous.get("plan") != new["plan"] or previous.get("slo") != new["slo"]:
+        return new
+    merged = dict(previous)
+    for key in ("runs", "memory", "kv", "ready_s", "failed_starts", "killed_after_stop"):
+        merged[key] = {**previous.get(key, {}), **new[key]}
+    merged["ran_at"] = new["ran_at"]
+    return merged
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
@@ -148,6 +168,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a quick run: 2 rounds, short serving levels")
     ap.add_argument("--models", default=",".join(bench_models.MODEL_KEYS))
     ap.add_argument("--parts", default="engine,serve")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="the serving rows to run (the others' are kept)")
     ap.add_argument("--rounds", type=int, help="alternating rounds of the engine rows (default 5; --small 2)")
     ap.add_argument("--report-only", action="store_true", help="print the report of the saved results")
     args = ap.parse_args()
@@ -157,11 +178,12 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = [k for k in args.models.split(",") if k]
     parts = set(args.parts.split(","))
-    unknown = [k for k in keys if k not in bench_models.MODEL_KEYS] + sorted(parts - {"engine", "serve"})
+    servers = tuple(k for k in args.servers.split(",") if k)
+    unknown = [k for k in keys if k not in bench_models.MODEL_KEYS] + sorted(parts - {"engine", "serve"}) + \
+        [k for k in servers if k not in SERVERS]
     if unknown:
         sys.exit(f"bench-llamacpp: unknown model or part: {', '.join(unknown)}")
     rounds = args.rounds or (2 if args.small else 5)
-    plan = serving.SMALL if args.small else serving.FULL
     if not args.report_only:
         build_llamacpp()
         for key in keys:
@@ -174,7 +196,8 @@ def main() -> None:
                 res["engine"], res["memory"] = engine_part(model, rounds)
                 path.write_text(json.dumps(res, indent=1))
             if "serve" in parts:
-                res["serving"] = serve_part(model, plan, out_dir)
+                plan = serving.plan_for(key == bench_models.LARGE, args.small)
+                res["serving"] = merge_serving(res.get("serving"), serve_part(model, plan, out_dir, servers))
                 path.write_text(json.dumps(res, indent=1))
     results = {}
     for key in bench_models.MODEL_KEYS:

@@ -77,6 +77,7 @@ class BenchModel:
 
 
 MODEL_KEYS = ("smollm2-q4_1", "smollm2-q8_0", "synthetic-1.5b-q4_k_m")
+LARGE = "synthetic-1.5b-q4_k_m"
 LABELS = {"smollm2-q4_1": "SmolLM2-135M Q4_1", "smollm2-q8_0": "SmolLM2-135M Q8_0",
           "synthetic-1.5b-q4_k_m": "synthetic Llama 1.5B Q4_K_M"}
 

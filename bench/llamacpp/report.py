@@ -49,8 +49,8 @@ def serving_table(serving: Mapping) -> list[str]:
     return lines
 
 
-def serving_ratio(serving: Mapping, streams: int, key: str) -> tuple[str, float | None]:
-    """(best duet layout, its figure / llama-server's) at ``streams``; ``key``: output_tok_s or slo_output_tok_s."""
+def serving_ratio(serving: Mapping, streams: int, key: str) -> tuple[str, float | None, float | None]:
+    """(best duet layout, its figure, llama-server's) at ``streams``; ``key``: output_tok_s or slo_output_tok_s."""
     def figure(doc):
         return doc["summary"]["output_throughput"] if key == "output_tok_s" else doc["slo_output_tok_s"]
 
@@ -58,9 +58,9 @@ def serving_ratio(serving: Mapping, streams: int, key: str) -> tuple[str, float 
     llama = runs.get("llama-server", {}).get(str(streams))
     duets = {k: figure(v[str(streams)]) for k, v in runs.items() if k.startswith("duet") and str(streams) in v}
     if not duets or llama is None:
-        return "—", None
+        return "—", None, None
     name = max(duets, key=duets.get)
-    return name, _ratio(duets[name], figure(llama))
+    return name, duets[name], figure(llama)
 
 
 def memory_lines(mem: Mapping) -> list[str]:
@@ -121,9 +121,11 @@ def ratio_lines(results: Mapping[str, Mapping]) -> list[str]:
                 parts.append(f"{test} {_num(r, '{:.2f}x')}")
         if "serving" in res:
             for k in ("output_tok_s", "slo_output_tok_s"):
-                name, r = serving_ratio(res["serving"], 32, k)
-                parts.append(f"serving 32 streams {'in SLO ' if k.startswith('slo') else ''}{_num(r, '{:.2f}x')} "
-                             f"({name})")
+                name, duet, llama = serving_ratio(res["serving"], 32, k)
+                r = _ratio(duet, llama)
+                parts.append(f"serving 32 streams {'in SLO ' if k.startswith('slo') else ''}"
+                             f"{_num(r, '{:.2f}x') if r is not None or duet is None else 'llama.cpp 0'} "
+                             f"({name} {_num(duet)} vs {_num(llama)} tok/s)")
         lines.append(f"{res['label']}: duet / llama.cpp: " + ", ".join(parts))
     final = results.get(RATIO_MODEL, {}).get("engine")
     r = _ratio(best(final["decode"].get(DUET_DEFAULT)), best(final["decode"].get(LLAMA))) if final else None

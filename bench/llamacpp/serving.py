@@ -7,6 +7,9 @@ Servers (each in its own process group, its log in the output folder; bench/serv
   workers (Ray actors, 1 torch thread each: 2 threads in all), every prompt handed over prefill -> decode.
 - ``duet colocated``: ``--colocated``, one engine in the server process, torch's 2 threads.
 - ``llama-server``: ``-np 32 -c <32 x slot context> --cont-batching -t 2`` (``-tb`` defaults to ``-t``).
+Plans (``ServePlan``): prompts of 128-256 random token ids, 128 output tokens, 8 / 32 / 64 requests at 1 / 8 / 32
+streams (``FULL``); the 1.5B gets one wave per level (2 / 8 / 32 requests) of 64 output tokens (``FULL_LARGE``);
+``--small``: 64-128-token prompts, 32 (1.5B: 16) output tokens.
 Neither duet layout gets a KV size: each engine sizes its cache from the RAM left (engine/kv/sizing.py; the
 server log's ``KV cache:`` lines are kept in the results), which is must-show 2's "serves with its KV budget from
 what is left". Every request must return exactly its ``output_len`` tokens (``output_count_errors``).
@@ -51,6 +54,14 @@ class ServePlan:
 
 FULL = ServePlan()
 SMALL = ServePlan(prompt_lens=(64, 128), output_len=32, requests={1: 4, 8: 16, 32: 32})
+# the 1.5B decodes ~10x slower here (2-15 tok/s at one stream): one wave of requests per level, shorter outputs
+FULL_LARGE = ServePlan(output_len=64, requests={1: 2, 8: 8, 32: 32})
+SMALL_LARGE = ServePlan(prompt_lens=(64, 128), output_len=16, requests={1: 2, 8: 8, 32: 32})
+
+
+def plan_for(large: bool, small: bool) -> ServePlan:
+    return {(False, False): FULL, (False, True): SMALL, (True, False): FULL_LARGE, (True, True): SMALL_LARGE}[
+        (large, small)]
 
 
 def serve_requests(vocab: int, num: int, prompt_lens: tuple[int, int], output_len: int,
