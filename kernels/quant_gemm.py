@@ -148,7 +148,7 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> _Ge
     if tu.INTERPRET:  # big tiles, few programs: the interpreter pays per program
         return _GemmConfig(min(64, max(16, tu.next_pow2(m))), min(128, max(16, tu.next_pow2(n))), 256, 4, 1)
     if m <= 16:
-        cfg = _GemmConfig(16, 64, 128, 4, 4)
+        cfg = _GemmConfig(16, 64, 128, 4, 3)  # 4 stages spill a register at M = 16 (sm_90 check)
     elif m <= 64:
         cfg = _GemmConfig(64, 64, 128, 4, 3)
     else:

@@ -21,6 +21,9 @@ from kernels.fused import _round
 from kernels.quant_gpu import GpuQuant, dequantize_ref
 
 
+_BLOCK_T, _BLOCK_C = 8, 256  # a program's rows x columns on a GPU: 16 weights per thread of 4 warps (no spills)
+
+
 def quant_rows_ref(p: GpuQuant, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[len(ids) or rows, cols] in ``dtype``: rows ``ids`` of ``dequantize_ref(p)``."""
     w = dequantize_ref(p)
@@ -101,7 +104,7 @@ def quant_rows(p: GpuQuant, ids: torch.Tensor | None = None, dtype: torch.dtype 
     if tu.INTERPRET:  # big tiles: the interpreter pays per program
         block_t, block_c = min(64, tu.next_pow2(count)), min(1024, tu.next_pow2(p.cols))
     else:
-        block_t, block_c = 8, 512
+        block_t, block_c = _BLOCK_T, _BLOCK_C
     grid = (triton.cdiv(count, block_t), triton.cdiv(p.cols, block_c))
     _quant_rows_kernel[grid](
         ids if ids is not None else p.qs, p.qs, *qv.pointer_args(p), p.perm if p.perm is not None else p.qs, out,
