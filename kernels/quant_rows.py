@@ -20,7 +20,6 @@ from kernels import _triton_utils as tu
 from kernels.fused import _round
 from kernels.quant_gpu import GpuQuant, dequantize_ref
 
-
 _BLOCK_T, _BLOCK_C = 8, 256  # a program's rows x columns on a GPU: 16 weights per thread of 4 warps (no spills)
 
 
