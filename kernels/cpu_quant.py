@@ -26,8 +26,11 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 - "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
 Instruction sets: kernels/cpu_quant_isa.py (``isa=``; the default the best the CPU has, DUET_QUANT_ISA forces
-one): every kernel has a scalar twin and an AVX2 one; the int8 kernel a VNNI one (256-bit: the 4-byte interleave
-gives 512-bit lanes no single x to broadcast, so the fp32 kernel of these formats stays AVX2).
+one): every kernel has a scalar twin and an AVX2 one; the int8 kernel a VNNI one (256-bit vpdpbusd). The fp32
+kernel stays AVX2: with the 4-byte interleave a 512-bit register holds two chunks, so x must come expanded (two
+values a half each); such a variant (x expanded once per call) measured no faster, one thread, hot weights, M=1:
+1536x576 Q4_1 57 vs 55 µs, 576x1536 50 vs 53, 4096x576 Q8_0 147 vs 164 (its per-block work weighs more than in
+the k-quants' 8x8 layout).
 
 The k-quants (Q4_K, Q5_K, Q6_K; 256-weight super-blocks): their own 8-row layout and kernels, kernels/cpu_quant_k.py
 (fp32 and int8 activations, AVX2 / AVX-512 / VNNI); ``INT8_FORMATS`` is every format.

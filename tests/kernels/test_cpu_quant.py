@@ -25,7 +25,8 @@ FORMATS = list(GGUF_BLOCKS)
 INT8 = sorted(cpu_quant.INT8_FORMATS)
 K_QUANTS = [f for f in FORMATS if GGUF_BLOCKS[f].k_quant]
 _SCALES_AT = {"Q6_K": (208,)}  # byte offsets of a block's fp16 scales (the rest: d at 0, the *_1 / *_K min at 2)
-PATHS = sorted({cpu_quant_isa.supported_isas()[-1], "scalar"})  # the best instruction set here, the scalar twin
+# the scalar twin, AVX2 and the best instruction set here (VNNI: the int8 kernel's dots)
+PATHS = sorted({"scalar", *cpu_quant_isa.supported_isas()[1:2], cpu_quant_isa.supported_isas()[-1]})
 FP32_TOL = 1e-5  # max |error| / max |reference|: reordered fp32 sums
 INT8_TOL = 1e-2  # RMS error / RMS of the reference: 8-bit activations per 32-block
 # the k-quants' random super-blocks: their mins cancel most of each output (|y| << sum |x w|), so x's rounding per
