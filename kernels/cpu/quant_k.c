@@ -14,7 +14,8 @@
 // and x comes as (x_j, x_j+1) broadcast; OpenMP over groups of 8 rows. The scalar twin sums each sub-block in j
 // order (fp32 order differs only).
 //
-// dequantize / rows: a row's super-block gathered back into the file's bytes, then decoded exactly as gguf-py:
+// dequantize / rows: decoded exactly as gguf-py (SIMD: from the packed layout, 8 weights of a row at a time; the
+// scalar twin gathers a row's super-block back into the file's bytes first):
 //   Q4_K / Q5_K: w = (d * sc_j) * q - dmin * mn_j   (sub-block j of 32 weights; two roundings, never an FMA)
 //   Q6_K:        w = (d * sc_g) * (q - 32)          (group g of 16 weights)
 // Compiled with -ffp-contract=off (the decode's mul then sub stay two roundings, as gguf-py).
@@ -64,59 +65,61 @@ static void row_f32_scalar(int fmt, const uint8_t *g0, int64_t nb, int r, const 
 
 // ------------------------------------------------------------------------------------------ SIMD
 #ifdef HAVE_X86
-// a file super-block's quants with AVX2, 32 at a time, signed (Q6_K: q - 32)
-AVX2 static void block_quants_avx2(int fmt, const uint8_t *blk, int8_t q[QK]) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    if (fmt == Q6_K) {
-        const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-            for (int k = 0; k < 4; k++) {
-                __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), m2), 4);
-                __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo[k], hi), off);
-                _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * k), v);
+// rows first .. first + count - 1 of the group at g0, every super-block, dequantized from the packed layout into
+// out (row stride ld): 8 weights of a row per instruction, the scales of the 8 rows decoded once per super-block
+// (k_scales_f32: the same d * sc and dmin * mn), then (d * sc) * q - dmin * mn, two roundings: decode_scalar's
+AVX2 static void dequant_group_avx2(int fmt, const uint8_t *g0, int64_t nb, int first, int count, float *out,
+                                    int64_t ld) {
+    const int64_t bb8 = 8 * k_block_bytes(fmt);
+    const int qs_at = k_qs_at(fmt);
+    const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1), m30 = _mm_set1_epi8(0x30), o32 = _mm_set1_epi8(32);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g0 + b * bb8;
+        float D[128], M[64];
+        k_scales_f32(fmt, gb, D, M);
+        for (int r = first; r < first + count; r++) {
+            float *o = out + (int64_t)(r - first) * ld + b * QK;
+            if (fmt == Q6_K) {
+                for (int hh = 0; hh < 2; hh++)
+                    for (int cc = 0; cc < 4; cc++) {  // as quant_k_f32.h: weights 128hh + 32s + 8cc + t
+                        const __m128i qh = _mm_loadl_epi64((const __m128i *)(gb + 1024 + (4 * hh + cc) * 64 + 8 * r));
+                        const __m128i a = _mm_loadl_epi64((const __m128i *)(gb + (8 * hh + cc) * 64 + 8 * r));
+                        const __m128i b4 = _mm_loadl_epi64((const __m128i *)(gb + (8 * hh + cc + 4) * 64 + 8 * r));
+                        const __m128i q[4] = {
+                            _mm_or_si128(_mm_and_si128(a, m4), _mm_and_si128(_mm_slli_epi16(qh, 4), m30)),
+                            _mm_or_si128(_mm_and_si128(b4, m4), _mm_and_si128(_mm_slli_epi16(qh, 2), m30)),
+                            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), _mm_and_si128(qh, m30)),
+                            _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b4, 4), m4),
+                                         _mm_and_si128(_mm_srli_epi16(qh, 2), m30))};
+                        for (int s = 0; s < 4; s++) {
+                            const int g = 8 * hh + 2 * s + cc / 2;
+                            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(q[s], o32)));
+                            _mm256_storeu_ps(o + 128 * hh + 32 * s + 8 * cc,
+                                             _mm256_mul_ps(_mm256_set1_ps(D[8 * g + r]), v));
+                        }
+                    }
+                continue;
             }
-        }
-        return;
-    }
-    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16);
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16)), one = _mm256_set1_epi8(1);
-    for (int k = 0; k < 4; k++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-        __m256i v[2] = {_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)};
-        for (int s = 0; s < 2; s++) {
-            if (fmt == Q5_K) {  // bit 2k + s of each byte of qh -> 16
-                __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + s), one);
-                v[s] = _mm256_or_si256(v[s], _mm256_slli_epi16(bit, 4));
-            }
-            _mm256_storeu_si256((__m256i *)(q + 64 * k + 32 * s), v[s]);
+            for (int k = 0; k < 4; k++)
+                for (int c = 0; c < 4; c++) {
+                    const __m128i v = _mm_loadl_epi64((const __m128i *)(gb + qs_at + (4 * k + c) * 64 + 8 * r));
+                    __m128i q[2] = {_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4)};
+                    if (fmt == Q5_K) {
+                        const __m128i qh = _mm_srli_epi16(
+                            _mm_loadl_epi64((const __m128i *)(gb + 128 + c * 64 + 8 * r)), 2 * k);
+                        q[0] = _mm_or_si128(q[0], _mm_slli_epi16(_mm_and_si128(qh, one), 4));
+                        q[1] = _mm_or_si128(q[1], _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 1), one), 4));
+                    }
+                    for (int h = 0; h < 2; h++) {  // sub-block 2k + h
+                        const int j = 2 * k + h;
+                        const __m256 w = _mm256_mul_ps(_mm256_set1_ps(D[8 * j + r]),
+                                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h])));
+                        _mm256_storeu_ps(o + 64 * k + 32 * h + 8 * c, _mm256_sub_ps(w, _mm256_set1_ps(M[8 * j + r])));
+                    }
+                }
         }
     }
 }
-
-// the 256 weights, bit-exactly decode_scalar's
-AVX2 static void decode_avx2(int fmt, const uint8_t *blk, float w[QK]) {
-    int8_t q[QK];
-    int sc[16], mn[16];
-    const int groups = k_block_scales(fmt, blk, sc, mn), len = QK / groups;
-    const float d = k_fp16_at(blk + (fmt == Q6_K ? 208 : 0)), dmin = fmt == Q6_K ? 0.0f : k_fp16_at(blk + 2);
-    block_quants_avx2(fmt, blk, q);
-    for (int g = 0; g < groups; g++) {
-        __m256 s = _mm256_set1_ps(d * (float)sc[g]), m = _mm256_set1_ps(dmin * (float)mn[g]);
-        for (int l = 0; l < len; l += 8) {
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + g * len + l))));
-            v = _mm256_mul_ps(s, v);
-            if (fmt != Q6_K) v = _mm256_sub_ps(v, m);
-            _mm256_storeu_ps(w + g * len + l, v);
-        }
-    }
-}
-
 
 #define K_ISA ISA_AVX2
 #include "quant_k_vec.h"
@@ -181,22 +184,34 @@ int duet_quant_k_linear_f32(int fmt, const uint8_t *qs, int64_t rows, int64_t co
 // out [count, cols] = rows (ids ? ids[i] : row0 + i) dequantized, exactly as gguf-py
 void duet_quant_k_dequantize(int fmt, const uint8_t *qs, int64_t cols, const int64_t *ids, int64_t row0,
                              int64_t count, float *out, int isa, int num_threads) {
-    const int64_t nb = cols / QK, bb = k_block_bytes(fmt);
-    const int simd = isa_level(isa) >= ISA_AVX2;
-    (void)simd;
+    const int64_t nb = cols / QK, bb = k_block_bytes(fmt), group_bytes = nb * 8 * bb;
+#ifdef HAVE_X86
+    if (isa_level(isa) >= ISA_AVX2) {
+        if (ids) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
+            for (int64_t i = 0; i < count; i++)
+                dequant_group_avx2(fmt, qs + (ids[i] / 8) * group_bytes, nb, (int)(ids[i] % 8), 1, out + i * cols,
+                                   cols);
+            return;
+        }
+        const int64_t g0 = row0 / 8, g1 = (row0 + count + 7) / 8;  // a run of rows: whole groups at once
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t lo = g * 8 > row0 ? g * 8 : row0, hi = g * 8 + 8 < row0 + count ? g * 8 + 8 : row0 + count;
+            dequant_group_avx2(fmt, qs + g * group_bytes, nb, (int)(lo - g * 8), (int)(hi - lo),
+                               out + (lo - row0) * cols, cols);
+        }
+        return;
+    }
+#else
+    (void)isa;
+#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
     for (int64_t i = 0; i < count; i++) {
         const int64_t n = ids ? ids[i] : row0 + i;
-        const uint8_t *g0 = qs + (n / 8) * nb * 8 * bb;
         uint8_t blk[210];
         for (int64_t b = 0; b < nb; b++) {
-            k_file_block(fmt, g0 + b * 8 * bb, (int)(n % 8), blk);
-#ifdef HAVE_X86
-            if (simd) {
-                decode_avx2(fmt, blk, out + i * cols + b * QK);
-                continue;
-            }
-#endif
+            k_file_block(fmt, qs + (n / 8) * group_bytes + b * 8 * bb, (int)(n % 8), blk);
             decode_scalar(fmt, blk, out + i * cols + b * QK);
         }
     }
