@@ -30,6 +30,7 @@ import torch  # noqa: F401  (first: its libgomp is the one the library binds to)
 # scalar twin's sums stay one rounding per operation, as written
 _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
     ("attention.c", []), ("elementwise.c", ["-ffp-contract=off"]), ("quant.c", ["-ffp-contract=off"]),
+    ("quant_planes.c", ["-ffp-contract=off"]),
     ("quant_k.c", ["-ffp-contract=off"]), ("quant_k_int8.c", ["-ffp-contract=off"]),
     ("quant_g.c", ["-ffp-contract=off"]))}
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=gnu11"]

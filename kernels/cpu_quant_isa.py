@@ -54,6 +54,7 @@ def lib() -> ctypes.CDLL:
         linear = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
         k_linear = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
         for fn, args in ((cdll.duet_quant_linear, linear), (cdll.duet_quant_linear_f32, linear),
+                         (cdll.duet_quant_linear_planes, linear),
                          (cdll.duet_quant_k_linear_f32, k_linear), (cdll.duet_quant_k_linear_int8, k_linear)):
             fn.restype = _INT
             fn.argtypes = args

@@ -11,7 +11,8 @@ super-blocks with sane scales (gguf-py cannot quantize the k-quants; the kernels
 values). Each shape cycles through enough copies of its weight that they do not stay in cache (a decode step
 reads every layer's weights once); ``--no-dense`` skips torch's fp32 GEMM (the 1.5B head is 400 MB of fp32).
 Prints per shape, M and thread count: microseconds per call of ``linear``'s two activation paths (``int8``: x
-quantized per block, integer dots; ``fp32``: quants widened to fp32 in registers, token-exact), GB/s of packed
+quantized per block, integer dots; ``fp32``: token-exact: with AVX512-VNNI x as three int8 digit planes, exact integer dots, and beside it the
+AVX2 kernel that widens the quants to fp32 in registers; below VNNI that one), GB/s of packed
 bytes of each, and torch's fp32 GEMM on the dense weight; ``--prefill`` adds the M sweep that chose
 ``GEMM_ROWS`` (both kernels against tiles dequantized + torch's GEMM). The kernels' instruction set is
 ``cpu_quant_isa.default_isa()`` (DUET_QUANT_ISA forces one). The last line is ``ratio: <quant / fp32 speed at M=1,
@@ -89,8 +90,12 @@ def _shape(name: str, fmt: str, rows: int, cols: int, ms: list[int], threads: li
             t_f32 = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="fp32", tiles=False), copies)
             t_dense = _best_us(lambda i: torch.nn.functional.linear(x, dense[i]), dense_copies) \
                 if dense_too else math.nan
+            wide = cpu_quant_isa.default_isa() == "vnni" and not GGUF_BLOCKS[fmt].k_quant  # fp32: the digit planes
+            t_wide = _best_us(lambda i: cpu_quant.linear(x, packed[i], activations="fp32", tiles=False, isa="avx2"),
+                              copies) if wide else math.nan
             print(f"{fmt} {name:8s} {rows:6d}x{cols:<5d} M={m:3d} threads {n}  int8 {t_int8:8.1f} us "
                   f"{nbytes / t_int8 / 1e3:6.1f} GB/s  fp32 {t_f32:8.1f} us {nbytes / t_f32 / 1e3:6.1f} GB/s"
+                  + (f" (widened weights, AVX2: {t_wide:8.1f} us)" if wide else "")
                   + (f"  torch dense {t_dense:8.1f} us  x{t_dense / t_int8:.2f} / x{t_dense / t_f32:.2f}"
                      if dense_too else ""), flush=True)
             if m == 1:
