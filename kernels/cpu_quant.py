@@ -72,14 +72,13 @@ import torch
 from kernels import cpu_quant_group, cpu_quant_k
 from kernels.cpu_build import NativeKernelError
 from kernels.cpu_graph import recording
-from kernels.cpu_quant_isa import ISAS, in_huge_pages, isa_level, lib
+from kernels.cpu_quant_isa import PLANES_LEVEL, in_huge_pages, isa_level, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 from kernels.quant_group import GROUP_FORMATS
 
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
-PLANES_LEVEL = ISAS.index("vnni")  # from this level fp32 x goes to the digit-plane kernel
 _TILE_BYTES = 64 << 20  # a dequantized tile's fp32 at most (one buffer, reused: _tile_buffer)
 _scratch = threading.local()
 INT8_FORMATS = frozenset(GGUF_BLOCKS)  # activations="int8" takes these: every format

@@ -30,6 +30,7 @@ from kernels.cpu_build import load
 log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512", "vnni")
+PLANES_LEVEL = ISAS.index("vnni")  # from this level fp32 x goes to the digit-plane kernels (quant_planes.c, quant_k_planes.c)
 _FORCED = os.environ.get("DUET_QUANT_ISA", "")
 if _FORCED and _FORCED not in ISAS:
     raise ValueError(f"DUET_QUANT_ISA={_FORCED!r}: expected one of {', '.join(ISAS)}")
@@ -55,7 +56,8 @@ def lib() -> ctypes.CDLL:
         k_linear = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT]
         for fn, args in ((cdll.duet_quant_linear, linear), (cdll.duet_quant_linear_f32, linear),
                          (cdll.duet_quant_linear_planes, linear),
-                         (cdll.duet_quant_k_linear_f32, k_linear), (cdll.duet_quant_k_linear_int8, k_linear)):
+                         (cdll.duet_quant_k_linear_f32, k_linear),
+                         (cdll.duet_quant_k_linear_planes, k_linear), (cdll.duet_quant_k_linear_int8, k_linear)):
             fn.restype = _INT
             fn.argtypes = args
         cdll.duet_quant_k_dequantize.restype = None

@@ -12,7 +12,10 @@ the file's bytes back exactly and ``dequantize`` gives exactly ``dequantize_ref`
 minus dmin * mn * sum(x); within 2 * gamma_n * sum_j |x_j| (|d sc q_j| + |dmin mn|) of ``quant_linear_ref`` per
 output (gamma_n = n u / (1 - n u), n = cols, u = 2^-24; tests/kernels/test_cpu_quant_k.py). "int8": x quantized
 per 256 (llama.cpp's q8_K: amax / 127, sums per 16), integer dot products (VNNI's vpdpbusd where the CPU has it);
-within sum_j |w_j| dx_j / 2 (dx_j: x_j's block scale) plus fp32 rounding. Both: each packed byte read from memory
+within sum_j |w_j| dx_j / 2 (dx_j: x_j's block scale) plus fp32 rounding. "fp32" with AVX512-VNNI and one row of x
+(``PLANES_MAX_ROWS``): kernels/cpu/quant_k_planes.c, x as 24-bit fixed point per 256 in three int8 digit planes and
+the int8 kernel's exact integer dots three times: within 2^-22 of each super-block's largest |x| per element plus
+fp32 rounding (tests/kernels/test_cpu_quant_k_planes.py), 1.15-1.75x the widened kernel at M=1. Both: each packed byte read from memory
 once per call for up to 4 rows of x (2 on AVX2), OpenMP over groups of 8 rows (torch.get_num_threads()); the
 instruction set is kernels/cpu_quant_isa.py's.
 
@@ -25,10 +28,14 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_build import NativeKernelError
-from kernels.cpu_quant_isa import in_huge_pages, lib
+from kernels.cpu_quant_isa import PLANES_LEVEL, in_huge_pages, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight
 
 # per format, its fields as (file offset, end, element bytes), in the file's order (kernels/cpu/quant_k.h)
+# the digit-plane kernel at M <= this (measured, 2 threads, weights cold, us: Q4_K 8192x2048 M=1 293 vs the widened
+# quants' 510, M=2 408 vs 562, M=3 607 vs 619; Q6_K 2048x8192 M=1 1039 vs 1193, M=2 1925 vs 1400; Q4_K 2048x2048
+# M=2 114 vs 110: past M=1 its three planes of dots per row of x weigh more than the widened quants' shared work)
+PLANES_MAX_ROWS = 1
 _FIELDS = {
     "Q4_K": ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 144, 8)),
     "Q5_K": ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 8), (48, 176, 8)),
@@ -76,7 +83,11 @@ def linear_into(out: torch.Tensor, x: torch.Tensor, ggml_type: int, qs: torch.Te
     """``out [M, rows] = x [M, cols] @ Wᵀ (+ bias)`` through the GEMV of ``activations`` ("fp32" or "int8");
     shapes checked by the caller (kernels/cpu_quant.py ``linear``)."""
     c = lib()
-    fn = c.duet_quant_k_linear_f32 if activations == "fp32" else c.duet_quant_k_linear_int8
+    if activations == "int8":
+        fn = c.duet_quant_k_linear_int8
+    else:  # AVX512-VNNI, one row of x: three int8 digit planes (kernels/cpu/quant_k_planes.c); else widened quants
+        planes = level >= PLANES_LEVEL and x.shape[0] <= PLANES_MAX_ROWS
+        fn = c.duet_quant_k_linear_planes if planes else c.duet_quant_k_linear_f32
     rc = fn(ggml_type, qs.data_ptr(), rows, x.shape[1], x.data_ptr(), x.stride(0), x.shape[0],
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), level,
             torch.get_num_threads())

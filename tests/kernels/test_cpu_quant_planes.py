@@ -87,4 +87,3 @@ def test_the_default_fp32_linear_takes_this_kernel_from_vnni(two_threads):
         out = torch.empty(2, 40)
         assert kernel(*p._c_args, 40, 576, x.data_ptr(), 576, 2, None, out.data_ptr(), 40, isa_level(isa), 2) == 0
         assert torch.equal(cpu_quant.linear(x, p, isa=isa), out), isa
-    assert cpu_quant.PLANES_LEVEL == isa_level("vnni") if "vnni" in cpu_quant_isa.supported_isas() else True
