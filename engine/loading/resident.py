@@ -179,8 +179,9 @@ def _quant_kernel(ops: KernelOps, packed) -> str:
         int8 = ops.quantized_activations == "int8" and packed.fmt in cpu_quant.INT8_FORMATS
         rows = cpu_quant.GEMM_ROWS if int8 else cpu_quant.GEMM_ROWS_FP32
         # the level the calls pass: each kernel runs its best variant at or below it (kernels/cpu_quant_isa.py)
-        return (f"C GEMV ({default_isa()} or below), {'int8' if int8 else 'fp32'} activations; "
-                f"tiles + torch GEMM from {rows} rows")
+        acts = "int8 activations" if int8 else "fp32 activations" + (
+            " (int8 digit planes on VNNI)" if default_isa() == "vnni" else "")
+        return f"C GEMV ({default_isa()} or below), {acts}; tiles + torch GEMM from {rows} rows"
     if ops.name == "cpu" and module == "kernels.cpu_quant_group":  # GPTQ / AWQ / compressed-tensors
         from kernels import cpu_quant_group
         from kernels.cpu_quant_isa import default_isa
