@@ -16,10 +16,9 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "quant_digits.h"
 #include "quant_k.h"
 
-#define PLANES 3
-#define X_MAX 8290687  // 127 * (1 + 255 + 65025)
 #define KPM 2          // rows of x per pass (3 planes of dots in registers)
 
 typedef struct {
@@ -30,42 +29,19 @@ typedef struct {
     int32_t *xs;     // [M, cols / 16]: sums of X per 16 (Q4_K / Q5_K's mins)
 } KPlanes;
 
-static inline int32_t floor_div255(int32_t a) { return (int32_t)((uint32_t)(a + 8355840) / 255u) - 32768; }
-
 // super-block b of x row i (256 values) -> its digits, scale and sums
 static void k_prepare(const float *v, KPlanes *xp, int64_t i, int64_t b) {
     const int64_t cols = xp->cols, n16 = cols / 16;
-    int8_t *dig[PLANES];
-    for (int p = 0; p < PLANES; p++) dig[p] = xp->digits + (p * xp->M + i) * cols + b * QK;
-    float amax = 0.0f;
-    int ok = 1;
-    for (int j = 0; j < QK; j++) {
-        amax = fmaxf(amax, fabsf(v[j]));
-        ok &= v[j] == v[j];
-    }
-    ok &= amax <= 3.4028234663852886e+38f;
-    int s = 0;
-    if (ok && amax > 0.0f) {
-        int e;
-        frexpf(amax, &e);
-        s = 23 - e;
-        if (s > 149) s = 149;
-        if (lrintf(ldexpf(amax, s)) > X_MAX) s--;
-    }
+    float amax;
+    const int ok = digits_finite(v, QK, &amax);
+    const int s = ok && amax > 0.0f ? digits_exponent(amax) : 0;
+    static const float zero[16];
     for (int g = 0; g < 16; g++) {
-        int32_t ds[PLANES] = {0, 0, 0}, sum = 0;
-        for (int l = 0; l < 16; l++) {
-            const int j = 16 * g + l;
-            int32_t X = ok && amax > 0.0f ? (int32_t)lrintf(ldexpf(v[j], s)) : 0;
-            int32_t q1 = floor_div255(X + 127), d0 = X - 255 * q1;
-            int32_t q2 = floor_div255(q1 + 127), d1 = q1 - 255 * q2;
-            dig[0][j] = (int8_t)d0;
-            dig[1][j] = (int8_t)d1;
-            dig[2][j] = (int8_t)q2;
-            ds[0] += d0, ds[1] += d1, ds[2] += q2, sum += X;
-        }
+        int32_t ds[PLANES] = {0, 0, 0};
+        int8_t *dig[PLANES];
+        for (int p = 0; p < PLANES; p++) dig[p] = xp->digits + (p * xp->M + i) * cols + b * QK + 16 * g;
+        xp->xs[i * n16 + b * 16 + g] = (int32_t)digits_of(ok ? v + 16 * g : zero, 16, s, dig[0], dig[1], dig[2], ds);
         for (int p = 0; p < PLANES; p++) xp->ds[(p * xp->M + i) * n16 + b * 16 + g] = ds[p];
-        xp->xs[i * n16 + b * 16 + g] = sum;
     }
     xp->dx[i * (cols / QK) + b] = !ok ? NAN : amax > 0.0f ? ldexpf(1.0f, -s) : 0.0f;
 }

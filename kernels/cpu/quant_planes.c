@@ -30,9 +30,7 @@
 #include <string.h>
 
 #include "quant_32.h"
-
-#define PLANES 3
-#define X_MAX 8290687  // 127 * (1 + 255 + 65025): the largest |X| three balanced base-255 digits hold
+#include "quant_digits.h"
 
 typedef struct {
     int64_t M;
@@ -42,51 +40,20 @@ typedef struct {
     int32_t *dsum;   // [PLANES, M, nb]: sum of each plane's digits (Q4_0 / Q5_0's offset term)
 } Planes;
 
-// floor(a / 255) for a >= -8355840 (shifted to a non-negative dividend: one multiply and shift)
-static inline int32_t floor_div255(int32_t a) { return (int32_t)((uint32_t)(a + 8355840) / 255u) - 32768; }
-
 // block b of x row i (32 values) -> its digits, scale and sums
 static void prepare_block(const float *v, Planes *xp, int64_t i, int64_t b, int64_t nb) {
     const int64_t cols = nb * 32, ib = i * nb + b;
     int8_t *dig[PLANES];
     for (int p = 0; p < PLANES; p++) dig[p] = xp->digits + (p * xp->M + i) * cols + b * 32;
-    float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-    int ok = amax <= 3.4028234663852886e+38f && amax == amax;  // no inf / NaN (fmaxf drops NaN: test v too)
-    for (int j = 0; j < 32; j++) ok &= v[j] == v[j];
-    if (!ok || amax == 0.0f) {
-        for (int p = 0; p < PLANES; p++) {
-            memset(dig[p], 0, 32);
-            xp->dsum[p * xp->M * nb + ib] = 0;
-        }
-        xp->xd[ib] = ok ? 0.0f : NAN;
-        xp->xs[ib] = ok ? 0.0f : NAN;
-        return;
-    }
-    int e;
-    frexpf(amax, &e);  // amax in [2^(e-1), 2^e)
-    int s = 23 - e;    // amax * 2^s in [2^22, 2^23)
-    if (s > 149) s = 149;  // subnormal x: multiples of 2^-149, so X = x * 2^149 is exact
-    if (lrintf(ldexpf(amax, s)) > X_MAX) s--;
-    const int plain = s >= -126 && s <= 127;  // 2^s a normal float: x * 2^s exact (or below 1/2: rounds to 0)
-    const float scale = plain ? ldexpf(1.0f, s) : 0.0f;
+    float amax;
+    const int ok = digits_finite(v, 32, &amax);
+    const int s = ok && amax > 0.0f ? digits_exponent(amax) : 0;
     int32_t ds[PLANES] = {0, 0, 0};
-    int64_t sum = 0;
-    for (int j = 0; j < 32; j++) {
-        int32_t X = (int32_t)lrintf(plain ? v[j] * scale : ldexpf(v[j], s));
-        int32_t q1 = floor_div255(X + 127), d0 = X - 255 * q1;
-        int32_t q2 = floor_div255(q1 + 127), d1 = q1 - 255 * q2;
-        dig[0][j] = (int8_t)d0;
-        dig[1][j] = (int8_t)d1;
-        dig[2][j] = (int8_t)q2;
-        ds[0] += d0;
-        ds[1] += d1;
-        ds[2] += q2;
-        sum += X;
-    }
+    float zero[32] = {0};
+    const int64_t sum = digits_of(ok ? v : zero, 32, s, dig[0], dig[1], dig[2], ds);
     for (int p = 0; p < PLANES; p++) xp->dsum[p * xp->M * nb + ib] = ds[p];
-    xp->xd[ib] = ldexpf(1.0f, -s);
-    xp->xs[ib] = (float)sum * xp->xd[ib];
+    xp->xd[ib] = !ok ? NAN : amax > 0.0f ? ldexpf(1.0f, -s) : 0.0f;
+    xp->xs[ib] = !ok ? NAN : (float)sum * xp->xd[ib];
 }
 
 #ifdef HAVE_X86
