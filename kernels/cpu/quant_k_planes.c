@@ -20,6 +20,7 @@
 #include "quant_k.h"
 
 #define KPM 2          // rows of x per pass (3 planes of dots in registers)
+#define KP_AHEAD 4  // Q6_K super-blocks prefetched this far ahead (measured below)
 
 typedef struct {
     int64_t M, cols;
@@ -113,6 +114,7 @@ KTGT static inline __attribute__((always_inline)) void kp_q6(const uint8_t *g0, 
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
+        for (int64_t o = 0; o < 1680; o += 64) _mm_prefetch((const char *)(gb + KP_AHEAD * 1680 + o), _MM_HINT_T0);
         float D[128];
         KV_SCALES(Q6_K, gb, D, NULL);
         kvf accb[KPM];
