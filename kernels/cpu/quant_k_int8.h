@@ -24,6 +24,8 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q45(const int fmt, c
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
+        for (int64_t o = h * KR * 8; o < bb8; o += 64)  // the next group-block (as quant_k_planes.c, measured there)
+            _mm_prefetch((const char *)(gb + bb8 + o), _MM_HINT_T0);
         float D[64], M[64];
         KV_SCALES(fmt, gb, D, M);
         kvf accb[KMT];
@@ -68,6 +70,7 @@ KTGT static inline __attribute__((always_inline)) void K_I8_Q6(const uint8_t *g0
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * 1680;
+        for (int64_t o = h * KR * 8; o < 1680; o += 64) _mm_prefetch((const char *)(gb + 1680 + o), _MM_HINT_T0);
         float D[128];
         KV_SCALES(Q6_K, gb, D, NULL);
         kvf accb[KMT];

@@ -20,7 +20,12 @@
 #include "quant_k.h"
 
 #define KPM 2          // rows of x per pass (3 planes of dots in registers)
-#define KP_AHEAD 4  // Q6_K super-blocks prefetched this far ahead (measured below)
+// the next super-block's group-block prefetched while this one is multiplied: measured on the 1.5B Q4_K_M's
+// weights from memory (python -m bench.llamacpp --parts engine --models synthetic-1.5b-q4_k_m --rounds 3, batch-1
+// decode tok/s): no prefetch 17.6; Q6_K 2 / 4 / 8 ahead 19.5-20.0 / 20.2 / 19.7-19.9; Q4_K 4 ahead as well 16.2-16.9;
+// Q4_K 1 ahead (Q6_K 4) 20.1-21.7; both 1 ahead 21.7-22.7. One Q4_K 8192x2048 GEMV from memory, 1 thread, us:
+// none 995-1021, 1 ahead 735-760, 2 1003-1014, 4 1122-1132, 8 1125-1133, 16 933-949, 32 982-984
+#define KP_AHEAD 1
 
 typedef struct {
     int64_t M, cols;
@@ -67,6 +72,7 @@ KTGT static inline __attribute__((always_inline)) void kp_q45(const int fmt, con
     for (int i = 0; i < mc; i++) acc[i] = KV_ZERO();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g0 + b * bb8;
+        for (int64_t o = 0; o < bb8; o += 64) _mm_prefetch((const char *)(gb + KP_AHEAD * bb8 + o), _MM_HINT_T0);
         float D[64], M[64];
         KV_SCALES(fmt, gb, D, M);
         kvf accb[KPM];
