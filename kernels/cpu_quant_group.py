@@ -16,8 +16,10 @@ the int8-activation scheme of the GGUF kernels is not built for these formats, a
   FMA and one zero term (``(z - c) * s * sum(x)``) per group: a reordering of the reference's fp32 sums, within
   1e-5 of its RMS (tests).
 - M >= ``GEMM_ROWS``: the weight dequantized (C, exactly the reference) in tiles of rows into torch's fp32 GEMM.
-Act-order weights (``perm``): x's columns are gathered into the kernel's order first (``x[:, perm]``), one
-[M, cols] copy per call. All paths have a scalar twin (no AVX2/FMA/F16C, or forced: ``scalar=True``,
+Act-order weights (``perm``, checked to be a permutation at ``pack``): x's columns are gathered into the kernel's
+order once per call, [M, cols] — in C by the GEMV (in its pass summing x's groups), so a decode step of an act-order
+model is C calls only and replays from a CPU recording (kernels/cpu_graph.py); by torch (``index_select``) before
+the prefill tiles' GEMM. All paths have a scalar twin (no AVX2/FMA/F16C, or forced: ``scalar=True``,
 DUET_QUANT_ISA=scalar).
 
 Measured on this 2-vCPU machine, 2 threads, ``python -m bench.kernels.quant_group_gemv`` (µs per call, weights cold,
@@ -73,7 +75,10 @@ class PackedGroup:
 
 
 def pack(w: GroupQuantWeight) -> PackedGroup:
-    """``w`` in the kernels' layout (once, at load)."""
+    """``w`` in the kernels' layout (once, at load); an act-order ``perm`` must be a permutation of the columns
+    (the C GEMV reads x at its entries unchecked)."""
+    if w.perm is not None and not torch.equal(w.perm.sort().values, torch.arange(w.cols)):
+        raise ValueError(f"perm must be a permutation of the {w.cols} columns")
     groups, nb, pad = -(-w.rows // 8), w.cols // 32, -w.rows % 8
     q = torch.cat([w.q, w.q.new_zeros(pad, w.cols)]) if pad else w.q
     if w.bits == 4:  # byte j of a block: weight j | weight j + 16 << 4
@@ -87,7 +92,7 @@ def pack(w: GroupQuantWeight) -> PackedGroup:
         return t.reshape(groups, 8, -1).permute(0, 2, 1).contiguous()
 
     return PackedGroup(w.fmt, w.bits, w.group_size, w.rows, w.cols, qs, per_row(w.scales), per_row(w.zeros),
-                       w.perm)
+                       None if w.perm is None else w.perm.contiguous())
 
 
 def unpack(p: PackedGroup) -> GroupQuantWeight:
@@ -113,8 +118,8 @@ def _lib() -> ctypes.CDLL:
     if _lib_ready is None:
         lib = load()
         lib.duet_group_linear_f32.restype = _INT
-        lib.duet_group_linear_f32.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR,
-                                              _PTR, _I64, _INT, _INT]
+        lib.duet_group_linear_f32.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                                              _PTR, _PTR, _I64, _INT, _INT]
         lib.duet_group_dequantize.restype = None
         lib.duet_group_dequantize.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _INT]
         _lib_ready = lib
@@ -154,15 +159,15 @@ def linear(x: torch.Tensor, p: PackedGroup, bias: torch.Tensor | None = None, *,
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (p.rows,)
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 [{p.rows}], got {bias.dtype} {tuple(bias.shape)}")
-    x = x.index_select(1, p.perm) if p.perm is not None else x.contiguous()
     m = x.shape[0]
     if tiles and m >= GEMM_ROWS:
-        return _linear_gemm(x, p, bias, scalar)
+        return _linear_gemm(x.index_select(1, p.perm) if p.perm is not None else x.contiguous(), p, bias, scalar)
+    x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(m, p.rows, dtype=torch.float32)
     if m and p.rows and _lib().duet_group_linear_f32(
-            *p._c_args, p.rows, p.cols, p.group_size, x.data_ptr(), x.stride(0), m,
-            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), _scalar(scalar),
-            torch.get_num_threads()):
+            *p._c_args, p.rows, p.cols, p.group_size, p.perm.data_ptr() if p.perm is not None else None,
+            x.data_ptr(), x.stride(0), m, bias.data_ptr() if bias is not None else None, out.data_ptr(),
+            out.stride(0), _scalar(scalar), torch.get_num_threads()):
         raise NativeKernelError("duet_group_linear_f32 failed (no scratch memory)")
     return out
 

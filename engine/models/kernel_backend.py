@@ -64,6 +64,8 @@ class KernelOps:
     quant_linear: Callable | None = None
     quant_rows: Callable | None = None
     quantized_activations: str = "fp32"  # what ``quant_linear`` does to x: fp32, or int8 per 32-block (cpu only)
+    # ``embedding(table, ids)``: rows of a float token table (one rank's whole table); None: torch's embedding
+    embedding: Callable | None = None
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
@@ -181,6 +183,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             rms_norm=cpu_native.rms_norm,
             rotary_=cpu_native.rotary_,
             silu_mul=cpu_native.silu_mul,
+            embedding=cpu_native.embedding,
             pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
             linear_packed=cpu_native.linear_packed,
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c

@@ -239,24 +239,37 @@ AVX2 static void dequant_group_g_avx2(const GWeights *w, int64_t g, int first, i
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// out[i * o_s + n] = x[i] . w[n] (+ bias[n]) with x in fp32 (see the top); returns 0, or 1 when scratch memory
-// could not be allocated
+// out[i * o_s + n] = x[i] . w[n] (+ bias[n]) with x in fp32 (see the top). perm (act-order; NULL: none): the
+// kernel's column k is x's column perm[k], each in [0, cols) (checked once, at pack: kernels/cpu_quant_group.py);
+// x's rows are gathered into that order once per call, in the pass that sums each group of x. Returns 0, or 1 when
+// scratch memory could not be allocated.
 int duet_group_linear_f32(int bits, int scale_kind, const uint8_t *qs, const void *scales, const int16_t *zeros,
-                           int64_t rows, int64_t cols, int64_t group_size, const float *x, int64_t x_s, int64_t M,
-                           const float *bias, float *out, int64_t o_s, int force_scalar, int num_threads) {
+                           int64_t rows, int64_t cols, int64_t group_size, const int64_t *perm, const float *x,
+                           int64_t x_s, int64_t M, const float *bias, float *out, int64_t o_s, int force_scalar,
+                           int num_threads) {
     GWeights w = gweights(bits, scale_kind, qs, scales, zeros, cols, group_size);
     int64_t groups = (rows + 7) / 8;
 #ifdef HAVE_X86
     GroupGFn simd = !force_scalar && avx2_supported() ? (bits == 4 ? group_g_avx2_4 : group_g_avx2_8) : NULL;
 #endif
-    float *xs = malloc(sizeof(float) * (size_t)(M * w.ng + 1));  // sum(x) per row of x and group, once per call
+    // sum(x) per row of x and group [M, ng], then (act-order) x's rows in the kernel's column order [M, cols]
+    float *xs = malloc(sizeof(float) * (size_t)(M * w.ng + (perm ? M * cols : 0) + 1));
     if (!xs) return 1;
+    float *xg = perm ? xs + M * w.ng : NULL;
     for (int64_t i = 0; i < M; i++)
         for (int64_t k = 0; k < w.ng; k++) {
             float sum = 0.0f;
-            for (int64_t j = k * group_size; j < (k + 1) * group_size; j++) sum += x[i * x_s + j];
+            for (int64_t j = k * group_size; j < (k + 1) * group_size; j++) {
+                float v = perm ? x[i * x_s + perm[j]] : x[i * x_s + j];
+                if (xg) xg[i * cols + j] = v;
+                sum += v;
+            }
             xs[i * w.ng + k] = sum;
         }
+    if (xg) {
+        x = xg;
+        x_s = cols;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
         int count = rows - g * 8 < 8 ? (int)(rows - g * 8) : 8;

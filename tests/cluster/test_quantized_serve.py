@@ -4,7 +4,8 @@ asymmetric by its own library; groups of 32) through `duet serve` — 1 prefill 
 pulled over NIXL — with their weights kept packed in both workers (the C group kernels, as /v1/models says), greedy,
 token for token with a dense engine on the same checkpoint dequantized at load (``quantized_weights: dense``), each
 chosen token's logprob within ``LOGPROB_TOL`` of the dense engine's (the C GEMV sums in another order: within 1e-5 of
-the logits' spread, tests/engine/loading/test_hf_quantized.py), through the official openai client. The CLI's
+the logits' spread, tests/engine/loading/test_hf_quantized.py), through the official openai client. The decode
+worker replays its decode steps from recordings of their C calls (no kernel fallback), act-order included. The CLI's
 quantization flags reach the engine config. One server per checkpoint (a server serves one model), ~10 s each here."""
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def test_checkpoint_served_packed_equals_the_dense_engine(case, ray_session, tmp
     kinds = {w["kind"]: w for w in duet["weights"]}
     assert {kinds[k]["format"] for k in PROJECTIONS} == {fmt}
     assert all(kinds[k]["kernel"].startswith("C group GEMV") for k in PROJECTIONS)
-    assert duet["kernels"] == "cpu"
+    assert duet["kernels"] == "cpu" and duet["decode_graphs"].startswith("CPU recordings")
     assert stats["prefill-0"]["num_handoffs"] == len(prompts)
     assert stats["decode-0"]["num_remote_kv_received"] == len(prompts)
+    assert stats["decode-0"]["kernel_fallbacks"] == 0  # every decode step recorded, act-order too
