@@ -172,8 +172,7 @@ class ModelRunner:
             return f"the {self.backend} kernels are not the C ones"
         if self.tp.enabled or model.cfg.moe.num_experts:
             return "tensor parallelism and mixture-of-experts layers run torch operators"
-        dense = [lin for lin in model._linears() if lin.quant is None]
-        if dense or model.embed_quant is None:
+        if any(lin.quant is None for lin in model._linears()):
             return "dense projections run torch GEMMs: only a model whose projections are all packed records"
         return None
 

@@ -141,5 +141,7 @@ def load() -> ctypes.CDLL:
             lib.duet_rotary_f32.argtypes = [_PTR, _I64, _I64, _INT, _INT, _INT, _PTR, _PTR, _PTR, _INT]
             lib.duet_silu_mul_f32.restype = None
             lib.duet_silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _INT, _INT]
+            lib.duet_embedding_f32.restype = _INT
+            lib.duet_embedding_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
             _lib = lib
         return _lib

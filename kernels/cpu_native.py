@@ -2,10 +2,10 @@
 
 The engine's CPU path (backend ``cpu``) runs the GEMMs in torch (MKL/oneDNN) and, from here: paged decode
 attention (C: reads each K/V row once for the whole query group, straight from the cache), prefill attention
-(C: flash attention over the paged cache, register-tiled QKᵀ and PV), and the fused per-token ops (RMSNorm
+(C: flash attention over the paged cache, register-tiled QKᵀ and PV), the fused per-token ops (RMSNorm
 with its residual add, in-place rotary, SwiGLU: one C pass each instead of several torch ops and
-temporaries). Attention has the signatures of the torch references in decode_attention.py /
-prefill_attention.py; fp32 tensors on the CPU only.
+temporaries) and the lookup of a float token table. Attention has the signatures of the torch references in
+decode_attention.py / prefill_attention.py; fp32 tensors on the CPU only.
 
 The library is built on first use and loaded by kernels/cpu_build.py (``load``).
 """
@@ -254,6 +254,21 @@ def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
     _check(name, t, 2, torch.float32)
     if t.shape[1] != width:
         raise ValueError(f"{name} must have {width} columns, got shape {tuple(t.shape)}")
+
+
+def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a float token table ``weight [vocab, hidden]`` → ``[len(ids), hidden]``: torch's
+    ``embedding``, exactly (copies), as one C call (a decode step of C calls only replays from a recording,
+    kernels/cpu_graph.py). An id outside [0, vocab) is an IndexError (the C call checks them: also when replayed)."""
+    _check("weight", weight, 2, torch.float32)
+    _check("ids", ids, 1, torch.int64)
+    if not ids.is_contiguous():
+        raise ValueError("ids must be contiguous")
+    out = torch.empty(ids.shape[0], weight.shape[1], dtype=torch.float32)
+    if load().duet_embedding_f32(weight.data_ptr(), weight.stride(0), weight.shape[0], ids.data_ptr(), ids.shape[0],
+                                 weight.shape[1], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        raise IndexError(f"token ids must be in [0, {weight.shape[0]})")
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -8,15 +8,30 @@ group of ``group_size`` weights, [groups, ng, 8] — not one per 32-block: a gro
 bytes + 2 of scale + 2 of zero (the checkpoint's 64 + 2 + 0.5, 1.02x). ``unpack`` gives the ``GroupQuantWeight``
 back exactly; ``dequantize(pack(w))`` is exactly ``dequantize_group_ref(w)`` (tests/kernels/test_cpu_quant_group.py).
 
-``linear(x, p, bias)`` (kernels/cpu_quant.py's ``linear`` hands these weights here): fp32 activations only (the int8-activation scheme of the GGUF kernels is not built for
-these formats; the engine's ``quantized_activations: int8`` leaves them fp32, as the k-quants).
-- M < ``GEMM_ROWS``: the C GEMV (quant_g.c's
-  docstring): each packed byte read once per call for the whole batch, (q - z) formed exactly in integers and
-  widened in registers, one scale FMA per group. A reordering of the reference's fp32 sums.
+``linear(x, p, bias)`` (kernels/cpu_quant.py's ``linear`` hands these weights here) takes fp32 activations only:
+the int8-activation scheme of the GGUF kernels is not built for these formats, and the engine's
+``quantized_activations: int8`` leaves them fp32, as it leaves the k-quants.
+- M < ``GEMM_ROWS``: the C GEMV (kernels/cpu/quant_g.c's header): each packed byte read once per call for the
+  whole batch, the quants widened to fp32 in registers as the GGUF fp32 kernel widens Q4_1's / Q8_0's, one scale
+  FMA and one zero term (``(z - c) * s * sum(x)``) per group: a reordering of the reference's fp32 sums, within
+  1e-5 of its RMS (tests).
 - M >= ``GEMM_ROWS``: the weight dequantized (C, exactly the reference) in tiles of rows into torch's fp32 GEMM.
-Act-order weights (``perm``): x's columns are gathered into the kernel's order first (``x[:, perm]``), one
-[M, cols] copy per call. All paths have a scalar twin (no AVX2/FMA/F16C, or forced: ``scalar=True``,
+Act-order weights (``perm``, checked to be a permutation at ``pack``): x's columns are gathered into the kernel's
+order once per call, [M, cols] — in C by the GEMV (in its pass summing x's groups), so a decode step of an act-order
+model is C calls only and replays from a CPU recording (kernels/cpu_graph.py); by torch (``index_select``) before
+the prefill tiles' GEMM. All paths have a scalar twin (no AVX2/FMA/F16C, or forced: ``scalar=True``,
 DUET_QUANT_ISA=scalar).
+
+Measured on this 2-vCPU machine, 2 threads, ``python -m bench.kernels.quant_group_gemv`` (µs per call, weights cold,
+under /tmp/duet-bench.lock; other sessions' processes leave ~10 % noise), groups of 128 on Qwen2.5-1.5B's shapes
+1536x1536 / 8960x1536 / 1536x8960, against the GGUF kernels' fp32 path on the same shapes and torch's fp32 GEMM:
+  M=1:  G4 84-92 / 420-426 / 431-441 vs Q4_1 84-101 / 402-405 / 415-421, fp32 GEMM 277-317 / 1051-1296 / 1092-1183
+        (two runs); G8 107 / 465 / 503 vs Q8_0 98 / 430 / 480, fp32 GEMM 354 / 1042 / 1075 (one run).
+  M=16: G4 678-714 / 3723-3885 / 3777-3854 vs Q4_1 578-633 / 3234-3382 / 3225-3240.
+  So at batch 1 the group kernels run at the GGUF kernels' speed within ~10 % (the same bytes: 4.25 bits a weight
+  against Q4_1's 5), 2.4-3.5x torch's fp32 GEMM; at M=16 G4 is ~1.15-1.2x Q4_1's time.
+  GEMM_ROWS: GEMV vs tiles + GEMM, groups of 64, SmolLM2's 576x576 / 1536x576 / 576x1536: G4 M=16 116/136, 279/376,
+  267/449; M=24 165/162, 438/438, 462/499; M=32 225/170, 573/494, 561/585 (G8 alike): 24, as the GGUF kernels'.
 """
 from __future__ import annotations
 
@@ -26,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_build import load
+from kernels.cpu_build import NativeKernelError, load
 from kernels.quant_group import GroupQuantWeight
 
 GEMM_ROWS = 24  # M at and above which linear dequantizes tiles for torch's GEMM (measured: see above)
@@ -60,7 +75,10 @@ class PackedGroup:
 
 
 def pack(w: GroupQuantWeight) -> PackedGroup:
-    """``w`` in the kernels' layout (once, at load)."""
+    """``w`` in the kernels' layout (once, at load); an act-order ``perm`` must be a permutation of the columns
+    (the C GEMV reads x at its entries unchecked)."""
+    if w.perm is not None and not torch.equal(w.perm.sort().values, torch.arange(w.cols)):
+        raise ValueError(f"perm must be a permutation of the {w.cols} columns")
     groups, nb, pad = -(-w.rows // 8), w.cols // 32, -w.rows % 8
     q = torch.cat([w.q, w.q.new_zeros(pad, w.cols)]) if pad else w.q
     if w.bits == 4:  # byte j of a block: weight j | weight j + 16 << 4
@@ -74,7 +92,7 @@ def pack(w: GroupQuantWeight) -> PackedGroup:
         return t.reshape(groups, 8, -1).permute(0, 2, 1).contiguous()
 
     return PackedGroup(w.fmt, w.bits, w.group_size, w.rows, w.cols, qs, per_row(w.scales), per_row(w.zeros),
-                       w.perm)
+                       None if w.perm is None else w.perm.contiguous())
 
 
 def unpack(p: PackedGroup) -> GroupQuantWeight:
@@ -99,9 +117,9 @@ def _lib() -> ctypes.CDLL:
     global _lib_ready
     if _lib_ready is None:
         lib = load()
-        lib.duet_group_linear_f32.restype = None
-        lib.duet_group_linear_f32.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR,
-                                              _PTR, _I64, _INT, _INT]
+        lib.duet_group_linear_f32.restype = _INT
+        lib.duet_group_linear_f32.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                                              _PTR, _PTR, _I64, _INT, _INT]
         lib.duet_group_dequantize.restype = None
         lib.duet_group_dequantize.argtypes = [_INT, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _INT]
         _lib_ready = lib
@@ -141,15 +159,16 @@ def linear(x: torch.Tensor, p: PackedGroup, bias: torch.Tensor | None = None, *,
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (p.rows,)
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 [{p.rows}], got {bias.dtype} {tuple(bias.shape)}")
-    x = x.index_select(1, p.perm) if p.perm is not None else x.contiguous()
     m = x.shape[0]
     if tiles and m >= GEMM_ROWS:
-        return _linear_gemm(x, p, bias, scalar)
+        return _linear_gemm(x.index_select(1, p.perm) if p.perm is not None else x.contiguous(), p, bias, scalar)
+    x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(m, p.rows, dtype=torch.float32)
-    if m and p.rows:
-        _lib().duet_group_linear_f32(*p._c_args, p.rows, p.cols, p.group_size, x.data_ptr(), x.stride(0), m,
-                                     bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                                     _scalar(scalar), torch.get_num_threads())
+    if m and p.rows and _lib().duet_group_linear_f32(
+            *p._c_args, p.rows, p.cols, p.group_size, p.perm.data_ptr() if p.perm is not None else None,
+            x.data_ptr(), x.stride(0), m, bias.data_ptr() if bias is not None else None, out.data_ptr(),
+            out.stride(0), _scalar(scalar), torch.get_num_threads()):
+        raise NativeKernelError("duet_group_linear_f32 failed (no scratch memory)")
     return out
 
 

@@ -17,7 +17,7 @@ Symmetric schemes have one zero for every group (2^(bits - 1)), stored all the s
 Act-order (GPTQ ``desc_act``, compressed-tensors' ``actorder: group``): a ``g_idx`` maps each input column to its
 group, and a group's columns are scattered. The loader permutes the columns once so each group's are contiguous
 (``perm``: column k of ``q`` is input column ``perm[k]``), and the kernels take x's columns in the same order
-(``x[:, perm]``): the same products, so the result is exact as without act-order.
+(``x[:, perm]``; the C GEMV gathers them itself): the same products, so the result is exact as without act-order.
 
 ``num_bytes`` counts ``q`` at ``bits`` per weight (the packed kernels' form, kernels/cpu_quant_group.py), scales,
 zeros and ``perm``: what a packed copy holds.

@@ -59,7 +59,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prefill", action="store_true", help="the M sweep that chose GEMM_ROWS: GEMV vs tiles + GEMM")
     args = ap.parse_args()
+    if args.prefill:
+        return _prefill(args.group_size)
     print(f"threads {torch.get_num_threads()}, group size {args.group_size}; us per call (weights cold)")
     for rows, cols in SHAPES[64 if args.group_size < 128 else 128]:
         copies = max(1, min(32, _COLD_BYTES // (rows * cols * 4)))
@@ -81,6 +84,21 @@ def main() -> None:
                 cells.append(f"{name} {us:7.1f}")
             us = _best_us(lambda i: torch.nn.functional.linear(x, dense[i]), copies)
             print(f"{rows:5d}x{cols:<5d} M={m:3d}: " + "  ".join(cells) + f"  fp32 GEMM {us:7.1f}")
+
+
+def _prefill(group_size: int) -> None:
+    print(f"threads {torch.get_num_threads()}, group size {group_size}; us per call: GEMV kernel / tiles + GEMM")
+    for rows, cols in SHAPES[64 if group_size < 128 else 128]:
+        copies = max(1, min(16, _COLD_BYTES // (rows * cols * 4)))
+        for bits in (4, 8):
+            ws = [cpu_quant_group.pack(_group(bits, rows, cols, group_size, s)) for s in range(copies)]
+            cells = []
+            for m in (8, 16, 24, 32, 48):
+                x = torch.randn(m, cols)
+                gemv = _best_us(lambda i: cpu_quant_group.linear(x, ws[i], tiles=False), copies, 3)
+                tiles = _best_us(lambda i: cpu_quant_group._linear_gemm(x, ws[i], None, None), copies, 3)
+                cells.append(f"M={m} {gemv:.0f}/{tiles:.0f}")
+            print(f"{rows:5d}x{cols:<5d} G{bits}: " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ nearest into GGUF blocks, which the packed kernels then serve exactly as they se
 The blocks are gguf-py's (llama.cpp's reference quantizers, bit-exact: kernels/quant.py ``quantize_ref``).
 
 What stays float, and the log says so: MoE expert tensors (as w8a16 leaves them), a projection whose input width
-is not a multiple of 32 (one block), and, under tensor parallelism, the token table and head (a rank's rows of a
-packed table are not built; the projections are quantized per rank, each shard's rows and 32-column blocks whole).
+is not a multiple of 32 (one block). Under tensor parallelism each rank quantizes its own shards (whole rows, and
+row-parallel shards start on 32-column blocks, so they are the one-rank engine's blocks), the LM head's rows
+included; the token table keeps its Q8_0 values in float there (a rank's rows of a packed table are not built).
 ``dense`` (``quantized_weights: dense``): the same blocks dequantized back into the float weights: the reference
 the packed path is checked against. The weights are quantized after the float checkpoint is loaded, so the load's
 peak memory is the float model's; the float weights are freed one by one as their blocks are made.
@@ -64,14 +65,6 @@ def quantize_model(model: CausalLM, scheme: str, ops: KernelOps, dense: bool = F
 
     fmt = PROJECTION_FORMAT[scheme]
     before = _float_bytes(model)
-
-    def quantize(w: torch.Tensor, f: str):
-        q = quantize_ref(w, f)
-        if dense:
-            w.copy_(dequantize_ref(q).to(w.dtype))
-            return None
-        return ops.pack_quant(q)
-
     done, left = 0, []
     with torch.no_grad():
         for name, lin in model.named_modules():
@@ -80,26 +73,46 @@ def quantize_model(model: CausalLM, scheme: str, ops: KernelOps, dense: bool = F
             if lin.in_features % 32:
                 left.append(f"{name} ({lin.in_features} inputs, not whole 32-blocks)")
                 continue
-            packed = quantize(lin.weight.data, fmt)
-            if packed is not None:
-                lin.quant, lin.weight = packed, None
+            blocks = quantize_ref(lin.weight.data, fmt)
+            if dense:
+                lin.weight.data.copy_(dequantize_ref(blocks).to(lin.weight.dtype))
+            else:
+                lin.quant, lin.weight = ops.pack_quant(blocks), None
             done += 1
-        tied = model.cfg.tie_word_embeddings
-        if model.tp.enabled or model.cfg.hidden_size % 32:
-            left.append("the token table and LM head" + (" (tensor parallelism)" if model.tp.enabled else ""))
+        if model.cfg.hidden_size % 32:
+            left.append("the token table and LM head (the hidden size is not whole 32-blocks)")
         else:
-            table = quantize(model.embed_tokens.weight.data, TABLE_FORMAT)
-            head = table if tied else quantize(model.lm_head.weight.data, TABLE_FORMAT)
-            if table is not None:
-                model.embed_quant, model.embed_tokens.weight = table, None
-                model.lm_head.quant, model.lm_head.weight = head, None
+            _quantize_table(model, ops, dense)
     if model.cfg.moe.num_experts:
         left.append("the experts' tensors")
+    if model.tp.enabled and not dense and not model.cfg.hidden_size % 32:
+        left.append("the token table, holding its Q8_0 values (tensor parallelism: no packed rows per rank yet)")
     after = _float_bytes(model) + _packed_bytes(model)
-    table = "" if "the token table and LM head" in " ".join(left) else f", the token table and LM head as {TABLE_FORMAT}"
+    table = "" if model.cfg.hidden_size % 32 else f", the token table and LM head as {TABLE_FORMAT}"
     log.info("quantization %s: %d projections as %s blocks%s, %s; weights %.1f MB -> %.1f MB%s", scheme, done, fmt,
              table, "dequantized back into float (the reference)" if dense else f"packed for the {ops.name} kernels",
              before / 1e6, after / 1e6, f"; left float: {', '.join(left)}" if left else "")
+
+
+def _quantize_table(model: CausalLM, ops: KernelOps, dense: bool) -> None:
+    """The token table and the LM head (one tensor when tied) as Q8_0: packed (the table packed once for the lookup
+    and a tied head); ``dense``: their float weights set to the blocks' values. Under tensor parallelism the head's
+    rows of this rank are packed and the table keeps the blocks' values in float (a rank's packed table is not built)."""
+    from kernels.quant import dequantize_ref, quantize_ref
+
+    embed, head, tied = model.embed_tokens, model.lm_head, model.cfg.tie_word_embeddings
+    table_q = quantize_ref(embed.weight.data, TABLE_FORMAT)
+    head_q = table_q if tied else quantize_ref(head.weight.data, TABLE_FORMAT)
+    if dense or model.tp.enabled:
+        embed.weight.data.copy_(dequantize_ref(table_q).to(embed.weight.dtype))
+    if dense:
+        if not tied:
+            head.weight.data.copy_(dequantize_ref(head_q).to(head.weight.dtype))
+        return
+    head.quant, head.weight = ops.pack_quant(head_q), None
+    if not model.tp.enabled:
+        model.embed_quant = head.quant if tied else ops.pack_quant(table_q)
+        embed.weight = None
 
 
 def _float_bytes(model: CausalLM) -> int:

@@ -7,9 +7,9 @@ checkpoint tensor that fills it has that one type (q, k and v of a fused project
 projection's weight (a ``Linear``) or, in a GGUF block type, the token table (with it a tied LM head: one packed
 table serves the lookup and the head). The rest is dequantized at load, and the loader says how much of each:
 other block types, norms and biases (float in the files), a fused projection whose GPTQ / AWQ pieces are not all
-quantized alike, MoE expert tensors, tensor parallelism (splitting packed rows across ranks is not built yet), CUDA (no
-quantized kernels in Triton yet), ``quantization: w8a16`` (it quantizes float weights itself) and
-``quantized_weights: dense``.
+quantized alike, MoE expert tensors, tensor parallelism (splitting packed rows across ranks is not built yet), what
+the backend does not take (the triton backend: GGUF blocks only, no G4 / G8 yet; the torch backend on CUDA: none),
+``quantization: w8a16`` (it quantizes float weights itself) and ``quantized_weights: dense``.
 
 The pieces of a fused projection are joined row-wise (the block rows of q, then k, then v): a row of blocks is a
 row of weights, so joining and permuting rows is exact on the packed bytes. Nothing is converted: the backend's

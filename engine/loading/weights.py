@@ -34,7 +34,10 @@ _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints from 64 Mi
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
-    name = cfg.checkpoint_dtype if requested == "auto" else requested
+    """"auto": the checkpoint's dtype; a GPTQ / AWQ / compressed-tensors checkpoint on a CPU: float32 (its dtype is
+    its scales' and its float layers'; the packed kernels take float32 activations), as for a quantized GGUF file."""
+    auto = "float32" if cfg.quantization is not None and device == "cpu" else cfg.checkpoint_dtype
+    name = auto if requested == "auto" else requested
     if name not in _DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[name]
@@ -145,6 +148,8 @@ def load_model(
         if hf_quant is not None:
             dtypes = _tensor_dtypes(Path(model_path))
             layers = quantized_layers(dtypes, hf_quant)
+            if cfg.tie_word_embeddings and "lm_head" in layers:  # the head would be the float table: not the file's
+                raise ModelLoadError(f"{model_path}: a quantized lm_head in a checkpoint with tied embeddings")
             types = tensor_types(dtypes, hf_quant)
         else:
             types = open_gguf(model_path).tensor_types()

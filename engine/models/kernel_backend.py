@@ -64,6 +64,8 @@ class KernelOps:
     quant_linear: Callable | None = None
     quant_rows: Callable | None = None
     quantized_activations: str = "fp32"  # what ``quant_linear`` does to x: fp32, or int8 per 32-block (cpu only)
+    # ``embedding(table, ids)``: rows of a float token table (one rank's whole table); None: torch's embedding
+    embedding: Callable | None = None
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
@@ -136,13 +138,14 @@ def _cpu_pack_quant(w):
 
 
 def _torch_quant_linear(x, w, bias=None, out=None):
+    """The references (float32 sums) rounded to x's dtype: a bfloat16 model's next layer takes bfloat16."""
     from kernels import quant, quant_group
 
     if isinstance(w, quant_group.GroupQuantWeight):
         y = quant_group.group_linear_ref(x, w, bias)
     else:
         y = quant.quant_linear_ref(x, w, bias)
-    return y if out is None else out.copy_(y)
+    return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 def _with_out(linear: Callable) -> Callable:
@@ -158,7 +161,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             dtype: torch.dtype = torch.float32) -> KernelOps:
     """``quantized_activations`` (EngineConfig's): "int8" makes the cpu backend's quantized linear quantize its
     activations per 32-block (llama.cpp's scheme); the other backends take fp32 only. ``dtype``: the model's; the
-    triton backend's quantized token-table rows come out in it."""
+    triton and torch backends' quantized token-table rows come out in it (the torch references' linears in x's dtype)."""
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
     if quantized_activations != "fp32" and backend != "cpu":
@@ -180,6 +183,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             rms_norm=cpu_native.rms_norm,
             rotary_=cpu_native.rotary_,
             silu_mul=cpu_native.silu_mul,
+            embedding=cpu_native.embedding,
             pack_linear=cpu_native.pack_linear if cpu_native.onednn_available() else None,
             linear_packed=cpu_native.linear_packed,
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
@@ -194,7 +198,8 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             # the references, dequantized per call, exactly; on CPU tensors (the loader's blocks stay in host memory)
             quant_formats=(frozenset(quant.GGUF_BLOCKS) | frozenset(quant_group.GROUP_FORMATS.values())
                            if device == "cpu" else frozenset()),
-            pack_quant=lambda w: w, quant_linear=_torch_quant_linear, quant_rows=quant.quant_rows_ref,
+            pack_quant=lambda w: w, quant_linear=_torch_quant_linear,
+            quant_rows=lambda w, ids: quant.quant_rows_ref(w, ids).to(dtype),
             store_kv=store_kv.store_kv_ref,
             prefill_attention=prefill_attention.prefill_attention_ref,
             decode_attention=decode_attention.paged_decode_attention_ref,

@@ -178,6 +178,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
         if self.embed_quant is not None:  # a quantized token table kept packed: its rows dequantized
             h, residual = self.ops.quant_rows(self.embed_quant, input_ids), None
+        elif self.ops.embedding is not None and not self.tp.enabled:  # a float table, whole on this rank
+            h, residual = self.ops.embedding(self.embed_tokens.weight, input_ids), None
         else:
             h, residual = self.tp.embed(self.embed_tokens.weight, input_ids, self.cfg.vocab_size), None
         if self.cfg.gemma.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype first (as transformers)

@@ -1,11 +1,13 @@
 // duet's fused per-token ops for the CPU path (fp32), called from kernels/cpu_native.py through ctypes.
 //
 // Each replaces several torch ops (and their temporaries) with one pass over the rows, threads over rows:
-// RMSNorm with the residual add before it, rotary embedding applied in place to the q and k heads of the fused
+// the token table's rows for the step's ids (a float table: kernels/cpu_quant.py looks up packed ones), RMSNorm with
+// the residual add before it, rotary embedding applied in place to the q and k heads of the fused
 // qkv projection's output, and SwiGLU (silu(gate) * up). The arithmetic is the Llama reference's (transformers'),
 // step for step in fp32; only summation order (the mean of squares) and exp's last bit can differ.
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -77,4 +79,16 @@ void duet_silu_mul_f32(const float *x, int64_t x_s, float *out, int64_t o_s, int
         }
         for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+// out[t] = table[ids[t]] (cols floats per row; table row stride t_s): the embedding lookup of a float token table.
+// Returns 0, or 1 (nothing written) when an id is outside [0, vocab): checked here, so a replayed step
+// (kernels/cpu_graph.py) never reads outside the table.
+int duet_embedding_f32(const float *table, int64_t t_s, int64_t vocab, const int64_t *ids, int64_t rows, int64_t cols,
+                       float *out, int64_t o_s, int num_threads) {
+    for (int64_t t = 0; t < rows; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
+    for (int64_t t = 0; t < rows; t++) memcpy(out + t * o_s, table + ids[t] * t_s, sizeof(float) * (size_t)cols);
+    return 0;
 }

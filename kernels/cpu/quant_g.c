@@ -11,14 +11,19 @@
 // A group's scale and zero are read once per gs weights of its 8 rows, so the bytes are the checkpoint's plus
 // one int16 zero per group instead of its packed one.
 //
-// linear_f32: x stays fp32. Per group of gs weights and 8 rows, (q - z) is formed exactly in integers and widened
-// to fp32 in registers (4 bits: z subtracted from the bytes, q - z in [-16, 15], then one pshufb puts the byte on
-// top of its int32 lane: (q - z) * 2^24, as quant.c's Q4_0; 8 bits: the byte to the bottom of its lane, z
-// subtracted in int32), FMAed against x broadcast; the group's fp32 sum is multiplied by its scale once:
-//   acc += s * sum_j(x_j * (q_j - z))        (4 bits: s * 2^-24 and the sum of x_j * (q_j - z) * 2^24, exact)
-// The reference (kernels/quant_group.py) rounds w = (q - z) * s first and sums x * w: the same products, the
-// scale factored out of each group's sum, so only the fp32 rounding order differs.
-// The scalar twin (no AVX2/FMA/F16C, or forced) computes each group's sum in j order, then times s.
+// linear_f32: x stays fp32. Per group of gs weights and 8 rows, the quants are widened to fp32 in registers exactly
+// as quant.c's fp32 kernel widens Q4_1's (4 bits: the nibble, 0..15) and Q8_0's (8 bits: q - 128, the byte's top bit
+// flipped: signed): one pshufb puts each byte on top of its int32 lane, (q - c) * 2^24, converted exactly, FMAed
+// against x broadcast; per group, with c = 128 for 8 bits and 0 for 4 bits,
+//   acc += (s * 2^-24) * sum_j(x_j * (q_j - c) * 2^24) - ((z - c) * s) * sum_j(x_j)
+// (sums of x per group once per call), which is sum_j x_j * (q_j - z) * s reordered: the reference
+// (kernels/quant_group.py) rounds w = (q - z) * s first and sums x * w. Symmetric 8-bit weights (z = 128) have no
+// second term: the same products as the reference. The zero's term is Q4_1's min * sum(x) form; measured
+// (bench/kernels/quant_group_gemv.py, 2 threads, groups of 128, Qwen2.5-1.5B shapes 8960x1536 / 1536x8960, M = 1,
+// runs under the lock, ~10 % noise between runs): this form against (q - z) subtracted per weight in integers:
+// 8 bits 465 / 503 vs 502 / 521 us (one run each), 4 bits 420-426 / 431-441 vs 454-481 / 458 us (two runs each).
+// The subtraction is exact but costs an instruction per 8 weights (8 bits: in int32) or per 4 (4 bits: in bytes).
+// The scalar twin (no AVX2/FMA/F16C, or forced) computes the same per-group sums in j order.
 //
 // dequantize: rows (q - z) * s in fp32, one rounding, exactly the reference (prefill tiles for torch's GEMM).
 #include <stdint.h>
@@ -86,19 +91,22 @@ static void dequant_row_g_scalar(const GWeights *w, int64_t n, float *out) {
     }
 }
 
-// out[i] = row n . x_i for the mc rows of x (fp32, row stride x_s)
-static void row_g_scalar(const GWeights *w, int64_t n, const float *x, int64_t x_s, int mc, float *out) {
+// out[i] = row n . x_i for the mc rows of x (fp32, row stride x_s; xs their per-group sums [mc, ng]), in the AVX2
+// kernel's form: per group sum_j(x_j * (q_j - c)) * s - (z - c) * s * sum_j(x_j), c = 128 for 8 bits, else 0
+static void row_g_scalar(const GWeights *w, int64_t n, const float *x, int64_t x_s, const float *xs, int mc,
+                         float *out) {
+    const int c = w->bits == 8 ? 128 : 0;
     int q[32];
     for (int i = 0; i < mc; i++) out[i] = 0.0f;
     for (int64_t k = 0; k < w->ng; k++) {
         float s = scale_at(w, gat(w, n, k)), sum[MT] = {0};
-        int z = w->zeros[gat(w, n, k)];
+        float zs = (float)(w->zeros[gat(w, n, k)] - c) * s;
         for (int64_t b = k * w->bpg; b < (k + 1) * w->bpg; b++) {
             expand_g_scalar(w, n, b, q);
             for (int i = 0; i < mc; i++)
-                for (int j = 0; j < 32; j++) sum[i] += x[i * x_s + b * 32 + j] * (float)(q[j] - z);
+                for (int j = 0; j < 32; j++) sum[i] += x[i * x_s + b * 32 + j] * (float)(q[j] - c);
         }
-        for (int i = 0; i < mc; i++) out[i] += sum[i] * s;
+        for (int i = 0; i < mc; i++) out[i] += sum[i] * s - zs * xs[i * w->ng + k];
     }
 }
 
@@ -113,10 +121,14 @@ AVX2 static inline __m256 scales8(const GWeights *w, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// chunk c (0..7) of a group-block: weights 4c..4c+3 of its 8 rows, one byte each (lane r: row r); 4 bits: q - z
-// as signed bytes (zb: each row's z in its 4 bytes); 8 bits: q as stored
+// the 8 rows' zeros of group k as int32 lanes
+AVX2 static inline __m256i zeros8(const GWeights *w, int64_t i) {
+    return _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w->zeros + i)));
+}
+
+// chunk c (0..7) of a group-block: weights 4c..4c+3 of its 8 rows, one unsigned byte each (lane r: row r)
 AVX2 static inline __attribute__((always_inline)) void expand_g_avx2(const int bits, const uint8_t *qgb,
-                                                                      __m256i zb, __m256i v[8]) {
+                                                                      __m256i v[8]) {
     if (bits == 8) {
         for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(qgb + c * 32));
         return;
@@ -124,72 +136,73 @@ AVX2 static inline __attribute__((always_inline)) void expand_g_avx2(const int b
     const __m256i mask = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; c++) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(qgb + c * 32));
-        v[c] = _mm256_sub_epi8(_mm256_and_si256(raw, mask), zb);
-        v[c + 4] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), zb);
+        v[c] = _mm256_and_si256(raw, mask);
+        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     }
 }
 
-// a pshufb mask: byte t of each int32 lane moved to the top of the lane (4 bits: signed (q - z) << 24) or the
-// bottom (8 bits: unsigned q), the other bytes zero
-AVX2 static inline __m256i lane_mask(int top, int t) {
-    int8_t m[32];
-    for (int lane = 0; lane < 8; lane++)
-        for (int k = 0; k < 4; k++) m[lane * 4 + k] = (int8_t)((top ? k == 3 : k == 0) ? (lane % 4) * 4 + t : -1);
-    return _mm256_loadu_si256((const __m256i *)m);
-}
-
-// res[i] (lane r) = row 8g + r . x_i for mc rows of fp32 x (row stride x_s); inlined with constant bits and mc.
-// S chains per row of x keep the FMA latency hidden at small mc.
+// res[i] (lane r) = row 8g + r . x_i for mc rows of fp32 x (row stride x_s; xs: their per-group sums [mc, ng]);
+// inlined with constant bits and mc. S chains per row of x keep the FMA latency hidden at small mc.
 AVX2 static inline __attribute__((always_inline)) void group_g_avx2(const GWeights *w, const int bits, int64_t g,
-                                                                     const float *x, int64_t x_s, const int mc,
-                                                                     __m256 *res) {
+                                                                     const float *x, int64_t x_s, const float *xs,
+                                                                     const int mc, __m256 *res) {
     enum { S_MAX = 4 };
     const int S = mc == 1 ? 4 : mc == 2 ? 2 : 1;
-    __m256i sel[4];
-    for (int t = 0; t < 4; t++) sel[t] = lane_mask(bits == 4, t);
-    const __m256 unscale = _mm256_set1_ps(bits == 4 ? 5.9604644775390625e-08f : 1.0f);  // 2^-24
+    // byte t of each int32 lane moved to its top byte, the rest zero: lane = q' << 24 (signed)
+    const __m256i top[4] = {
+        _mm256_set_epi8(12, -1, -1, -1, 8, -1, -1, -1, 4, -1, -1, -1, 0, -1, -1, -1,
+                        12, -1, -1, -1, 8, -1, -1, -1, 4, -1, -1, -1, 0, -1, -1, -1),
+        _mm256_set_epi8(13, -1, -1, -1, 9, -1, -1, -1, 5, -1, -1, -1, 1, -1, -1, -1,
+                        13, -1, -1, -1, 9, -1, -1, -1, 5, -1, -1, -1, 1, -1, -1, -1),
+        _mm256_set_epi8(14, -1, -1, -1, 10, -1, -1, -1, 6, -1, -1, -1, 2, -1, -1, -1,
+                        14, -1, -1, -1, 10, -1, -1, -1, 6, -1, -1, -1, 2, -1, -1, -1),
+        _mm256_set_epi8(15, -1, -1, -1, 11, -1, -1, -1, 7, -1, -1, -1, 3, -1, -1, -1,
+                        15, -1, -1, -1, 11, -1, -1, -1, 7, -1, -1, -1, 3, -1, -1, -1)};
+    const __m256 unscale = _mm256_set1_ps(5.9604644775390625e-08f);  // 2^-24
+    const __m256i center = _mm256_set1_epi32(bits == 8 ? 128 : 0);
     __m256 acc[MT];
     for (int i = 0; i < mc; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < w->ng; k++) {
         const int64_t gi = (g * w->ng + k) * 8;
-        __m256 s = _mm256_mul_ps(scales8(w, gi), unscale);
-        __m256i z = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w->zeros + gi)));
-        __m256i zb = _mm256_mullo_epi32(z, _mm256_set1_epi32(0x01010101));
         __m256 bs[MT][S_MAX];
         for (int i = 0; i < mc; i++)
             for (int c = 0; c < S; c++) bs[i][c] = _mm256_setzero_ps();
         for (int64_t b = k * w->bpg; b < (k + 1) * w->bpg; b++) {
             __m256i v[8];
-            expand_g_avx2(bits, w->qs + (g * w->nb + b) * 8 * w->qb, zb, v);
-            for (int c = 0; c < 8; c++)
+            expand_g_avx2(bits, w->qs + (g * w->nb + b) * 8 * w->qb, v);
+            for (int c = 0; c < 8; c++) {
+                if (bits == 8) v[c] = _mm256_xor_si256(v[c], _mm256_set1_epi8((char)0x80));  // q - 128, signed
                 for (int t = 0; t < 4; t++) {  // weight 4c + t of the 8 rows
-                    __m256i lane = _mm256_shuffle_epi8(v[c], sel[t]);
-                    __m256 q = _mm256_cvtepi32_ps(bits == 4 ? lane : _mm256_sub_epi32(lane, z));
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v[c], top[t]));
                     for (int i = 0; i < mc; i++)
                         bs[i][t % S] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + i * x_s + b * 32 + 4 * c + t),
                                                        bs[i][t % S]);
                 }
+            }
         }
+        __m256 s = scales8(w, gi);
+        __m256 zs = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(zeros8(w, gi), center)), s);
+        s = _mm256_mul_ps(s, unscale);
         for (int i = 0; i < mc; i++) {
             __m256 sum = bs[i][0];
             if (S == 4) sum = _mm256_add_ps(_mm256_add_ps(bs[i][0], bs[i][1]), _mm256_add_ps(bs[i][2], bs[i][3]));
             if (S == 2) sum = _mm256_add_ps(bs[i][0], bs[i][1]);
-            acc[i] = _mm256_fmadd_ps(sum, s, acc[i]);
+            acc[i] = _mm256_fnmadd_ps(zs, _mm256_broadcast_ss(xs + i * w->ng + k), _mm256_fmadd_ps(sum, s, acc[i]));
         }
     }
     for (int i = 0; i < mc; i++) res[i] = acc[i];
 }
 
-typedef void (*GroupGFn)(const GWeights *, int64_t, const float *, int64_t, int, __m256 *);
+typedef void (*GroupGFn)(const GWeights *, int64_t, const float *, int64_t, const float *, int, __m256 *);
 
 #define GROUP_G_FN(B)                                                                                           \
-    AVX2 static void group_g_avx2_##B(const GWeights *w, int64_t g, const float *x, int64_t x_s, int mc,       \
-                                      __m256 *res) {                                                            \
+    AVX2 static void group_g_avx2_##B(const GWeights *w, int64_t g, const float *x, int64_t x_s, const float *xs, \
+                                      int mc, __m256 *res) {                                                    \
         switch (mc) {                                                                                           \
-            case 4: group_g_avx2(w, B, g, x, x_s, 4, res); break;                                               \
-            case 3: group_g_avx2(w, B, g, x, x_s, 3, res); break;                                               \
-            case 2: group_g_avx2(w, B, g, x, x_s, 2, res); break;                                               \
-            default: group_g_avx2(w, B, g, x, x_s, 1, res); break;                                              \
+            case 4: group_g_avx2(w, B, g, x, x_s, xs, 4, res); break;                                           \
+            case 3: group_g_avx2(w, B, g, x, x_s, xs, 3, res); break;                                           \
+            case 2: group_g_avx2(w, B, g, x, x_s, xs, 2, res); break;                                           \
+            default: group_g_avx2(w, B, g, x, x_s, xs, 1, res); break;                                          \
         }                                                                                                       \
     }
 GROUP_G_FN(4) GROUP_G_FN(8)
@@ -201,12 +214,11 @@ AVX2 static void dequant_group_g_avx2(const GWeights *w, int64_t g, int first, i
         float s[8];
         int32_t z[8];
         _mm256_storeu_ps(s, scales8(w, gi));
-        _mm256_storeu_si256((__m256i *)z, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w->zeros + gi))));
-        __m256i zb = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)z), _mm256_set1_epi32(0x01010101));
+        _mm256_storeu_si256((__m256i *)z, zeros8(w, gi));
         for (int64_t b = k * w->bpg; b < (k + 1) * w->bpg; b++) {
             __m256i v[8];
             uint32_t chunks[8][8];  // [chunk][row]
-            expand_g_avx2(w->bits, w->qs + (g * w->nb + b) * 8 * w->qb, zb, v);
+            expand_g_avx2(w->bits, w->qs + (g * w->nb + b) * 8 * w->qb, v);
             for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)chunks[c], v[c]);
             for (int r = first; r < first + count; r++) {
                 uint32_t row[8];
@@ -215,8 +227,7 @@ AVX2 static void dequant_group_g_avx2(const GWeights *w, int64_t g, int first, i
                 __m128i h[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
                 float *o = out + (r - first) * ld + b * 32;
                 for (int q = 0; q < 4; q++) {
-                    __m256i iv = w->bits == 4 ? _mm256_cvtepi8_epi32(h[q])
-                                              : _mm256_sub_epi32(_mm256_cvtepu8_epi32(h[q]), _mm256_set1_epi32(z[r]));
+                    __m256i iv = _mm256_sub_epi32(_mm256_cvtepu8_epi32(h[q]), _mm256_set1_epi32(z[r]));
                     _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(iv), _mm256_set1_ps(s[r])));
                 }
             }
@@ -228,15 +239,37 @@ AVX2 static void dequant_group_g_avx2(const GWeights *w, int64_t g, int first, i
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// out[i * o_s + n] = x[i] . w[n] (+ bias[n]) with x in fp32 (see the top)
-void duet_group_linear_f32(int bits, int scale_kind, const uint8_t *qs, const void *scales, const int16_t *zeros,
-                           int64_t rows, int64_t cols, int64_t group_size, const float *x, int64_t x_s, int64_t M,
-                           const float *bias, float *out, int64_t o_s, int force_scalar, int num_threads) {
+// out[i * o_s + n] = x[i] . w[n] (+ bias[n]) with x in fp32 (see the top). perm (act-order; NULL: none): the
+// kernel's column k is x's column perm[k], each in [0, cols) (checked once, at pack: kernels/cpu_quant_group.py);
+// x's rows are gathered into that order once per call, in the pass that sums each group of x. Returns 0, or 1 when
+// scratch memory could not be allocated.
+int duet_group_linear_f32(int bits, int scale_kind, const uint8_t *qs, const void *scales, const int16_t *zeros,
+                           int64_t rows, int64_t cols, int64_t group_size, const int64_t *perm, const float *x,
+                           int64_t x_s, int64_t M, const float *bias, float *out, int64_t o_s, int force_scalar,
+                           int num_threads) {
     GWeights w = gweights(bits, scale_kind, qs, scales, zeros, cols, group_size);
     int64_t groups = (rows + 7) / 8;
 #ifdef HAVE_X86
     GroupGFn simd = !force_scalar && avx2_supported() ? (bits == 4 ? group_g_avx2_4 : group_g_avx2_8) : NULL;
 #endif
+    // sum(x) per row of x and group [M, ng], then (act-order) x's rows in the kernel's column order [M, cols]
+    float *xs = malloc(sizeof(float) * (size_t)(M * w.ng + (perm ? M * cols : 0) + 1));
+    if (!xs) return 1;
+    float *xg = perm ? xs + M * w.ng : NULL;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < w.ng; k++) {
+            float sum = 0.0f;
+            for (int64_t j = k * group_size; j < (k + 1) * group_size; j++) {
+                float v = perm ? x[i * x_s + perm[j]] : x[i * x_s + j];
+                if (xg) xg[i * cols + j] = v;
+                sum += v;
+            }
+            xs[i * w.ng + k] = sum;
+        }
+    if (xg) {
+        x = xg;
+        x_s = cols;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * M * cols >= 32768)
     for (int64_t g = 0; g < groups; g++) {
         int count = rows - g * 8 < 8 ? (int)(rows - g * 8) : 8;
@@ -247,13 +280,13 @@ void duet_group_linear_f32(int bits, int scale_kind, const uint8_t *qs, const vo
 #ifdef HAVE_X86
             if (simd) {
                 __m256 v[MT];
-                simd(&w, g, xi, x_s, mc, v);
+                simd(&w, g, xi, x_s, xs + i0 * w.ng, mc, v);
                 for (int i = 0; i < mc; i++) _mm256_storeu_ps(res[i], v[i]);
             } else
 #endif
                 for (int r = 0; r < count; r++) {
                     float one[MT];
-                    row_g_scalar(&w, g * 8 + r, xi, x_s, mc, one);
+                    row_g_scalar(&w, g * 8 + r, xi, x_s, xs + i0 * w.ng, mc, one);
                     for (int i = 0; i < mc; i++) res[i][r] = one[i];
                 }
             for (int i = 0; i < mc; i++)
@@ -261,6 +294,8 @@ void duet_group_linear_f32(int bits, int scale_kind, const uint8_t *qs, const vo
                     out[(i0 + i) * o_s + g * 8 + r] = res[i][r] + (bias ? bias[g * 8 + r] : 0.0f);
         }
     }
+    free(xs);
+    return 0;
 }
 
 // out [count, cols] = rows row0 .. row0 + count - 1 dequantized, exactly as kernels/quant_group.py (kernel column

@@ -2,7 +2,8 @@
 (engine/decode_graphs.py, kernels/cpu_graph.py): the calls of the eager step on static, padded buffers, so the
 tokens equal an engine without recordings and the log-probs and the KV cache agree to float rounding, over
 batches that shrink through every bucket (the padding rows write nothing); a model the recording cannot cover runs eagerly and says
-why; a replayed step checks its inputs."""
+why; a replayed step checks its inputs. The packed models: GGUF Q4_1 (its token table packed too) and Q4_K, and a
+GPTQ act-order checkpoint (a float token table, looked up in C; x's columns permuted in C per projection)."""
 from __future__ import annotations
 
 import pytest
@@ -12,11 +13,15 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from kernels import cpu_graph, cpu_native
 from tests.engine.loading.gguf_files import write_gguf
+from tests.engine.loading.hf_quant_files import write_gptq
 from tests.engine.test_decode_graphs import MAX_TOKENS, run
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q4_K"])
+@pytest.fixture(scope="module", params=["Q4_1", "Q4_K", "gptq-act-order"])
 def packed_file(request, tiny_model, tmp_path_factory):
+    if request.param == "gptq-act-order":
+        return write_gptq(tiny_model("llama"), tmp_path_factory.mktemp("rec") / "gptq", bits=4, group_size=32,
+                          sym=False, desc_act=True)
     shape = {"hidden_size": 256, "intermediate_size": 512} if request.param == "Q4_K" else {}
     return write_gguf(tiny_model("llama", **shape), tmp_path_factory.mktemp("rec") / f"t.{request.param}.gguf",
                       request.param)
@@ -34,6 +39,9 @@ def test_recorded_decode_equals_eager(packed_file):
     want, got = run(eager), run(recorded)
     graphs = recorded.runner.decode_graphs
     assert recorded.runner.fallbacks == []
+    if packed_file.is_dir():  # the GPTQ checkpoint: act-order weights, packed for the group kernels; a float table
+        model = recorded.runner.model
+        assert model.layers[0].mlp.down_proj.quant.perm is not None and model.embed_quant is None
     assert {b for b, (rec, _) in graphs.graphs.items() if rec is not None} == {1, 2, 4, 8}  # batches 5 .. 1
     assert graphs.replays == sum(rec.replays for rec, _ in graphs.graphs.values()) >= max(MAX_TOKENS) - 1
     for k in want:  # a padded batch sums some rows in another order (the kernels split rows by M): not bit-exact
@@ -92,14 +100,18 @@ def test_a_recording_replays_its_calls_on_new_values():
 
 
 def test_a_bucket_past_the_gemv_rows_runs_eagerly_and_the_smaller_ones_replay(packed_file):
-    """From GEMM_ROWS_FP32 rows the packed linear dequantizes tiles for torch's GEMM: not recordable. That bucket
-    and the larger ones run eagerly (said, counted); the smaller ones still replay."""
+    """From GEMM_ROWS_FP32 rows (the group kernels' GEMM_ROWS alike) the packed linear dequantizes tiles for torch's
+    GEMM: not recordable. That bucket and the larger ones run eagerly (said, counted); the smaller ones still
+    replay."""
+    from kernels import cpu_quant_group
     from kernels.cpu_quant import GEMM_ROWS_FP32
 
+    assert cpu_quant_group.GEMM_ROWS == GEMM_ROWS_FP32
     e = engine(packed_file, GEMM_ROWS_FP32 + 8, max_num_seqs=GEMM_ROWS_FP32 + 8)
     assert e.capture_decode_graphs() == len(e.runner.decode_graphs.sizes)
     graphs = e.runner.decode_graphs.graphs
     assert {b for b, (rec, _) in graphs.items() if rec is None} == {b for b in graphs if b >= GEMM_ROWS_FP32}
-    assert any("aten.mm" in f or "aten.addmm" in f or "linear" in f for f in e.runner.fallbacks), e.runner.fallbacks
+    met = ("aten.index_select",) if packed_file.is_dir() else ("aten.mm", "aten.addmm", "linear")  # act-order: the
+    assert any(op in f for op in met for f in e.runner.fallbacks), e.runner.fallbacks  # tiles' gather, then the GEMM
     eager = engine(packed_file, 0)
     assert [t for t, _ in run(e).values()] == [t for t, _ in run(eager).values()]

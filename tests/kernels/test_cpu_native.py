@@ -162,6 +162,16 @@ def test_fused_token_ops_match_the_torch_layers():
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), ref, atol=1e-6, rtol=2e-6, equal_nan=True)
 
 
+def test_embedding_is_torchs_lookup_and_refuses_ids_outside_the_table():
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(300, 1000, generator=gen)[:, :576]  # rows strided: a view of a wider table
+    for ids in (torch.tensor([5]), torch.randint(0, 300, (130,), generator=gen), torch.tensor([], dtype=torch.int64)):
+        assert torch.equal(cpu_native.embedding(table, ids), torch.nn.functional.embedding(ids, table))
+    for bad in (300, -1):
+        with pytest.raises(IndexError, match=r"token ids must be in \[0, 300\)"):
+            cpu_native.embedding(table, torch.tensor([3, bad]))
+
+
 @pytest.mark.parametrize("head_dim,factor", [(128, 0.75), (16, 0.75), (64, 0.25)])  # Phi-4-mini: 96 of 128
 def test_partial_rotary_turns_the_front_of_each_head_only(head_dim, factor):
     """The C rotary with rotary_dim < head_dim: the first rotary_dim dims of each q/k head as the torch layer

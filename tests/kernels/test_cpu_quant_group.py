@@ -6,13 +6,14 @@ Random quants, zeros (up to 2^bits: GPTQ v1's stored zero + 1) and scales in eac
 input columns put back; pack / unpack is lossless; the packed form dequantizes to exactly the reference (AVX2 and
 scalar, whole and in runs of rows); ``linear`` at M = 1, 3, 16 (the GEMV, forced) and 40 (tiles + GEMM) within a
 relative RMS of 1e-5 of the reference (the GEMV's reordered fp32 sums), exactly for the tiles; through
-kernels/cpu_quant.py's ``linear`` (the engine's entry) too; bad input refused."""
+kernels/cpu_quant.py's ``linear`` (the engine's entry) too; an act-order GEMV (x's columns gathered in C) recorded and
+replayed on new values (kernels/cpu_graph.py); bad input refused."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_quant, cpu_quant_group
+from kernels import cpu_graph, cpu_quant, cpu_quant_group
 from kernels.quant_group import GroupQuantWeight, dequantize_group_ref, group_linear_ref, join_rows
 
 PATHS = [False, True]  # scalar: the AVX2 path (where the CPU has it), then the forced scalar twin
@@ -79,6 +80,23 @@ def test_linear_matches_the_reference(bits, group_size, scale_dtype, perm, scala
                        cpu_quant_group.linear(x, p, bias, scalar=scalar))
 
 
+@pytest.mark.parametrize("scalar", PATHS)
+def test_an_act_order_gemv_is_c_calls_only_and_replays(scalar):
+    """The permutation applied in C: the call records (no torch operator) and a replay on new x values gives what an
+    eager call gives, bit for bit (the same kernel)."""
+    w = random_weight(4, 40, 256, 64, perm=True, seed=3)
+    p = cpu_quant_group.pack(w)
+    x = torch.randn(3, 256)
+    cpu_quant_group.linear(x, p, scalar=scalar)  # ctypes looks the function up before the recording
+    rec, out = cpu_graph.record(lambda: cpu_quant_group.linear(x, p, scalar=scalar))
+    assert [fn.__name__ for fn, _ in rec.calls] == ["duet_group_linear_f32"]
+    x.copy_(torch.randn(3, 256))
+    rec.replay()
+    assert torch.equal(out, cpu_quant_group.linear(x, p, scalar=scalar))
+    ref = group_linear_ref(x, w)
+    assert (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt() <= KERNEL_TOL
+
+
 def test_join_rows_and_bad_input():
     a, b = random_weight(4, 8, 64, 32, seed=1), random_weight(4, 16, 64, 32, seed=2)
     joined = join_rows([a, b])
@@ -91,6 +109,8 @@ def test_join_rows_and_bad_input():
         GroupQuantWeight(2, 32, a.q, a.scales, a.zeros)
     with pytest.raises(ValueError, match="zeros must be int16"):
         GroupQuantWeight(4, 32, a.q, a.scales, a.zeros.int())
+    with pytest.raises(ValueError, match="perm must be a permutation of the 64 columns"):
+        cpu_quant_group.pack(GroupQuantWeight(4, 32, a.q, a.scales, a.zeros, torch.zeros(64, dtype=torch.int64)))
     p = cpu_quant_group.pack(a)
     with pytest.raises(ValueError, match="x must be a 2-D float32 CPU tensor of 64 columns"):
         cpu_quant_group.linear(torch.randn(2, 32), p)

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, ModelLoadError
 from engine.request import SamplingParams
+from kernels import cpu_quant_group
 from kernels.quant_group import GroupQuantWeight, dequantize_group_ref
 from tests.engine.loading import hf_quant_files as files
 from tests.engine.models.test_kernel_backends import prompt_logits
@@ -141,6 +142,20 @@ def test_the_cpu_kernels_serve_them_close_to_the_dense_engine_in_the_files_bytes
     assert nbytes(("qweight", "weight_packed")) < held <= 1.15 * nbytes(_PARTS[CASES[case][0]])
 
 
+def test_auto_dtype_of_a_half_precision_checkpoint_is_float32_on_a_cpu(tiny_model, tmp_path):
+    """A GPTQ checkpoint saved in float16 (as they are): "auto" runs it in float32 on a CPU, packed for the C
+    kernels; asking for bfloat16 runs the torch backend (the C kernels take float32), whose reference keeps the
+    layer's quants and dequantizes them per call."""
+    path = files.write_gptq(tiny_model("llama", dtype="float16"), tmp_path / "gptq")
+    engine = Engine(EngineConfig(model=str(path), num_blocks=64))
+    assert engine.runner.dtype == torch.float32 and engine.runner.model.ops.name == "cpu"
+    assert isinstance(engine.runner.model.layers[0].mlp.down_proj.quant, cpu_quant_group.PackedGroup)
+    bf16 = Engine(EngineConfig(model=str(path), num_blocks=64, dtype="bfloat16"))
+    assert bf16.runner.dtype == torch.bfloat16 and bf16.runner.model.ops.name == "torch"
+    assert isinstance(bf16.runner.model.layers[0].mlp.down_proj.quant, GroupQuantWeight)
+    assert len(greedy(bf16)[0]) == len(greedy(engine)[0])  # it runs
+
+
 def test_float_layers_stay_float_and_mixed_pieces_are_dequantized(tiny_model, tmp_path, caplog):
     """An ignore list: layer 1's down_proj float in the file stays a float weight; layer 0's k_proj float makes its
     fused q/k/v mixed: the q and v pieces are dequantized at load (said in the log)."""
@@ -167,11 +182,11 @@ def test_act_order_pieces_with_different_column_orders_are_dequantized_logged(ti
     assert greedy(packed) == greedy(dense)
 
 
-def _edit(path, config: dict | None = None, drop: str | None = None, change: dict | None = None) -> None:
-    if config is not None:
-        cfg = json.loads((path / "config.json").read_text())
-        cfg["quantization_config"].update(config)
-        (path / "config.json").write_text(json.dumps(cfg))
+def _edit(path, config: dict | None = None, drop: str | None = None, change: dict | None = None,
+          model_config: dict | None = None) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(config or {})
+    (path / "config.json").write_text(json.dumps({**cfg, **(model_config or {})}))
     tensors = load_file(str(path / "model.safetensors"))
     tensors = {k: v for k, v in tensors.items() if k != drop}
     save_file({**tensors, **(change or {})}, str(path / "model.safetensors"))
@@ -190,6 +205,9 @@ def _edit(path, config: dict | None = None, drop: str | None = None, change: dic
         "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}}}, ModelLoadError,
      "an asymmetric scheme whose layers lack weight_zero_point"),
     ("gptq", {"quantization": "int4"}, ConfigError, r"quantized already \(quantization_config: gptq\)"),
+    ("gptq", {"model_config": {"tie_word_embeddings": True}, "change": {
+        f"lm_head.{part}": torch.zeros(1, 1, dtype=torch.int32) for part in ("qweight", "qzeros", "scales")}},
+     ModelLoadError, "a quantized lm_head in a checkpoint with tied embeddings"),
 ])
 def test_broken_or_contradictory_checkpoints_are_refused_by_name(tiny_model, tmp_path, kind, edit, error, message):
     path = WRITERS[kind](tiny_model("llama"), tmp_path / kind)
@@ -197,3 +215,29 @@ def test_broken_or_contradictory_checkpoints_are_refused_by_name(tiny_model, tmp
     _edit(path, **edit)
     with pytest.raises(error, match=message):
         Engine(EngineConfig(model=str(path), num_blocks=64, kernels="cpu", quantization=quantization))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gptq-int4-asym-g64-act-order", "quantization-int4"])
+def test_tensor_parallel_ranks_serve_them_like_one_rank(tiny_model, tmp_path, case):
+    """Over 2 ranks: a GPTQ checkpoint dequantized at load on every rank (packed rows are not split across ranks
+    yet), and ``quantization: int4`` quantizing each rank's own shards (row-parallel shards start on 32-column
+    blocks, so they are the one-rank engine's blocks; the head's rows packed, the table's Q8_0 values in float):
+    greedy tokens equal the one-rank engine's, logprobs within tests/engine/models/test_tensor_parallel.py's
+    tolerance (partial sums reduced across ranks)."""
+    from tests.engine.models.test_tensor_parallel import assert_same, run
+    from tests.engine.tp_engines import tp_engine
+
+    if case == "quantization-int4":
+        config = EngineConfig(model=str(tiny_model("llama")), num_blocks=64, kernels="torch", quantization="int4")
+    else:
+        kind, kw = CASES[case]
+        config = EngineConfig(model=str(WRITERS[kind](tiny_model("llama"), tmp_path / case, **kw)), num_blocks=64,
+                              kernels="torch")
+    want = run(Engine(config))
+    with tp_engine(config, 2) as engine:
+        model = engine.runner.model
+        assert (model.layers[0].self_attn.o_proj.quant is not None) == (case == "quantization-int4")
+        assert (model.lm_head.quant is not None) == (case == "quantization-int4")  # this rank's rows of the head
+        assert model.embed_quant is None  # the token table stays float under tensor parallelism
+        assert_same(run(engine), want)
