@@ -79,6 +79,11 @@ from kernels.quant_group import GROUP_FORMATS
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
+# the k-quants' own (fp32): their weights are larger and the tiles dequantize 4-5x the bytes; measured with the
+# weights from memory (64 copies of 8192x2048 Q4_K, 44 of 2048x8192 Q6_K: past the 480 MiB L3), 2 threads, ms per
+# call GEMV / tiles + GEMM: Q4_K M=24 4.9 / 7.6, 32 6.4 / 8.1, 48 9.3 / 10.2, 64 13.1 / 13.2; Q6_K M=24 8.2 / 8.8,
+# 32 11.1 / 9.3. Q5_K (not measured) goes with Q4_K: the same kernel with one more load per chunk
+GEMM_ROWS_FP32_K = {"Q4_K": 64, "Q5_K": 64, "Q6_K": 32}
 _TILE_BYTES = 64 << 20  # a dequantized tile's fp32 at most (one buffer, reused: _tile_buffer)
 _scratch = threading.local()
 INT8_FORMATS = frozenset(GGUF_BLOCKS)  # activations="int8" takes these: every format
@@ -205,7 +210,7 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
     level = isa_level(isa)
     m = x.shape[0]
-    if tiles and m >= (GEMM_ROWS_FP32 if acts == "fp32" else GEMM_ROWS):
+    if tiles and m >= gemm_rows(p.fmt, acts):
         y = _linear_gemm(x, p, bias, isa)
         return y if out is None else out.copy_(y)
     if out is None:
@@ -225,6 +230,13 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     if rc:
         raise NativeKernelError(f"{fn.__name__} failed (code {rc}: no scratch memory)")
     return out
+
+
+def gemm_rows(fmt: str, activations: str) -> int:
+    """M from which ``linear`` dequantizes tiles for torch's GEMM instead of running the GEMV (measured, above)."""
+    if activations == "int8":
+        return GEMM_ROWS
+    return GEMM_ROWS_FP32_K.get(fmt, GEMM_ROWS_FP32)
 
 
 def _tile_buffer(numel: int) -> torch.Tensor:

@@ -177,7 +177,7 @@ def _quant_kernel(ops: KernelOps, packed) -> str:
         from kernels.cpu_quant_isa import default_isa
 
         int8 = ops.quantized_activations == "int8" and packed.fmt in cpu_quant.INT8_FORMATS
-        rows = cpu_quant.GEMM_ROWS if int8 else cpu_quant.GEMM_ROWS_FP32
+        rows = cpu_quant.gemm_rows(packed.fmt, "int8" if int8 else "fp32")
         # the level the calls pass: each kernel runs its best variant at or below it (kernels/cpu_quant_isa.py)
         acts = "int8 activations" if int8 else "fp32 activations" + (
             " (int8 digit planes on VNNI)" if default_isa() == "vnni" else "")

@@ -100,17 +100,19 @@ def test_a_recording_replays_its_calls_on_new_values():
 
 
 def test_a_bucket_past_the_gemv_rows_runs_eagerly_and_the_smaller_ones_replay(packed_file):
-    """From GEMM_ROWS_FP32 rows (the group kernels' GEMM_ROWS alike) the packed linear dequantizes tiles for torch's
-    GEMM: not recordable. That bucket and the larger ones run eagerly (said, counted); the smaller ones still
-    replay."""
-    from kernels import cpu_quant_group
-    from kernels.cpu_quant import GEMM_ROWS_FP32
+    """From its format's rows (kernels/cpu_quant.py ``gemm_rows``: 24 for the 32-weight blocks, 64 for Q4_K; the
+    group kernels' GEMM_ROWS) a packed linear dequantizes tiles for torch's GEMM: not recordable. That bucket and the
+    larger ones run eagerly (said, counted); the smaller ones still replay."""
+    from kernels import cpu_quant, cpu_quant_group
 
-    assert cpu_quant_group.GEMM_ROWS == GEMM_ROWS_FP32
-    e = engine(packed_file, GEMM_ROWS_FP32 + 8, max_num_seqs=GEMM_ROWS_FP32 + 8)
+    fmts = {lin.quant.fmt for lin in engine(packed_file, 0).runner.model._linears() if lin.quant is not None}
+    limit = min(cpu_quant_group.GEMM_ROWS if f in cpu_quant.GROUP_FORMAT_NAMES else cpu_quant.gemm_rows(f, "fp32")
+                for f in fmts)
+    assert limit == (64 if fmts == {"Q4_K"} else 24), fmts
+    e = engine(packed_file, limit + 8, max_num_seqs=limit + 8)
     assert e.capture_decode_graphs() == len(e.runner.decode_graphs.sizes)
     graphs = e.runner.decode_graphs.graphs
-    assert {b for b, (rec, _) in graphs.items() if rec is None} == {b for b in graphs if b >= GEMM_ROWS_FP32}
+    assert {b for b, (rec, _) in graphs.items() if rec is None} == {b for b in graphs if b >= limit}
     met = ("aten.index_select",) if packed_file.is_dir() else ("aten.mm", "aten.addmm", "linear")  # act-order: the
     assert any(op in f for op in met for f in e.runner.fallbacks), e.runner.fallbacks  # tiles' gather, then the GEMM
     eager = engine(packed_file, 0)

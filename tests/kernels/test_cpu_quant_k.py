@@ -143,12 +143,21 @@ def test_int8_kernel_within_its_bound_on_every_level(fmt, m, two_threads):
         assert ((simd[0] - outs["scalar"]).abs().max() / simd[0].abs().max()).item() < 1e-5
 
 
-def test_linear_default_takes_both_activations_and_the_tiles(two_threads):
+def test_linear_default_takes_both_activations_and_the_tiles(two_threads, monkeypatch):
     w = k_weight("Q6_K", 19, 512, seed=5)
     p = cpu_quant.pack(w)
-    x = torch.randn(cpu_quant.GEMM_ROWS_FP32, 512)
+    assert cpu_quant.gemm_rows("Q6_K", "fp32") == cpu_quant.GEMM_ROWS_FP32_K["Q6_K"] > cpu_quant.GEMM_ROWS_FP32
+    assert cpu_quant.gemm_rows("Q4_1", "fp32") == cpu_quant.GEMM_ROWS_FP32
+    assert cpu_quant.gemm_rows("Q6_K", "int8") == cpu_quant.GEMM_ROWS
+    x = torch.randn(cpu_quant.gemm_rows("Q6_K", "fp32"), 512)
     assert cpu_quant.ACTIVATIONS == "fp32"
-    tiles = cpu_quant.linear(x, p)  # M >= GEMM_ROWS_FP32: the dequantized tiles, torch's GEMM on exact weights
+    called = []
+    real = cpu_quant._linear_gemm
+    monkeypatch.setattr(cpu_quant, "_linear_gemm", lambda *a: called.append(1) or real(*a))
+    tiles = cpu_quant.linear(x, p)  # M >= Q6_K's rows: the dequantized tiles, torch's GEMM on exact weights
+    assert called == [1]
+    cpu_quant.linear(x[:-1], p)  # one row fewer: the GEMV
+    assert called == [1]
     assert torch.allclose(tiles, quant_linear_ref(x, w), rtol=0, atol=1e-5 * tiles.abs().max().item())
     assert cpu_quant.linear(x[:2], p, activations="int8").shape == (2, 19)
 
