@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from engine.config import KV_CACHE_DTYPES
 from engine.errors import ConfigError
 
-SCALE_BYTES = 4  # one fp32 scale per (token, KV head)
-SCALE_LAYOUT = "fp32_per_token_head_after_page"  # KVCompat.scale_layout of a quantized cache
-NO_SCALES = "none"
+SCALE_BYTES = 4  # one fp32 scale per (token, KV head); kvtransfer's KVCompat names this layout PAGE_SCALES
 
 # config name -> (torch dtype name of the stored values, the largest magnitude a value takes: amax / qmax = scale)
 _QUANTIZED = {"int8": ("int8", 127.0), "fp8_e4m3": ("float8_e4m3fn", 448.0), "fp8_e5m2": ("float8_e5m2", 57344.0)}
@@ -36,10 +34,6 @@ class KVCacheDtype:
     @property
     def quantized(self) -> bool:
         return self.qmax > 0
-
-    @property
-    def scale_layout(self) -> str:
-        return SCALE_LAYOUT if self.quantized else NO_SCALES
 
     def page_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         """One layer's K (or V) of one block: its values, then (quantized) their scales."""
