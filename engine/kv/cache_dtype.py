@@ -47,7 +47,7 @@ class KVCacheDtype:
         """What the log line and errors say about it."""
         if not self.quantized:
             return self.name
-        return f"{self.name} (+ an fp32 scale per token and KV head)"
+        return f"{self.name} + an fp32 scale per token and KV head"
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> KVCacheDtype:

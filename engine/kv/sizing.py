@@ -81,9 +81,10 @@ def size_kv_cache(cfg: EngineConfig, bytes_per_block: int, device_type: str, max
                               f"{MIN_BLOCKS} blocks of {bytes_per_block} bytes; free memory, raise "
                               "kv_cache_memory_fraction or set kv_cache_bytes / num_blocks")
         size = KVCacheSize(budget // bytes_per_block, bytes_per_block, False, reason)
-    log.info("KV cache: %d blocks of %d tokens, %s, %s (%d tokens per GiB) on %s: %s", size.num_blocks,
-             cfg.block_size, kv_dtype or cfg.kv_cache_dtype, _size(size.num_bytes),
-             tokens_per_gib(bytes_per_block, cfg.block_size), device_type, size.reason)
+    # bench/llamacpp/serving.py reads this line: "KV cache: N blocks of B tokens (size) on device: ..."
+    log.info("KV cache: %d blocks of %d tokens (%s) on %s: %s, %d tokens per GiB; %s", size.num_blocks,
+             cfg.block_size, _size(size.num_bytes), device_type, kv_dtype or cfg.kv_cache_dtype,
+             tokens_per_gib(bytes_per_block, cfg.block_size), size.reason)
     check_tier_order(cfg, size)
     return size
 

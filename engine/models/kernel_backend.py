@@ -16,6 +16,11 @@ fused-MoE kernel pair (kernels/fused_moe.py), on a GPU and in the interpreter al
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
 
+A quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py) needs store and attention kernels that read its
+pages (values + per-token, per-head scales): ``torch`` has int8 and both fp8s (the references), ``cpu`` int8
+(kernels/cpu_kv_int8.py), ``triton`` none yet (``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name
+rather than run something else.
+
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
 instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
 (``duet_kernel_fallbacks``). Asking for ``cpu`` by name makes the same failure a ConfigError.

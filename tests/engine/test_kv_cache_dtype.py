@@ -129,9 +129,9 @@ def test_the_budget_counts_one_byte_values_and_their_scales(model_dir, caplog):
     assert quant.runner.num_blocks == (1 << 20) // quant.runner.bytes_per_block
     assert quant.runner.num_blocks / dense.runner.num_blocks == pytest.approx(3.2, rel=0.01)
     assert quant.runner.kv_cache.nbytes == quant.runner.num_blocks * quant.runner.bytes_per_block
-    assert "409 blocks of 16 tokens, int8 (+ an fp32 scale per token and KV head), 1022.5 KiB (6710880 tokens per " \
-           "GiB)" in caplog.text
-    assert "128 blocks of 16 tokens, float32, 1.0 MiB (2097152 tokens per GiB)" in caplog.text  # 3.2x fewer
+    assert ("409 blocks of 16 tokens (1022.5 KiB) on cpu: int8 + an fp32 scale per token and KV head, 6710880 tokens "
+            "per GiB; kv_cache_bytes = 1.0 MiB") in caplog.text
+    assert "128 blocks of 16 tokens (1.0 MiB) on cpu: float32, 2097152 tokens per GiB" in caplog.text  # 3.2x fewer
 
 
 def _prefill_logits(e: Engine, ids: list[int]) -> torch.Tensor:
