@@ -65,6 +65,9 @@ def _add_quantized_args(p: argparse.ArgumentParser, serve: bool = False) -> None
     p.add_argument("--quantized-activations", choices=["fp32", "int8"], default=None if serve else "fp32",
                    help="the CPU kernels' activations against packed weights: fp32 (token-exact with the dense "
                         "model) or int8 per 32-block (llama.cpp's scheme: faster, not token-exact)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"], default=None if serve else "auto",
+                   help="what the KV cache stores: auto (the model dtype) or 1-byte values with an fp32 scale per token "
+                        "and KV head (int8: cpu and torch kernels; fp8_*: torch kernels); ~4x the tokens of fp32")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -74,6 +77,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
         quantization=args.quantization, block_size=args.block_size, num_blocks=args.num_blocks,
         quantized_weights=args.quantized_weights, quantized_activations=args.quantized_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graph_max_batch=args.cuda_graph_max_batch, cpu_graph_max_batch=args.cpu_graph_max_batch,
@@ -144,7 +148,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.num_blocks": args.num_blocks, "engine.kv_cache_bytes": args.kv_cache_bytes,
         "engine.max_model_len": args.max_model_len,
         "engine.quantization": args.quantization, "engine.quantized_weights": args.quantized_weights,
-        "engine.quantized_activations": args.quantized_activations,
+        "engine.quantized_activations": args.quantized_activations, "engine.kv_cache_dtype": args.kv_cache_dtype,
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
         "engine.speculative_config": args.speculative_config,

@@ -29,7 +29,7 @@ from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
 from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers
 from engine.errors import ConfigError
-from engine.kv.hashing import BlockHasher
+from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.loading.weights_summary import WeightsSummary
 from prefill_worker.base import WorkerInfo
@@ -165,7 +165,8 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
                  i.max_model_len)
     log.info("serving max_model_len %d: the longest context every worker holds (the checkpoint's: %d)",
              card.max_model_len, model_config.max_position_embeddings)
-    hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed, config.engine.hash_namespace)
+    hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed,  # the workers' namespace (their KV dtype)
+                         kv_namespace(config.engine.hash_namespace, config.engine.kv_cache_dtype))
     B = config.engine.block_size
     return ClusterBackend(
         card, load_tokenizer(config.engine.model), hasher, prefill, decode,

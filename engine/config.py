@@ -154,6 +154,7 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # engine/kv/cache_dtype.py says what each stores
 QUANTIZATIONS = (None, "w8a16", "int8", "int4")  # EngineConfig.quantization
 
 
@@ -197,6 +198,10 @@ class EngineConfig:
     # what the CPU kernels multiply packed weights with: "fp32" activations (token-exact with the dense model on
     # the dequantized weights) or "int8" per 32-block (llama.cpp's scheme: faster, not token-exact; the cpu backend)
     quantized_activations: str = "fp32"
+    # what the KV cache stores (vLLM's names): "auto" (the model dtype), or "int8" / "fp8_e4m3" / "fp8_e5m2": 1-byte
+    # values with an fp32 scale per token and KV head inside each block (engine/kv/cache_dtype.py; int8 on the cpu
+    # and torch kernels, fp8 on torch; other backends refuse it by name)
+    kv_cache_dtype: str = "auto"
     # ranks the model is split over (engine/models/tensor_parallel.py); a worker of N ranks is N processes
     # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads
     tensor_parallel_size: int = 1
@@ -261,6 +266,8 @@ class EngineConfig:
             raise ConfigError(f"quantized_weights must be 'auto' or 'dense', got {self.quantized_weights!r}")
         if self.quantized_activations not in ("fp32", "int8"):
             raise ConfigError(f"quantized_activations must be 'fp32' or 'int8', got {self.quantized_activations!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

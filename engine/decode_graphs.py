@@ -162,7 +162,7 @@ class DecodeGraphs:
         for m in self.moe_layers:
             m.count_rows = self.real_rows[:b]
         try:
-            return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_cache, meta)
+            return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_layers, meta)
         finally:
             for m in self.moe_layers:
                 m.count_rows = None

@@ -23,7 +23,7 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.block_pool import BlockPool
 from engine.kv.events import KVEvent, WorkerLoad
 from engine.kv.handoff import PeerBlocks
-from engine.kv.hashing import BlockHasher
+from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.kv.mover import build_tiers
 from engine.loading.checkpoint import load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner
@@ -79,7 +79,8 @@ class Engine(EmitMixin, RemoteKVMixin):
                                   extra_bytes_per_block=draft.bytes_per_block if draft else 0)
         self.max_model_len = self.runner.max_model_len  # capped to what the KV cache holds (engine/kv/sizing.py)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, config.worker_id)
-        self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_namespace)
+        self.hasher = BlockHasher(config.block_size, config.hash_seed,
+                                  kv_namespace(config.hash_namespace, config.kv_cache_dtype))
         if tp is not None and tp.enabled and config.kv_host_bytes and tier_mirror is None:
             raise ConfigError("a tensor-parallel engine's KV tiers need its other ranks' (a worker's tier_mirror)")
         self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool, tier_mirror)

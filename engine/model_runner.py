@@ -1,8 +1,10 @@
 """Model runner: owns the model and the KV cache tensor; turns a ``SchedulerOutput`` into one forward
 pass and returns the logits of every request that completed its sequence this step.
 
-The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md):
-all layers of a block are contiguous, so one block moves as one descriptor between workers. It is sized after
+The cache is one tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (DESIGN.md), or with
+a quantized ``kv_cache_dtype`` ``kv[num_blocks, num_layers, 2, page]`` of 1-byte values each page followed by its
+fp32 scales (kernels/kv_quant.py): all layers of a block are contiguous, so one block moves as one descriptor
+between workers. It is sized after
 the weights load (engine/kv/sizing.py), and ``max_model_len`` is capped to what it holds; both live here.
 
 On CUDA, decode-only steps replay CUDA graphs (``DecodeGraphs``): a decode step of a small model is a few
@@ -21,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
+from engine.kv.cache_dtype import resolve_kv_cache_dtype
 from engine.kv.sizing import cap_max_model_len, size_kv_cache
 from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
@@ -30,6 +33,7 @@ from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
 from engine.models.tensor_parallel import TensorParallel
 from engine.sched.output import ScheduledRequest, SchedulerOutput
+from kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,9 @@ class ModelRunner:
                          "more speed on a CPU (docs/operating.md)", HUGEPAGE_TUNABLE)
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, cfg.device)
         self.backend, self.kernel_fallback = resolve_backend(cfg.kernels, cfg.device, self.dtype)
-        self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations, self.dtype)
+        self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations, self.dtype, cfg.kv_cache_dtype)
+        # what the cache stores (engine/kv/cache_dtype.py): the model dtype, or 1-byte values with their scales
+        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
         self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp,
                                 keep_quantized=cfg.quantized_weights == "auto" and cfg.quantization != "w8a16",
                                 quantization=cfg.quantization)
@@ -109,12 +115,12 @@ class ModelRunner:
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
-        self.bytes_per_block = (model_cfg.num_layers * 2 * cfg.block_size * self.num_kv_heads
-                                * model_cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+        self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
+                                                             model_cfg.head_dim)
         self.max_model_len, self.kv_size = max_model_len, None
         if kv_blocks:
             self.kv_size = size_kv_cache(cfg, self.bytes_per_block + extra_bytes_per_block, self.device.type,
-                                         max_model_len, self.device.index)
+                                         max_model_len, self.device.index, self.kv_dtype.describe())
             if self.tp.enabled:  # one block table for all ranks: each holds as many blocks as the smallest can
                 self.kv_size = dataclasses.replace(self.kv_size, num_blocks=self.tp.min_int(self.kv_size.num_blocks))
             self.max_model_len = cap_max_model_len(max_model_len, self.kv_size, cfg.block_size)  # what it holds
@@ -177,12 +183,18 @@ class ModelRunner:
         return None
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """A zeroed cache of ``num_blocks`` blocks (a draft model's: as many as its target's)."""
+        """A zeroed cache of ``num_blocks`` blocks (a draft model's: as many as its target's), and each layer's views
+        of it (``kv_layers``: what the model's attention takes)."""
         m = self.model_cfg
         self.num_blocks = num_blocks
-        self.kv_cache = None  # the old one is freed before the new one is allocated
-        self.kv_cache = torch.zeros(num_blocks, m.num_layers, 2, self.block_size, self.num_kv_heads, m.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_layers = None  # the old one is freed before the new one is allocated
+        if self.kv_dtype.quantized:  # [num_blocks, layers, 2, page]: values, then their scales (kernels/kv_quant.py)
+            self.kv_cache = kv_quant.allocate(num_blocks, m.num_layers, self.block_size, self.num_kv_heads,
+                                              m.head_dim, kv_quant.STORAGE[self.kv_dtype.storage], self.device)
+        else:
+            self.kv_cache = torch.zeros(num_blocks, m.num_layers, 2, self.block_size, self.num_kv_heads, m.head_dim,
+                                        dtype=self.dtype, device=self.device)
+        self.kv_layers = kv_quant.layer_views(self.kv_cache, self.block_size, self.num_kv_heads, m.head_dim)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
@@ -252,7 +264,7 @@ class ModelRunner:
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                self.kv_cache, meta)
+                self.kv_layers, meta)
         self.hidden = hidden
         return hidden
 

@@ -8,7 +8,9 @@ KV cache layout (DESIGN.md contract): one tensor per engine,
 ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``. A layer's keys are the
 strided view ``kv_cache[:, layer, 0]`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 kernels take such views and read them through their strides (only the last dim must be contiguous).
-A slot is ``block_id * block_size + offset``.
+A slot is ``block_id * block_size + offset``. A quantized cache (int8, fp8) is
+``kv_cache[num_blocks, num_layers, 2, page]``, each page the values then their fp32 scales; kernels then take
+value and scale views and ``key_scales`` / ``value_scales`` arguments (kv_quant.py).
 
 Where Triton runs: ``_triton_utils.triton_available(device)`` is True on CUDA, and on CPU when the kernels
 were built in interpreter mode: TRITON_INTERPRET=1 must be in the environment *before* the first import of a
@@ -22,12 +24,14 @@ Pieces:
 - prefill_tiles.py      the prefill kernel's tile configs, chosen among by the autotuner on CUDA
 - _paged_kv.py          decode attention's step over one tile of paged K/V (online softmax); the tanh both use
 - store_kv.py           store_kv: new K/V rows into their slots of the paged cache
+- kv_quant.py           the quantized KV cache (int8 / fp8 values + fp32 scales per token and head): views, references
 - fused.py              fused per-token ops: RMSNorm (+ residual add), in-place RoPE, SwiGLU
 - fused_moe.py          fused_moe: every token through its top-k experts
 - gemm.py               gemm: y = x @ weight.T (+ bias), bf16 and int8 weight-only
 - _triton_utils.py      launcher plumbing: can Triton run here, argument checks that name the argument
 - cpu_native.py         the CPU path's kernels in C, loaded with ctypes
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
+- cpu_kv_int8.py        the CPU path's store and attention kernels for an int8 KV cache (kernels/cpu/attention_int8.c)
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
 - cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant*.c)

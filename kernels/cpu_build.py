@@ -29,8 +29,8 @@ import torch  # noqa: F401  (first: its libgomp is the one the library binds to)
 # quant_k*.c: dequantizing is gguf-py's d * q + m, two roundings (its FMAs are explicit intrinsics); quant_g.c: its
 # scalar twin's sums stay one rounding per operation, as written
 _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
-    ("attention.c", []), ("elementwise.c", ["-ffp-contract=off"]), ("quant.c", ["-ffp-contract=off"]),
-    ("quant_planes.c", ["-ffp-contract=off"]),
+    ("attention.c", []), ("attention_int8.c", []), ("elementwise.c", ["-ffp-contract=off"]),
+    ("quant.c", ["-ffp-contract=off"]), ("quant_planes.c", ["-ffp-contract=off"]),
     ("quant_k.c", ["-ffp-contract=off"]), ("quant_k_int8.c", ["-ffp-contract=off"]),
     ("quant_k_planes.c", ["-ffp-contract=off"]),
     ("quant_g.c", ["-ffp-contract=off"]))}
@@ -108,6 +108,20 @@ def _run(cmd: list[str]) -> None:
         raise NativeKernelError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr.strip()[-2000:]}")
 
 
+def _declare_int8_kv(lib: ctypes.CDLL) -> None:
+    """kernels/cpu/attention_int8.c (an int8 KV cache: kernels/cpu_kv_int8.py)."""
+    cache = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64]  # values + strides (block, token, head), scales + strides
+    lib.duet_decode_attention_i8.restype = _INT
+    lib.duet_decode_attention_i8.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                                             _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+    lib.duet_prefill_attention_i8.restype = _INT
+    lib.duet_prefill_attention_i8.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                              _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+    lib.duet_store_kv_i8.restype = None
+    lib.duet_store_kv_i8.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                     _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT]
+
+
 def load() -> ctypes.CDLL:
     """The loaded library (built first if this machine has none yet)."""
     global _lib
@@ -135,6 +149,7 @@ def load() -> ctypes.CDLL:
             lib.duet_store_kv_f32.restype = None
             lib.duet_store_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
                                               _INT, _I64]
+            _declare_int8_kv(lib)
             lib.duet_rms_norm_f32.restype = None
             lib.duet_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT]
             lib.duet_rotary_f32.restype = None

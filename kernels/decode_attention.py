@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels import _triton_utils as tu
 from kernels._paged_kv import attend_kv_tile
+from kernels.kv_quant import dequantize_ref
 from kernels.prefill_attention import softcapped_attention
 
 _REF_BUCKET = 8  # sequences per padded gather in the reference (sorted by length: little padding)
@@ -41,35 +42,48 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], dtype of q
     """The engine's CPU path too, so it is built for speed with plain torch ops.
 
     Sequences are sorted by length and gathered in small buckets (padding only to the bucket's longest);
     each bucket is one SDPA call in which a KV head's query heads form the query-length dimension
-    (exact for decode: they all sit at the same position), so GQA needs no K/V repeat.
+    (exact for decode: they all sit at the same position), so GQA needs no K/V repeat. A quantized cache's rows
+    are dequantized to fp32 as they are gathered (kernels/kv_quant.py).
     """
     num_seqs, num_q_heads, head_dim = q.shape
+    scales = (key_scales, value_scales)
     if num_seqs <= _REF_BUCKET:
-        return _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+        return _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                              scales)
     out = torch.empty_like(q)
     order = torch.argsort(seq_lens)
     for i in range(0, num_seqs, _REF_BUCKET):
         idx = order[i: i + _REF_BUCKET]
         out[idx] = _decode_bucket(q[idx], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale,
-                                  sliding_window, softcap)
+                                  sliding_window, softcap, scales)
     return out
 
 
-def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap=None):
+def _gather_blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks ``ids`` of one layer's K or V (index_select copies whole blocks and is several times faster
+    than advanced indexing on CPU), dequantized to fp32 when ``scales`` are given."""
+    rows = cache.index_select(0, ids)
+    return rows if scales is None else dequantize_ref(rows, scales.index_select(0, ids))
+
+
+def _decode_bucket(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap=None,
+                   scales=(None, None)):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
     ids = block_tables[:, :num_blocks].reshape(-1).long()
-    # [num_seqs, num_kv_heads, num_blocks * block_size, head_dim] (strided views of the gathered rows);
-    # index_select copies whole blocks and is several times faster than advanced indexing on CPU
-    k = key_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-    v = value_cache.index_select(0, ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    # [num_seqs, num_kv_heads, num_blocks * block_size, head_dim] (strided views of the gathered rows)
+    k = _gather_blocks(key_cache, scales[0], ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = _gather_blocks(value_cache, scales[1], ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
     pos = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
     lens = seq_lens.long().unsqueeze(1)
     allowed = pos < lens

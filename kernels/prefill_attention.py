@@ -39,15 +39,21 @@ import triton.language as tl
 
 from kernels import _triton_utils as tu
 from kernels._paged_kv import _tanh
+from kernels.kv_quant import dequantize_ref
 from kernels.prefill_tiles import TileConfig, configs_for
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` rows of one sequence's K or V: ``[num_tokens, num_kv_heads, head_dim]``."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``num_tokens`` rows of one sequence's K or V: ``[num_tokens, num_kv_heads, head_dim]``; with
+    ``scales`` (a quantized cache, kernels/kv_quant.py) dequantized to fp32."""
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    rows = cache.index_select(0, block_table[:num_blocks].long())
-    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens]
+    ids = block_table[:num_blocks].long()
+    rows = cache.index_select(0, ids).reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens]
+    if scales is None:
+        return rows
+    return dequantize_ref(rows, scales.index_select(0, ids).reshape(-1, cache.shape[2])[:num_tokens])
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
@@ -74,6 +80,9 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
     num_q_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -86,8 +95,8 @@ def prefill_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(key_cache, block_tables[s], kv_len).float()
-        v = gather_kv(value_cache, block_tables[s], kv_len).float()
+        k = gather_kv(key_cache, block_tables[s], kv_len, key_scales).float()
+        v = gather_kv(value_cache, block_tables[s], kv_len, value_scales).float()
         pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
         pos_k = torch.arange(kv_len, device=q.device).unsqueeze(0)
         allowed = pos_k <= pos_q

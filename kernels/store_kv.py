@@ -3,7 +3,8 @@
 The Triton kernel runs one program per token and copies all of its KV heads (a [kv_heads, head_dim] tile)
 for K and V at once; a slot of -1 (padding, or a token whose KV is not kept) is skipped. The caches are the
 engine's strided per-layer views, so the kernel addresses them through their strides; values are cast to the
-cache dtype on store, as the reference does.
+cache dtype on store, as the reference does. The reference also stores into a quantized cache (values and their
+per-token, per-head scales: kernels/kv_quant.py); the Triton kernel does not yet (the engine refuses the pairing).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels import _triton_utils as tu
+from kernels.kv_quant import quantize_ref
 
 
 def store_kv_ref(
@@ -20,14 +22,24 @@ def store_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided view)
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided view)
     slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; -1 = skip
+    *,
+    key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
+    value_scales: torch.Tensor | None = None,
 ) -> None:
+    """With scales (a quantized cache, kernels/kv_quant.py): each row quantized with its own scale per KV head."""
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    if key_scales is None:
+        key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+        return
+    for x, cache, scales in ((key, key_cache, key_scales), (value, value_cache, value_scales)):
+        q, s = quantize_ref(x[keep], cache.dtype)
+        cache[blocks, offsets] = q
+        scales[blocks, offsets] = s
 
 
 @triton.jit

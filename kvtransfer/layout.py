@@ -32,12 +32,24 @@ from typing import Any
 
 from kvtransfer.errors import KVBlockIdError, KVConfigError
 
-VERSION = 2
+VERSION = 3
 """Wire protocol version; peers with a different VERSION are refused at handshake (2: tensor-parallel workers'
-ranks in PeerInfo and KVCompat)."""
+ranks in PeerInfo and KVCompat; 3: KVCompat.scale_layout, a quantized KV cache's blocks)."""
 
 BLOCK_MAJOR = "block_major"
 """Layout name of `kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+
+NO_SCALES = "none"
+"""`KVCompat.scale_layout` of a cache of the model dtype: a block holds the values alone."""
+
+PAGE_SCALES = "fp32_per_token_head_after_page"
+"""`KVCompat.scale_layout` of a quantized cache (1-byte values: int8, float8_e4m3fn, float8_e5m2): each (layer,
+K|V) page of a block holds its values `[block_size, num_kv_heads, head_dim]`, then one fp32 scale per token and KV
+head `[block_size, num_kv_heads]` (engine/kv/cache_dtype.py, kernels/kv_quant.py). The scales travel with the
+values, so a block moved by bytes is self-describing; the block, as before, is one contiguous range."""
+
+SCALE_LAYOUTS = (NO_SCALES, PAGE_SCALES)
+_SCALE_BYTES = {NO_SCALES: 0, PAGE_SCALES: 4}
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,9 @@ class KVCompat:
     """What must match for two engines' blocks to be interchangeable byte for byte."""
 
     model_id: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    # the cache's element dtype as stored, a torch dtype name without the "torch." prefix: the model's ("bfloat16")
+    # or a quantized KV cache's ("int8", "float8_e4m3fn", "float8_e5m2")
+    dtype: str
     layout_name: str
     block_size: int  # tokens per block
     num_layers: int
@@ -56,18 +70,22 @@ class KVCompat:
     # tp_size * num_kv_heads / total_kv_heads (replicated when the ranks outnumber the heads)
     tp_size: int = 1
     total_kv_heads: int = 0  # 0: num_kv_heads
+    scale_layout: str = NO_SCALES  # where a quantized cache's scales sit in a block (SCALE_LAYOUTS)
 
     def __post_init__(self) -> None:
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if self.scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"KVCompat.scale_layout must be one of {SCALE_LAYOUTS}, got {self.scale_layout!r}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCompat.{name} must be positive, got {getattr(self, name)}")
 
     @property
     def elements_per_block(self) -> int:
-        """K and V for all layers of one block."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        """K and V for all layers of one block (with PAGE_SCALES: 1-byte values, so the scales' bytes count too)."""
+        per_row = self.head_dim + _SCALE_BYTES[self.scale_layout]  # a (token, KV head) row
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * per_row
 
     def compat_hash(self) -> str:
         """Stable hex digest of every field (sorted JSON, sha256, 16 hex chars)."""
@@ -127,7 +145,7 @@ class KVLayout:
         if block.numel() != compat.elements_per_block:
             raise KVConfigError(
                 f"one block has {block.numel()} elements but compat geometry implies"
-                f" {compat.elements_per_block} (layers*2*block_size*kv_heads*head_dim)"
+                f" {compat.elements_per_block} (layers*2*block_size*kv_heads*(head_dim + scale bytes))"
             )
         return cls(
             num_blocks=int(kv.shape[0]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtransfer.errors import KVCompatError
-from kvtransfer.layout import KVCompat
+from kvtransfer.layout import NO_SCALES, KVCompat
 
 
 def rank_heads(rank: int, tp: int, total: int) -> range:
@@ -61,14 +61,20 @@ _SPLIT_FIELDS = ("num_kv_heads", "tp_size")
 
 def check_split_compatible(ours: KVCompat, theirs: KVCompat, peer: str) -> None:
     """Raise ``KVCompatError`` naming both layouts unless the two caches differ in their split alone (same model,
-    dtype, layout, block size and geometry, same total of KV heads)."""
+    dtype, layout, block size and geometry, same total of KV heads) and hold no scales (a quantized KV cache's
+    pages: not split yet)."""
     diff = [d for d in ours.diff(theirs) if d.split(":")[0] not in _SPLIT_FIELDS]
     if diff:
         raise KVCompatError(f"peer {peer!r} has an incompatible KV layout: ours {describe(ours)}, theirs "
                             f"{describe(theirs)} ({'; '.join(diff)})")
+    if ours.scale_layout != NO_SCALES:  # the staging copy slices heads of the dense layout (split_reader.py)
+        raise KVCompatError(f"peer {peer!r}: a handoff between tensor-parallel splits of a quantized KV cache "
+                            f"({ours.dtype}, scales {ours.scale_layout}) is not implemented yet: ours "
+                            f"{describe(ours)}, theirs {describe(theirs)}")
 
 
 def describe(c: KVCompat) -> str:
     """One layout in a line: what an error names."""
-    return (f"[{c.model_id} {c.dtype} {c.layout_name} block {c.block_size} x {c.num_layers} layers x "
+    scales = "" if c.scale_layout == NO_SCALES else f" + scales {c.scale_layout}"
+    return (f"[{c.model_id} {c.dtype}{scales} {c.layout_name} block {c.block_size} x {c.num_layers} layers x "
             f"{c.num_kv_heads}/{c.total_kv_heads} KV heads x {c.head_dim}, tp {c.tp_size}]")

@@ -9,15 +9,18 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_runner import ModelRunner
 from kvtransfer import BLOCK_MAJOR, KVCompat
+from kvtransfer.layout import NO_SCALES, PAGE_SCALES
 
 
 def kv_compat(engine_config: EngineConfig, runner: ModelRunner) -> KVCompat:
-    """What a peer's cache must share with this one (per rank: its own KV heads of the model's)."""
-    mc = runner.model_cfg
-    return KVCompat(model_id=mc.model_id or str(engine_config.model), dtype=str(runner.dtype).removeprefix("torch."),
+    """What a peer's cache must share with this one (per rank: its own KV heads of the model's): the dtype the cache
+    stores (the model's, or a quantized KV cache's int8 / float8_*) and where its scales sit name the KV dtype, so a
+    pairing of two KV dtypes is refused at the handshake with both named."""
+    mc, kv = runner.model_cfg, runner.kv_dtype
+    return KVCompat(model_id=mc.model_id or str(engine_config.model), dtype=kv.storage,
                     layout_name=BLOCK_MAJOR, block_size=engine_config.block_size, num_layers=mc.num_layers,
                     num_kv_heads=runner.num_kv_heads, head_dim=mc.head_dim, tp_size=runner.tp.size,
-                    total_kv_heads=mc.num_kv_heads)
+                    total_kv_heads=mc.num_kv_heads, scale_layout=PAGE_SCALES if kv.quantized else NO_SCALES)
 
 
 def hit_sources(engine: Engine) -> dict[str, int]:

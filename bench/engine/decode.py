@@ -19,7 +19,11 @@ dequantized at load (``quantized_weights=dense``: fp32, what duet did before iss
 activations (``quantized_activations=int8``, llama.cpp's scheme); the packed side's speed over the dense one is
 printed. Last line: ``ratio: <duet / baseline decode tok/s>`` at the largest batch.
 
-    python -m bench.engine.decode [--device cuda] [--dtype bfloat16] [--model PATH] [--tiny]
+``--kv-cache-dtype int8`` (issue 49) runs two sides instead, in one run: duet with the model-dtype KV cache and duet
+with that KV dtype (1-byte values + scales, engine/kv/cache_dtype.py); the last line is then
+``ratio: <quantized KV / model-dtype KV decode tok/s>`` at the largest batch.
+
+    python -m bench.engine.decode [--device cuda] [--dtype bfloat16] [--model PATH] [--tiny] [--kv-cache-dtype int8]
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8  # model-dtype KV
 
 
 def run_decode(engine, batch: int, context: int, steps: int, vocab: int, compiled: list[str]) -> dict:
@@ -118,7 +122,7 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int, compile
 def measure(engine, batches, context, steps, bandwidth, compiled: list[str]) -> list[dict]:
     cfg, runner = engine.model_config, engine.runner
     w_bytes = weight_bytes(runner.model)
-    kv_tok = kv_bytes_per_token(cfg, runner.dtype)
+    kv_tok = runner.bytes_per_block / engine.config.block_size  # values (+ scales, a quantized KV cache)
     rows = []
     for b in batches:
         r = run_decode(engine, b, context, steps, cfg.vocab_size, compiled)
@@ -139,6 +143,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--kv-cache-dtype", choices=["int8", "fp8_e4m3", "fp8_e5m2"],
+                    help="time duet with this KV cache dtype against duet with the model-dtype one (those two only)")
     args = ap.parse_args()
 
     from engine.config import EngineConfig
@@ -163,13 +169,16 @@ def main() -> None:
     base = dict(model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
                 max_num_batched_tokens=max(2048, args.context), kv_cache_bytes=kv_bytes, enable_prefix_caching=False)
     sides = {"duet": EngineConfig(**base)}
-    gguf_on_cpu = not on_cuda and str(model).endswith(".gguf")
+    gguf_on_cpu = not on_cuda and str(model).endswith(".gguf") and not args.kv_cache_dtype
+    if args.kv_cache_dtype:
+        sides[f"duet, {args.kv_cache_dtype} KV"] = EngineConfig(**base, kv_cache_dtype=args.kv_cache_dtype)
     if gguf_on_cpu:  # issue 48: packed weights against the same weights dequantized, same run
         sides["duet, int8 activations"] = EngineConfig(**base, quantized_activations="int8")
         sides["duet, weights dequantized (fp32)"] = EngineConfig(**base, quantized_weights="dense")
     baseline = "eager (no CUDA graphs)" if on_cuda else "torch reference kernels"
-    sides[baseline] = (EngineConfig(**base, cuda_graph_max_batch=0) if on_cuda else  # the references on dense
-                       EngineConfig(**base, kernels="torch", quantized_weights="dense"))  # weights, as before 48
+    if not args.kv_cache_dtype:
+        sides[baseline] = (EngineConfig(**base, cuda_graph_max_batch=0) if on_cuda else  # the references on dense
+                           EngineConfig(**base, kernels="torch", quantized_weights="dense"))  # weights, before 48
     dev_name = torch.cuda.get_device_name() if on_cuda else platform.processor() or platform.machine()
     print(f"model {model}; device {args.device} ({dev_name}); copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"context {args.context}; {args.steps} timed steps per batch size")
@@ -201,6 +210,11 @@ def main() -> None:
             speed = [f"batch {a['batch']} {a['tok_s'] / b['tok_s']:.2f}x"
                      for a, b in zip(results[name], results["duet, weights dequantized (fp32)"])]
             print(f"{name} / weights dequantized: {', '.join(speed)}")
+    if args.kv_cache_dtype:
+        ours, theirs = results[f"duet, {args.kv_cache_dtype} KV"][-1], results["duet"][-1]
+        print(f"ratio: {ours['tok_s'] / theirs['tok_s']:.2f} ({args.kv_cache_dtype} KV / model-dtype KV, decode tok/s "
+              f"at batch {ours['batch']}, context {args.context})")
+        return
     ours, theirs = results["duet"][-1], results[baseline][-1]
     print(f"ratio: {ours['tok_s'] / theirs['tok_s']:.2f} (duet / {baseline}, decode tok/s at batch {ours['batch']})")
 

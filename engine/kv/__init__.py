@@ -7,5 +7,6 @@ Pieces (each module's docstring is its design note):
 - tiers.py       TierManager: host and disk copies of a worker's cached blocks
 - mover.py       the bytes of the lower tiers: the host tensor, the disk files, the copy thread (torch)
 - sizing.py      how big the device KV cache is, and the longest sequence it serves
+- cache_dtype.py what a block's bytes hold (kv_cache_dtype: the model dtype, or int8 / fp8 values + scales), sizes
 - handoff.py     KVHandoff, PeerBlocks, RemoteKVPlan: what a prefill engine hands off and how a decode engine takes it
 """

@@ -19,6 +19,12 @@ the ~2^-64 chance of a wrong routing hint, which costs speed, never correctness.
 rests on the hash alone (the token check passes: the tokens are the same): two salted roots collide with
 probability ~2^-64, and a tenant cannot aim at another's root without knowing that tenant's salt.
 
+An engine whose KV cache is quantized (``kv_cache_dtype`` int8, fp8_*) hashes in ``kv_namespace(namespace,
+kv_cache_dtype)``: the same tokens give other bytes there, so its blocks must never match a block of another KV
+dtype, in the engine (a tier, a peer) or in the router's index. The namespace is per party, so it is in the
+fingerprint, and a router and a worker that disagree on the KV dtype are refused at registration. ``auto`` leaves
+the namespace as it is (the hashes of a model-dtype cache do not change).
+
 Pure Python + xxhash: no torch import, so the router uses the very same function.
 """
 from __future__ import annotations
@@ -37,6 +43,14 @@ def root_hash(hash_seed: int = 0, namespace: str = "") -> int:
     """The parent of a sequence's first block."""
     seed = int(hash_seed) & 0xFFFFFFFFFFFFFFFF
     return xxhash.xxh3_64_intdigest(b"duet-root/v1" + seed.to_bytes(8, "little") + namespace.encode())
+
+
+def kv_namespace(namespace: str, kv_cache_dtype: str) -> str:
+    """The block-hash namespace of an engine whose KV cache stores ``kv_cache_dtype`` (EngineConfig's): ``auto``
+    keeps ``namespace``; a quantized dtype appends itself after a unit separator (0x1f, which no config name holds)."""
+    if kv_cache_dtype == "auto":
+        return namespace
+    return f"{namespace}\x1fkv_cache_dtype={kv_cache_dtype}"
 
 
 def salted_root(root: int, salt: Sequence[str]) -> int:

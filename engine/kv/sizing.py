@@ -58,8 +58,9 @@ class KVCacheSize:
 
 
 def size_kv_cache(cfg: EngineConfig, bytes_per_block: int, device_type: str, max_model_len: int,
-                  device_index: int | None = None) -> KVCacheSize:
-    """The device cache's size by the rule in the module docstring; logged, and checked against the tiers
+                  device_index: int | None = None, kv_dtype: str | None = None) -> KVCacheSize:
+    """The device cache's size by the rule in the module docstring; logged (with ``kv_dtype``, what a block
+    stores: engine/kv/cache_dtype.py ``describe``, and the tokens a GiB holds), and checked against the tiers
     below it (``check_tier_order``)."""
     if cfg.num_blocks is not None:
         size = KVCacheSize(cfg.num_blocks, bytes_per_block, True, "num_blocks is set")
@@ -80,10 +81,17 @@ def size_kv_cache(cfg: EngineConfig, bytes_per_block: int, device_type: str, max
                               f"{MIN_BLOCKS} blocks of {bytes_per_block} bytes; free memory, raise "
                               "kv_cache_memory_fraction or set kv_cache_bytes / num_blocks")
         size = KVCacheSize(budget // bytes_per_block, bytes_per_block, False, reason)
-    log.info("KV cache: %d blocks of %d tokens (%s) on %s: %s", size.num_blocks, cfg.block_size,
-             _size(size.num_bytes), device_type, size.reason)
+    # bench/llamacpp/serving.py reads this line: "KV cache: N blocks of B tokens (size) on device: ..."
+    log.info("KV cache: %d blocks of %d tokens (%s) on %s: %s, %d tokens per GiB; %s", size.num_blocks,
+             cfg.block_size, _size(size.num_bytes), device_type, kv_dtype or cfg.kv_cache_dtype,
+             tokens_per_gib(bytes_per_block, cfg.block_size), size.reason)
     check_tier_order(cfg, size)
     return size
+
+
+def tokens_per_gib(bytes_per_block: int, block_size: int) -> int:
+    """Tokens of KV (all layers, K and V) one GiB of whole blocks holds."""
+    return (1 << 30) // bytes_per_block * block_size
 
 
 def cap_max_model_len(max_model_len: int, size: KVCacheSize, block_size: int) -> int:

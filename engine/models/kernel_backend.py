@@ -16,6 +16,11 @@ fused-MoE kernel pair (kernels/fused_moe.py), on a GPU and in the interpreter al
 ``auto``: triton on CUDA; on a CPU, ``cpu`` for float32 models and ``torch`` otherwise. ``DUET_KERNELS`` in the
 environment overrides ``auto``.
 
+A quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py) needs store and attention kernels that read its
+pages (values + per-token, per-head scales): ``torch`` has int8 and both fp8s (the references), ``cpu`` int8
+(kernels/cpu_kv_int8.py), ``triton`` none yet (``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name
+rather than run something else.
+
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
 instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
 (``duet_kernel_fallbacks``). Asking for ``cpu`` by name makes the same failure a ConfigError.
@@ -157,27 +162,38 @@ def _with_out(linear: Callable) -> Callable:
     return with_out
 
 
+# the quantized KV cache dtypes (EngineConfig.kv_cache_dtype) each backend's store and attention kernels read
+KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",), "triton": ()}
+
+
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32",
-            dtype: torch.dtype = torch.float32) -> KernelOps:
+            dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> KernelOps:
     """``quantized_activations`` (EngineConfig's): "int8" makes the cpu backend's quantized linear quantize its
     activations per 32-block (llama.cpp's scheme); the other backends take fp32 only. ``dtype``: the model's; the
-    triton and torch backends' quantized token-table rows come out in it (the torch references' linears in x's dtype)."""
+    triton and torch backends' quantized token-table rows come out in it (the torch references' linears in x's dtype).
+    ``kv_cache_dtype`` (EngineConfig's): a quantized one this backend's kernels do not read yet
+    (``KV_CACHE_DTYPES_BY_BACKEND``) is a ConfigError naming both."""
     from kernels import decode_attention, gemm, prefill_attention, store_kv
 
     if quantized_activations != "fp32" and backend != "cpu":
         raise ConfigError(f"quantized_activations {quantized_activations!r} needs the cpu kernel backend, "
                           f"not {backend}")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES_BY_BACKEND[backend]:
+        takes = [b for b, names in KV_CACHE_DTYPES_BY_BACKEND.items() if kv_cache_dtype in names]
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} is not implemented yet on the {backend} kernels "
+                          f"(it runs on: {', '.join(takes)}; kernels=torch takes every KV dtype)")
 
     if backend == "cpu":
-        from kernels import cpu_native, cpu_quant
+        from kernels import cpu_kv_int8, cpu_native, cpu_quant
 
         if not cpu_native.onednn_available():
             log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
+        int8_kv = kv_cache_dtype == "int8"  # the C kernels of an int8 cache (kernels/cpu/attention_int8.c)
         return KernelOps(
             name="cpu",
-            store_kv=cpu_native.store_kv,
-            prefill_attention=cpu_native.prefill_attention,
-            decode_attention=cpu_native.paged_decode_attention,
+            store_kv=cpu_kv_int8.store_kv if int8_kv else cpu_native.store_kv,
+            prefill_attention=cpu_kv_int8.prefill_attention if int8_kv else cpu_native.prefill_attention,
+            decode_attention=cpu_kv_int8.paged_decode_attention if int8_kv else cpu_native.paged_decode_attention,
             linear=gemm.gemm_ref,
             w8a16_linear=gemm.w8a16_gemm_ref,
             rms_norm=cpu_native.rms_norm,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from engine.models.kernel_backend import KernelOps
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.moe import Experts, SparseMoE
 from engine.models.tensor_parallel import TensorParallel, narrow_parts
+from kernels.kv_quant import LayerKV
 
 log = logging.getLogger(__name__)
 # one expert's projection in a checkpoint (Qwen: gate/up/down_proj; Mixtral: w1/w3/w2, under block_sparse_moe)
@@ -53,7 +54,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, key_cache, value_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope, kv: LayerKV, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -68,8 +69,7 @@ class Attention(nn.Module):
                              rotary_dim=rope.rotary_dim)
         else:
             q, k = rope(positions, q, k)
-        o = paged_attention(self.ops, q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                            self.softcap)
+        o = paged_attention(self.ops, q, k, v, kv, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp.linears() if isinstance(self.mlp, SparseMoE) else [self.mlp.gate_up_proj, self.mlp.down_proj]
         return [self.self_attn.qkv_proj, self.self_attn.o_proj, *mlp]
 
-    def forward(self, x, residual, positions, rope, key_cache, value_cache, meta):
+    def forward(self, x, residual, positions, rope, kv: LayerKV, meta):
         """x: the previous layer's MLP output (the embeddings for layer 0, residual None); residual: the stream
         before it. Returns (this layer's MLP output, the stream before it): the add of one layer happens in the
         next one's input norm (fused there), the last one in the final norm."""
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, key_cache, value_cache, meta)
+        x = self.self_attn(x, positions, rope, kv, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -136,12 +136,12 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x, residual, positions, rope, key_cache, value_cache, meta):
+    def forward(self, x, residual, positions, rope, kv: LayerKV, meta):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, positions, rope, key_cache, value_cache, meta))
+        x = self.post_attention_layernorm(self.self_attn(x, positions, rope, kv, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
@@ -174,8 +174,9 @@ class CausalLM(nn.Module):
         # Gemma 3: the sliding layers' own RoPE (None: every layer uses ``rope``)
         self.rope_local = RotaryEmbedding(cfg.local_rope_config(), max_positions) if cfg.rope_local else None
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, B, Hkv, D] → hidden [T, hidden]."""
+    def forward(self, input_ids, positions, kv_layers: Sequence[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_layers: each layer's views of the KV cache (kernels/kv_quant.py
+        ``layer_views``) → hidden [T, hidden]."""
         if self.embed_quant is not None:  # a quantized token table kept packed: its rows dequantized
             h, residual = self.ops.quant_rows(self.embed_quant, input_ids), None
         elif self.ops.embedding is not None and not self.tp.enabled:  # a float table, whole on this rank
@@ -186,7 +187,7 @@ class CausalLM(nn.Module):
             h = h * float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype))
         for i, layer in enumerate(self.layers):
             rope = self.rope_local if self.rope_local is not None and layer.self_attn.sliding_window else self.rope
-            h, residual = layer(h, residual, positions, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            h, residual = layer(h, residual, positions, rope, kv_layers[i], meta)
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class DraftModel(Proposer):
         draft_config = EngineConfig(
             model=spec.model, block_size=config.block_size, device=config.device, kernels=config.kernels,
             dtype=target.checkpoint_dtype if config.dtype == "auto" else config.dtype,  # the target's
+            kv_cache_dtype=config.kv_cache_dtype,  # the engine's KV in one dtype (the draft's cache is sized with it)
             cuda_graph_max_batch=0, cpu_graph_max_batch=0, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=False)
         runner = ModelRunner(draft_cfg, draft_config, max_model_len, kv_blocks=False)

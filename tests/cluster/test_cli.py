@@ -75,7 +75,7 @@ def test_serve_refuses_bad_autoscaler_bounds_before_starting_anything(tmp_path):
 
 
 def test_kv_size_flags_and_config_keys_reach_the_engine_config(tmp_path):
-    from cluster.cli import build_parser, serve_config_from_args
+    from cluster.cli import build_parser, engine_config_from_args, serve_config_from_args
     from cluster.config import ClusterConfig
     from engine.errors import ConfigError
 
@@ -87,10 +87,17 @@ def test_kv_size_flags_and_config_keys_reach_the_engine_config(tmp_path):
         1 << 20, 0.5, 2 << 20, 4 << 20, "/tmp/kv")
     default = serve_config_from_args(build_parser().parse_args(["serve", "--model", "m"])).engine
     assert (default.kv_cache_bytes, default.kv_host_bytes, default.kv_disk_bytes) == (None, 0, 0)  # auto, no tiers
+    assert default.kv_cache_dtype == "auto"
+    int8 = build_parser().parse_args(["serve", "--model", "m", "--kv-cache-dtype", "int8"])
+    assert serve_config_from_args(int8).engine.kv_cache_dtype == "int8"
+    gen = build_parser().parse_args(["generate", "--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_config_from_args(gen).kv_cache_dtype == "fp8_e5m2"
     path = tmp_path / "cluster.yaml"
-    path.write_text("model: m\nengine: {kv_host_bytes: 1048576, kv_cache_memory_fraction: 0.3, colocated_engines: 1}\n")
+    path.write_text("model: m\nengine: {kv_host_bytes: 1048576, kv_cache_memory_fraction: 0.3, colocated_engines: 1, "
+                    "kv_cache_dtype: int8}\n")
     e = ClusterConfig.load(path).engine
     assert (e.kv_host_bytes, e.kv_cache_memory_fraction, e.colocated_engines) == (1 << 20, 0.3, 1)
+    assert e.kv_cache_dtype == "int8"
     path.write_text("model: m\nengine: {kv_host_byte: 1048576}\n")
     with pytest.raises(ConfigError, match=r"unknown keys in 'engine': \['kv_host_byte'\]"):
         ClusterConfig.load(path)

@@ -5,6 +5,7 @@ transformers; and the same between workers of different splits (a split reader: 
 into place). Layouts that cannot exchange blocks at all are refused naming both."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from cluster.config import ClusterConfig
 from engine.errors import ConfigError
 from kvtransfer import KVCompat
 from kvtransfer.errors import KVCompatError
+from kvtransfer.layout import PAGE_SCALES
 from kvtransfer.tp_split import check_split_compatible, rank_heads, read_plan
 from tests.cluster.serve_process import serve_worker_stats, serving
 from tests.ports import free_port
@@ -73,6 +75,11 @@ def test_splits_exchange_blocks_other_layouts_are_refused_naming_both():
                                             r"tp 1\], theirs \[m float32 block_major block 32 .* tp 2\] "
                                             r"\(block_size: 16 != 32\)"):
         check_split_compatible(one, other, "peer")
+    int8 = [dataclasses.replace(c, dtype="int8", scale_layout=PAGE_SCALES) for c in (one, two)]
+    with pytest.raises(KVCompatError, match=r"tensor-parallel splits of a quantized KV cache \(int8, scales "
+                                            r"fp32_per_token_head_after_page\) is not implemented yet: ours \[m int8 "
+                                            r"\+ scales fp32_per_token_head_after_page"):
+        check_split_compatible(*int8, "peer")
 
 
 @pytest.mark.parametrize("tp,src_tp,total,want", [

@@ -12,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from kernels import cpu_graph, cpu_native
+from kernels.kv_quant import dequantize_ref
 from tests.engine.loading.gguf_files import write_gguf
 from tests.engine.loading.hf_quant_files import write_gptq
 from tests.engine.test_decode_graphs import MAX_TOKENS, run
@@ -48,6 +49,24 @@ def test_recorded_decode_equals_eager(packed_file):
         assert got[k][0] == want[k][0], k
         torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(want[k][1]), rtol=0, atol=1e-4)
     torch.testing.assert_close(recorded.runner.kv_cache, eager.runner.kv_cache, rtol=1e-4, atol=1e-4)  # no padding
+
+
+def test_recorded_decode_with_an_int8_kv_cache_equals_eager(packed_file):
+    """The int8 cache's store and attention are C calls too (kernels/cpu_kv_int8.py): recorded and replayed like the
+    fp32 ones. The cache's bytes may differ by one step where a reordered fp32 row rounds the other way."""
+    eager, recorded = engine(packed_file, 0, kv_cache_dtype="int8"), engine(packed_file, 8, kv_cache_dtype="int8")
+    want, got = run(eager), run(recorded)
+    graphs = recorded.runner.decode_graphs
+    assert recorded.runner.fallbacks == [] and recorded.runner.kv_cache.dtype == torch.int8
+    assert graphs.replays >= max(MAX_TOKENS) - 1
+    for k in want:
+        assert got[k][0] == want[k][0], k
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(want[k][1]), rtol=0, atol=1e-4)
+    for mine, theirs in zip(recorded.runner.kv_layers, eager.runner.kv_layers):  # within one step of each other
+        for x, y, sx, sy in ((mine.key, theirs.key, mine.key_scales, theirs.key_scales),
+                             (mine.value, theirs.value, mine.value_scales, theirs.value_scales)):
+            step = torch.maximum(sx, sy).unsqueeze(-1)
+            assert bool(((dequantize_ref(x, sx) - dequantize_ref(y, sy)).abs() <= step + 1e-5).all())
 
 
 def test_a_new_kv_cache_is_recorded_again(packed_file):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtransfer import BLOCK_MAJOR, BlockRun, KVBlockIdError, KVCompat, KVConfigError, KVLayout, merge_block_runs
-from kvtransfer.layout import run_byte_ranges, validate_block_ids
+from kvtransfer.layout import NO_SCALES, PAGE_SCALES, run_byte_ranges, validate_block_ids
 
 COMPAT = KVCompat("m", "float16", BLOCK_MAJOR, block_size=16, num_layers=4, num_kv_heads=2, head_dim=64)
 
@@ -32,6 +32,7 @@ def test_compat_hash_is_stable_and_short():
         {"num_layers": 5},
         {"num_kv_heads": 4},
         {"head_dim": 128},
+        {"scale_layout": PAGE_SCALES},
     ],
 )
 def test_every_compat_field_changes_the_hash(change):
@@ -89,6 +90,23 @@ def test_layout_rejects_dtype_or_geometry_mismatch():
         KVLayout.from_tensor(_cache(dtype=torch.bfloat16), COMPAT)
     with pytest.raises(KVConfigError, match="elements"):
         KVLayout.from_tensor(_cache(compat=dataclasses.replace(COMPAT, head_dim=32)), COMPAT)
+
+
+def test_layout_of_a_quantized_cache_counts_its_scales():
+    """An int8 cache (kernels/kv_quant.py: [blocks, layers, 2, page], each page values then fp32 scales) is still
+    one packed range per block; its compat names the stored dtype and the scale layout, and a dense peer's compat
+    differs in both."""
+    from kernels import kv_quant
+
+    int8 = dataclasses.replace(COMPAT, dtype="int8", scale_layout=PAGE_SCALES)
+    kv = kv_quant.allocate(8, 4, 16, 2, 64, torch.int8, "cpu")
+    layout = KVLayout.from_tensor(kv, int8)
+    assert layout.bytes_per_block == 4 * 2 * 16 * 2 * (64 + 4) == kv[0].nbytes
+    assert COMPAT.diff(int8) == ["dtype: 'float16' != 'int8'", f"scale_layout: {NO_SCALES!r} != {PAGE_SCALES!r}"]
+    with pytest.raises(KVConfigError, match="elements"):  # the values alone: the scales would be missing
+        KVLayout.from_tensor(kv, dataclasses.replace(int8, scale_layout=NO_SCALES))
+    with pytest.raises(ValueError, match="scale_layout"):
+        dataclasses.replace(COMPAT, scale_layout="per_tensor")
 
 
 # ----------------------------------------------------------------- run merging

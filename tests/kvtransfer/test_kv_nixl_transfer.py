@@ -24,6 +24,7 @@ from kvtransfer import (
     NixlTransport,
     TransferRequest,
 )
+from kvtransfer.layout import PAGE_SCALES
 from kvtransfer.nixl_transport import _memory_location
 from tests.kvtransfer.kv_peer import TEST_COMPAT, OwnerSpec, cache_shape, make_pattern_cache, run_owner
 
@@ -231,6 +232,20 @@ def _puller_with(compat) -> NixlTransport:
 def test_handshake_refuses_incompatible_layout(owner, change, match):
     with _puller_with(dataclasses.replace(TEST_COMPAT, **change)) as transport:
         with pytest.raises(KVCompatError, match=match):
+            transport.add_peer(owner.info)
+        assert not transport.has_peer(owner.info.agent_name)
+
+
+def test_handshake_refuses_a_peer_of_another_kv_dtype_naming_both(owner):
+    """An int8 KV cache (kernels/kv_quant.py) meets the bf16 owner: refused at the handshake with both dtypes and
+    both scale layouts named (converting on the pull is a later slice)."""
+    from kernels import kv_quant
+
+    c = dataclasses.replace(TEST_COMPAT, dtype="int8", scale_layout=PAGE_SCALES)
+    kv = kv_quant.allocate(4, c.num_layers, c.block_size, c.num_kv_heads, c.head_dim, torch.int8, "cpu")
+    with NixlTransport(kv, c) as transport:
+        with pytest.raises(KVCompatError, match=r"dtype: 'int8' != 'bfloat16'; scale_layout: "
+                                                r"'fp32_per_token_head_after_page' != 'none'"):
             transport.add_peer(owner.info)
         assert not transport.has_peer(owner.info.agent_name)
 

@@ -37,3 +37,14 @@ def test_bench_decode_runs_and_reports_a_ratio():
     assert all(float(r[1]) > 0 and 0 <= float(r[3]) < 1000 for r in rows)
     last = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"ratio: \d+\.\d\d \(duet / torch reference kernels, decode tok/s at batch 3\)", last), last
+
+
+def test_bench_decode_times_a_quantized_kv_cache_against_the_model_dtype_one():
+    done = subprocess.run([sys.executable, "-m", "bench.engine.decode", "--tiny", "--batches", "2", "--steps", "3",
+                           "--context", "20", "--kv-cache-dtype", "int8"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"batch\s+(\d+):\s+([\d.]+) tok/s", done.stdout)
+    assert [int(r[0]) for r in rows] == [2, 2] and "duet, int8 KV: backend cpu" in done.stdout  # those two sides only
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"ratio: \d+\.\d\d \(int8 KV / model-dtype KV, decode tok/s at batch 2, context 20\)", last), last

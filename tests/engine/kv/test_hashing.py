@@ -4,7 +4,7 @@ import pytest
 import xxhash
 
 from engine.errors import InvalidRequestError
-from engine.kv.hashing import BlockHasher, hash_block, hash_blocks, root_hash, salted_root
+from engine.kv.hashing import BlockHasher, hash_block, hash_blocks, kv_namespace, root_hash, salted_root
 from engine.request import MAX_CACHE_SALT_CHARS, SamplingParams
 
 
@@ -30,6 +30,17 @@ def test_seed_and_namespace_change_every_hash():
     assert a != BlockHasher(16, 1, "")(toks)
     assert a != BlockHasher(16, 0, "lora-x")(toks)
     assert BlockHasher(16, 0, "").fingerprint != BlockHasher(8, 0, "").fingerprint
+
+
+def test_a_quantized_kv_dtype_has_its_own_namespace():
+    """engine/kv/hashing.py kv_namespace: auto keeps the namespace (hashes of a model-dtype cache unchanged); each
+    quantized dtype, with or without a namespace of its own, gets another root, so none of their blocks match."""
+    toks = list(range(32))
+    assert kv_namespace("", "auto") == "" and kv_namespace("lora-x", "auto") == "lora-x"
+    roots = {BlockHasher(16, 0, kv_namespace(ns, kv)).root for ns in ("", "lora-x")
+             for kv in ("auto", "int8", "fp8_e4m3", "fp8_e5m2")}
+    assert len(roots) == 8
+    assert BlockHasher(16, 0, kv_namespace("", "int8"))(toks) != BlockHasher(16)(toks)
 
 
 def test_incremental_extend_equals_full():

@@ -90,7 +90,8 @@ def test_auto_on_cpu_takes_its_share_of_the_ram_split_among_engines(model, monke
     with_ram(monkeypatch, 4 << 20)  # 1 MiB share = 128 blocks
     with caplog.at_level(logging.INFO, logger="engine.kv.sizing"):
         assert Engine(EngineConfig(model=model)).runner.num_blocks == (1 << 20) // BLOCK_BYTES
-    assert "KV cache: 128 blocks of 16 tokens (1.0 MiB) on cpu: auto: 0.25 x 4.0 MiB RAM available" in caplog.text
+    assert ("KV cache: 128 blocks of 16 tokens (1.0 MiB) on cpu: float32, 2097152 tokens per GiB; auto: 0.25 x 4.0 MiB "
+            "RAM available") in caplog.text
     assert Engine(EngineConfig(model=model, colocated_engines=2)).runner.num_blocks == 64
     assert Engine(EngineConfig(model=model, kv_cache_memory_fraction=0.5)).runner.num_blocks == 256
 

@@ -52,7 +52,7 @@ def prompt_logits(e: Engine, prompt: list[int]) -> torch.Tensor:
             factors = admit_rope_factors(SamplingParams(max_tokens=0), len(prompt),
                                          e.model_config.longrope_original_len).rope_factors
             rows = torch.tensor(e.runner.model.rope.rows(factors, 0, len(prompt)), device=dev)
-            hidden = e.runner.model(torch.tensor(prompt, device=dev), rows, e.runner.kv_cache, meta)
+            hidden = e.runner.model(torch.tensor(prompt, device=dev), rows, e.runner.kv_layers, meta)
             return e.runner.model.compute_logits(hidden).cpu()
     finally:
         e.pool.free_blocks(blocks)

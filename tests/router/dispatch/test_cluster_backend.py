@@ -10,7 +10,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.kv.events import BlockStored
 from engine.kv.handoff import KVHandoff
-from engine.kv.hashing import BlockHasher
+from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import ModelCard
@@ -72,6 +72,8 @@ async def collect(stream):
     ("block size", BlockHasher(8).fingerprint, "block size 4 (router) != 8 (worker)"),
     ("seed", BlockHasher(B, hash_seed=3).fingerprint, "hash seed 0 (router) != 3 (worker)"),
     ("namespace", BlockHasher(B, namespace="lora-a").fingerprint, "hash namespace"),
+    ("kv dtype", BlockHasher(B, namespace=kv_namespace("", "int8")).fingerprint,  # an int8 KV worker, an fp32 router
+     "hash namespace '' (router) != '\\x1fkv_cache_dtype=int8' (worker)"),
 ])
 def test_workers_that_hash_differently_are_refused(field, fingerprint, needle):
     with pytest.raises(ConfigError, match="p1") as e:

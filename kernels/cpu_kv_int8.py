@@ -1,0 +1,167 @@
+"""The CPU path's kernels for an int8 KV cache (kernels/cpu/attention_int8.c), with the signatures of the torch
+references (``key_scales`` / ``value_scales`` keyword arguments: kernels/kv_quant.py's layout).
+
+The store quantizes each new row (per token and KV head, amax / 127, round half to even: the same bytes as
+``kv_quant.quantize_ref``); decode and prefill attention run the fp32 kernels' task loops on rows dequantized
+as they are read (int8 × scale in fp32), with fp32 scores, softmax and accumulation. Head sizes that are not a
+multiple of 8 have no C path here: they run the torch references (dequantize, then SDPA), logged once.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.cpu_build import NativeKernelError, load
+from kernels.cpu_native import _check, _values_checked
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention_ref
+
+log = logging.getLogger(__name__)
+_warned: set[int] = set()
+
+
+def _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens) -> None:
+    _check("q", q, 3, torch.float32)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, t, 4, torch.int8)
+    for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
+        _check(name, t, 3, torch.float32)
+        if t.shape != key_cache.shape[:3]:
+            raise ValueError(f"{name} {tuple(t.shape)} must be [blocks, block_size, kv_heads] of the cache "
+                             f"{tuple(key_cache.shape)}")
+    _check("block_tables", block_tables, 2, torch.int32)
+    _check("seq_lens", seq_lens, 1, torch.int32)
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    if q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache's heads {tuple(key_cache.shape[2:])}")
+    if not seq_lens.is_contiguous() or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {seq_lens.shape[0]} sequences "
+                         "(seq_lens must be contiguous)")
+    width, block_size = block_tables.shape[1], key_cache.shape[1]
+    rc = load().duet_check_paged_f32(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                                     seq_lens.shape[0], width, block_size, key_cache.shape[0])
+    if rc == 1:
+        raise ValueError(f"seq_lens must be in [1, {width * block_size}] (block table width × block size)")
+    if rc == 2:
+        raise ValueError(f"block_tables name blocks outside [0, {key_cache.shape[0]})")
+
+
+def _cache_args(values: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """A layer's values and scales as the C kernels take them (pointers, strides in elements)."""
+    return (values.data_ptr(), values.stride(0), values.stride(1), values.stride(2),
+            scales.data_ptr(), scales.stride(0), scales.stride(1))
+
+
+def _reference(head_dim: int) -> None:
+    if head_dim not in _warned:
+        _warned.add(head_dim)
+        log.warning("int8 KV cache, head_dim %d (not a multiple of 8): attention runs the torch references "
+                    "(dequantize, then SDPA)", head_dim)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] int8 (strided view)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    key_scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] fp32 (strided view)
+    value_scales: torch.Tensor,
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens)
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} sequences, block_tables {block_tables.shape[0]}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    if head_dim % 8:
+        _reference(head_dim)
+        return paged_decode_attention_ref(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                                          key_scales=key_scales, value_scales=value_scales)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    rc = load().duet_decode_attention_i8(
+        q.data_ptr(), q.stride(0), q.stride(1), *_cache_args(key_cache, key_scales),
+        *_cache_args(value_cache, value_scales), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), num_seqs, num_q_heads, key_cache.shape[2],
+        head_dim, key_cache.shape[1], scale, sliding_window or 0, torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"duet_decode_attention_i8 failed (code {rc})")
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_q_heads, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] int8 (strided view)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, K/V length incl. the new tokens
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    key_scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] fp32 (strided view)
+    value_scales: torch.Tensor,
+) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim]
+    """Each sequence's new tokens against its whole cached context (prefix included), causal."""
+    _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    if len(cu) != len(lens) + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or any(
+            not 0 <= cu[s + 1] - cu[s] <= n for s, n in enumerate(lens)):
+        raise ValueError(f"cu_seqlens_q {cu} does not split {q.shape[0]} query tokens into sequences of at most "
+                         f"{lens} tokens")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if head_dim % 8:
+        _reference(head_dim)
+        return prefill_attention_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                     sliding_window, key_scales=key_scales, value_scales=value_scales)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    cu_t = cu_seqlens_q.to(torch.int32).contiguous()
+    rc = load().duet_prefill_attention_i8(
+        q.data_ptr(), q.stride(0), q.stride(1), *_cache_args(key_cache, key_scales),
+        *_cache_args(value_cache, value_scales), block_tables.data_ptr(), block_tables.stride(0), cu_t.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), len(lens), num_q_heads,
+        key_cache.shape[2], head_dim, key_cache.shape[1], scale, sliding_window or 0, torch.get_num_threads())
+    if rc != 0:
+        raise NativeKernelError(f"duet_prefill_attention_i8 failed (code {rc})")
+    return out
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] fp32, each token's heads contiguous
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] int8 (strided view)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; -1 = skip
+    *,
+    key_scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] fp32 (strided view)
+    value_scales: torch.Tensor,
+) -> None:
+    """The new tokens' K/V quantized into their cache slots (``store_kv_ref``'s contract with scales)."""
+    for name, t in (("key", key), ("value", value)):
+        _check(name, t, 3, torch.float32)
+        if t.shape[1:] != key_cache.shape[2:] or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} {tuple(t.shape)} must hold whole contiguous rows of the cache's heads "
+                             f"{tuple(key_cache.shape[2:])}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, t, 4, torch.int8)
+    for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
+        _check(name, t, 3, torch.float32)
+        if t.shape != key_cache.shape[:3]:
+            raise ValueError(f"{name} {tuple(t.shape)} must be [blocks, block_size, kv_heads] of the cache")
+    _check("slot_mapping", slot_mapping, 1, torch.int64)
+    n = slot_mapping.shape[0]
+    if key.shape[0] != n or value.shape[0] != n or not slot_mapping.is_contiguous():
+        raise ValueError(f"{n} slots for {key.shape[0]} keys and {value.shape[0]} values")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if n and _values_checked() and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
+        raise ValueError(f"slot_mapping must be in [-1, {num_slots})")
+    load().duet_store_kv_i8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                            *_cache_args(key_cache, key_scales), *_cache_args(value_cache, value_scales),
+                            slot_mapping.data_ptr(), n, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3])

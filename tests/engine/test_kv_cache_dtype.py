@@ -1,0 +1,163 @@
+"""An engine with a quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py, docs/ARCHITECTURE.md
+"Quantized KV cache"): the choice is checked and refused by name where a backend has no kernels for it; greedy decode
+with int8 KV is the same on the torch and cpu kernels; blocks moved by their bytes (a handoff's block copy, the host
+and disk tiers, a prefix hit) carry their scales, so the output equals the same engine's own; the prefix cache's
+namespace includes the KV dtype; the budget counts 1-byte values and their scales; and on a real model the next-token
+distributions stay close to those over an fp32 cache (the bounds below, measured)."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.kv.cache_dtype import resolve_kv_cache_dtype
+from engine.kv.hashing import BlockHasher, kv_namespace
+from engine.models.kernel_backend import get_ops
+from engine.request import SamplingParams
+from tests.engine.test_engine_handoff import run_disagg, workload
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama")
+
+
+def engine(model_dir, kv: str, kernels: str = "cpu", **kw) -> Engine:
+    kw.setdefault("num_blocks", 128)
+    return Engine(EngineConfig(model=str(model_dir), kernels=kernels, kv_cache_dtype=kv, **kw))
+
+
+def test_the_choice_is_checked_and_refused_by_name_where_no_kernel_reads_it(model_dir):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
+        EngineConfig(model=str(model_dir), kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="kv_cache_dtype fp8_e4m3 is not implemented yet on the cpu kernels"):
+        engine(model_dir, "fp8_e4m3")
+    for kv in ("int8", "fp8_e5m2"):
+        with pytest.raises(ConfigError, match=f"kv_cache_dtype {kv} is not implemented yet on the triton kernels"):
+            get_ops("triton", "cpu", kv_cache_dtype=kv)
+
+
+def test_int8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir):
+    """The two stores write the same bytes for the same rows; attention differs by fp32 sums in another order, which
+    may round a later row's quantization the other way: tokens, not bits, are compared."""
+    prompts, _ = workload(seed=1)
+    outs = {k: [r["token_ids"] for r in engine(model_dir, "int8", k).generate(prompts, GREEDY)]
+            for k in ("torch", "cpu")}
+    assert outs["torch"] == outs["cpu"]
+    fp8 = engine(model_dir, "fp8_e4m3", "torch")
+    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert all(len(r["token_ids"]) == 12 for r in fp8.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("kernels,kv", [("cpu", "int8"), ("torch", "fp8_e4m3")])
+def test_a_handoff_by_block_bytes_equals_the_same_engine(model_dir, kernels, kv):
+    """The blocks move as bytes (tests/engine/test_engine_handoff.py's copy): their scales travel inside them."""
+    prompts, params = workload()
+    colocated = [r["token_ids"] for r in engine(model_dir, kv, kernels).generate(prompts, params)]
+    P, D = engine(model_dir, kv, kernels), engine(model_dir, kv, kernels)
+    assert run_disagg(P, D, prompts, params) == colocated
+    assert run_disagg(P, D, prompts, params) == colocated  # warm: D's own int8 prefix hits too
+    assert D.stats.num_remote_prefix_hit_blocks > 0
+
+
+def families(seed=3):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(6):  # six prompt families of 4-block prefixes: more than a 12-block device cache holds
+        prefix = [rng.randrange(3, 500) for _ in range(64)]
+        out += [prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 12))] for _ in range(2)]
+    return out
+
+
+def rounds(e: Engine) -> list[list[int]]:
+    outs = [e.generate([p], GREEDY)[0]["token_ids"] for _ in range(2) for p in families()]
+    deadline = time.monotonic() + 10
+    while e.tiers is not None and e.tiers.num_jobs_in_flight:
+        e.sync_tiers(wait_s=0.01)
+        assert time.monotonic() < deadline
+    return outs
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_host_and_disk_tiers_carry_the_scales(model_dir, tmp_path, tier):
+    """Loads from the host tier (64 slots), or through it from the disk (12 host slots: the blocks spill to files and
+    come back disk -> host -> device), give the outputs of the same engine without tiers."""
+    bpb = resolve_kv_cache_dtype("int8", "float32").bytes_per_block(2, 16, 2, 16)
+    plain = engine(model_dir, "int8", num_blocks=12)
+    assert plain.runner.bytes_per_block == bpb == plain.runner.kv_cache[0].nbytes
+    lower = {"kv_host_bytes": 64 * bpb} if tier == "host" else {
+        "kv_host_bytes": 12 * bpb, "kv_disk_bytes": 200 * (bpb + 4096), "kv_disk_dir": str(tmp_path)}
+    tiered = engine(model_dir, "int8", num_blocks=12, **lower)
+    assert rounds(tiered) == rounds(plain)
+    stats = tiered.tiers.stats
+    assert stats.loaded_blocks[tier] > 0 and stats.load_failures == 0
+    tiered.close()
+
+
+def test_the_hash_namespace_includes_the_kv_dtype(model_dir):
+    assert kv_namespace("lora-a", "auto") == "lora-a"  # a model-dtype cache keeps its hashes
+    names = {kv_namespace("", kv) for kv in ("auto", "int8", "fp8_e4m3", "fp8_e5m2")}
+    assert len(names) == 4
+    prompt = list(range(3, 40))
+    hashes = {}
+    for kv in ("auto", "int8"):
+        e = engine(model_dir, kv)
+        e.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+        hashes[kv] = [b.block_hash for b in e.pool.blocks if b.block_hash is not None]
+        assert sorted(hashes[kv]) == sorted(BlockHasher(16, 0, kv_namespace("", kv))(prompt))  # the router's too
+    assert len(hashes["int8"]) == 2 and not set(hashes["int8"]) & set(hashes["auto"])
+
+
+def test_the_budget_counts_one_byte_values_and_their_scales(model_dir, caplog):
+    """Tokens per GiB: 4 D / (D + 4) times fp32's for head_dim D (3.2x for the tiny model's 16, 3.76x for 64,
+    3.88x for 128: an fp32 scale per D bytes of values)."""
+    for head_dim, ratio in ((16, 3.2), (64, 3.76), (128, 3.88)):
+        fp32 = resolve_kv_cache_dtype("auto", "float32").bytes_per_block(30, 16, 3, head_dim)
+        int8 = resolve_kv_cache_dtype("int8", "float32").bytes_per_block(30, 16, 3, head_dim)
+        assert fp32 / int8 == pytest.approx(ratio, abs=0.005)
+    with caplog.at_level(logging.INFO, logger="engine.kv.sizing"):
+        dense = engine(model_dir, "auto", num_blocks=None, kv_cache_bytes=1 << 20)
+        quant = engine(model_dir, "int8", num_blocks=None, kv_cache_bytes=1 << 20)
+    assert quant.runner.num_blocks == (1 << 20) // quant.runner.bytes_per_block
+    assert quant.runner.num_blocks / dense.runner.num_blocks == pytest.approx(3.2, rel=0.01)
+    assert quant.runner.kv_cache.nbytes == quant.runner.num_blocks * quant.runner.bytes_per_block
+    assert ("409 blocks of 16 tokens (1022.5 KiB) on cpu: int8 + an fp32 scale per token and KV head, 6710880 tokens "
+            "per GiB; kv_cache_bytes = 1.0 MiB") in caplog.text
+    assert "128 blocks of 16 tokens (1.0 MiB) on cpu: float32, 2097152 tokens per GiB" in caplog.text  # 3.2x fewer
+
+
+def _prefill_logits(e: Engine, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [n, vocab] of one prefill over ``ids`` (attention reads the cache it just stored)."""
+    n, B = len(ids), e.config.block_size
+    blocks = list(range(-(-n // B)))
+    slots = [blocks[p // B] * B + p % B for p in range(n)]
+    with torch.inference_mode():
+        e.runner.forward(ids, list(e.runner.model.rope.rows(None, 0, n)), slots, [0, n], [blocks], [n], 1)
+        return e.runner.logits(list(range(n))).float()
+
+
+def test_next_token_distributions_on_real_text_stay_close_to_fp32_kv(smollm2_gguf):
+    """SmolLM2-135M (Q4_1), 256 tokens of README.md prose in one prefill, int8 KV against fp32 KV on the cpu
+    kernels: mean KL(fp32 || int8) of the next-token distributions <= 0.01 (the issue's goal; measured 0.0007), the
+    greedy token the same at >= 98 % of the positions (measured 99.6 %). fp8_e4m3 on torch (measured KL 0.0047,
+    94 %) is held to the same KL goal."""
+    text = open("README.md").read()[2000:8000]
+    ref = Engine(EngineConfig(model=str(smollm2_gguf), kernels="cpu", num_blocks=20, cpu_graph_max_batch=0))
+    ids = ref.tokenizer.encode(text)[:256]
+    p = torch.log_softmax(_prefill_logits(ref, ids), -1)
+    for kernels, kv, agree_min in (("cpu", "int8", 0.98), ("torch", "fp8_e4m3", 0.9)):
+        e = Engine(EngineConfig(model=str(smollm2_gguf), kernels=kernels, kv_cache_dtype=kv, num_blocks=20,
+                                cpu_graph_max_batch=0))
+        assert ref.runner.bytes_per_block / e.runner.bytes_per_block == pytest.approx(256 / 68)  # head_dim 64
+        q = torch.log_softmax(_prefill_logits(e, ids), -1)
+        kl = (p.exp() * (p - q)).sum(-1)
+        agree = float((p.argmax(-1) == q.argmax(-1)).float().mean())
+        assert float(kl.mean()) <= 0.01 and agree >= agree_min, (kv, float(kl.mean()), agree)

@@ -1,0 +1,129 @@
+"""The CPU path's int8 KV kernels (kernels/cpu_kv_int8.py, kernels/cpu/attention_int8.c) against the torch
+references on the same int8 cache, and against attention over the fp32 cache within the bound derived in
+tests/kernels/kv_quant_cases.py.
+
+The store writes the bytes the reference writes (the same fp32 quotient, rounded half to even). Attention reads the
+same dequantized values as the reference (int8 × scale, one fp32 product), so the two differ only by fp32 sums in
+another order: the fp32 tolerance of the other kernel tests (tests/kernels/paged.py, 2e-5), taken relative to the
+largest value here (the rows are scaled by up to 10x so that their scales differ), while a wrong scale, row, block or
+head gives errors of order 1e-1. Cases as tests/kernels/test_cpu_native.py's: scattered tables, ragged
+lengths, GQA groups 1 to 8, head dims 64, 128 and with an 8-column tail (80), windows, a task per sequence and per
+KV head, keys split into chunks, prefills that continue a prefix and run past the 64-token chunks and 256-key tiles.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_kv_int8, kv_quant
+from kernels.decode_attention import paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention_ref
+from kernels.store_kv import store_kv_ref
+from tests.kernels.kv_quant_cases import caches, check_within_bound, random_kv
+from tests.kernels.paged import block_tables
+
+HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, values: torch.Tensor) -> None:
+    """fp32 sums in another order: 2e-5 of the largest value the attention averages."""
+    tol = 2e-5 * max(1.0, float(values.float().abs().max()))
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=tol)
+
+
+def _setup(head_dim, kv_heads, block_size, seq_lens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = len(seq_lens) * (max(seq_lens) // block_size + 2)
+    tables = block_tables(seq_lens, block_size, num_blocks, gen).cpu()
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
+                          for s, n in enumerate(seq_lens) for p in range(n)])
+    k, v = random_kv(len(slots), kv_heads, head_dim, gen), random_kv(len(slots), kv_heads, head_dim, gen)
+    dense, quant, _ = caches(num_blocks, block_size, kv_heads, head_dim, torch.int8, slots, k, v)
+    return gen, tables, dense, quant
+
+
+@pytest.mark.parametrize("head_dim,kv_heads", [(64, 3), (128, 2), (80, 1)])
+def test_store_writes_the_reference_bytes(head_dim, kv_heads):
+    gen = torch.Generator().manual_seed(head_dim)
+    k, v = random_kv(40, kv_heads, head_dim, gen), random_kv(40, kv_heads, head_dim, gen)
+    k[3, 0] = 0.0  # a zero row: scale 0, zeros
+    slots = torch.randperm(8 * 16, generator=gen)[:40]
+    slots[7] = -1  # a padding token writes nothing
+    mine = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, torch.int8, "cpu")
+    ref = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, torch.int8, "cpu")
+    a, b = (kv_quant.layer_views(c, 16, kv_heads, head_dim)[1] for c in (mine, ref))
+    cpu_kv_int8.store_kv(k, v, a.key, a.value, slots, **a.scales)
+    store_kv_ref(k, v, b.key, b.value, slots, **b.scales)
+    assert torch.equal(mine, ref)
+    assert int(mine[:, 0].count_nonzero()) == 0  # layer 0 untouched
+    block, offset = divmod(int(slots[3]), 16)
+    assert a.key_scales[block, offset, 0] == 0 and not a.key[block, offset, 0].any()
+    assert int(sum(int(s >= 0) for s in slots)) * kv_heads == int((a.key_scales > 0).sum()) + 1  # the rest stored
+
+
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("num_seqs", [1, 6])  # 2 threads: 6 sequences -> a task per sequence; 1 -> per KV head
+def test_decode_matches_the_reference(head_dim, q_heads, kv_heads, block_size, window, num_seqs, two_threads):
+    seq_lens = [1, 7, 33, 100, 16, 257] if num_seqs == 6 else [295]  # 295 keys on 2 threads: split in chunks
+    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + block_size)
+    qkv = torch.randn(len(seq_lens), (q_heads + 2 * kv_heads) * head_dim, generator=gen)  # q: a strided view
+    q = qkv[:, : q_heads * head_dim].reshape(len(seq_lens), q_heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = cpu_kv_int8.paged_decode_attention(q, quant.key, quant.value, tables, lens, scale, window, **quant.scales)
+    assert_close(out, paged_decode_attention_ref(q, quant.key, quant.value, tables, lens, scale, window,
+                                                 **quant.scales), dense.value)
+    exact = paged_decode_attention_ref(q, dense.key, dense.value, tables, lens, scale, window)
+    check_within_bound(out, q, exact, dense, quant, tables, seq_lens, list(range(len(seq_lens) + 1)), scale, window)
+
+
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 8, 2), (80, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_the_reference(head_dim, q_heads, kv_heads, window, block_size, two_threads):
+    # (new tokens, context incl. them): fresh prompts, continuations of a cached prefix, past 64-token chunks and
+    # 256-key tiles
+    shapes = [(5, 5), (1, 9), (40, 100), (130, 300), (70, 400)]
+    q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
+    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + 1)
+    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
+    cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    cu_t, lens = torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = cpu_kv_int8.prefill_attention(q, quant.key, quant.value, tables, cu_t, lens, scale, window, **quant.scales)
+    assert_close(out, prefill_attention_ref(q, quant.key, quant.value, tables, cu_t, lens, scale, window,
+                                            **quant.scales), dense.value)
+    if head_dim == 64 and block_size == 16:  # the bound's loops are Python: one configuration
+        exact = prefill_attention_ref(q, dense.key, dense.value, tables, cu_t, lens, scale, window)
+        check_within_bound(out, q, exact, dense, quant, tables, seq_lens, cu, scale, window)
+
+
+def test_head_sizes_off_the_vector_path_run_the_references_and_say_so(caplog):
+    gen, tables, _, quant = _setup(20, 1, 16, [30, 5], seed=9)
+    q = torch.randn(2, 4, 20, generator=gen)
+    lens = torch.tensor([30, 5], dtype=torch.int32)
+    with caplog.at_level("WARNING", logger="kernels.cpu_kv_int8"):
+        out = cpu_kv_int8.paged_decode_attention(q, quant.key, quant.value, tables, lens, 0.2, **quant.scales)
+    assert "head_dim 20 (not a multiple of 8)" in caplog.text
+    assert torch.equal(out, paged_decode_attention_ref(q, quant.key, quant.value, tables, lens, 0.2,
+                                                       **quant.scales))
+
+
+def test_kernels_refuse_a_cache_that_is_not_int8_with_its_scales():
+    gen, tables, dense, quant = _setup(64, 2, 16, [20, 30], seed=1)
+    q = torch.randn(2, 4, 64, generator=gen)
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    with pytest.raises(TypeError, match="key_cache"):
+        cpu_kv_int8.paged_decode_attention(q, dense.key, dense.value, tables, lens, 0.125, **quant.scales)
+    with pytest.raises(ValueError, match="value_scales"):
+        cpu_kv_int8.paged_decode_attention(q, quant.key, quant.value, tables, lens, 0.125,
+                                           key_scales=quant.key_scales, value_scales=quant.value_scales[:, :8])
+    bad = tables.clone()
+    bad[1, 0] = quant.key.shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        cpu_kv_int8.paged_decode_attention(q, quant.key, quant.value, bad, lens, 0.125, **quant.scales)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        k = torch.randn(1, 2, 64)
+        cpu_kv_int8.store_kv(k, k, quant.key, quant.value, torch.tensor([10 ** 6]), **quant.scales)
