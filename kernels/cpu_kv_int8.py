@@ -13,7 +13,7 @@ import logging
 import torch
 
 from kernels.cpu_build import NativeKernelError, load
-from kernels.cpu_native import _check, _values_checked
+from kernels.cpu_native import _check, _check_cache_args, _check_store_args
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 
@@ -21,31 +21,17 @@ log = logging.getLogger(__name__)
 _warned: set[int] = set()
 
 
-def _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens) -> None:
-    _check("q", q, 3, torch.float32)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(name, t, 4, torch.int8)
+def _check_scales(key_cache, key_scales, value_scales) -> None:
     for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
         _check(name, t, 3, torch.float32)
         if t.shape != key_cache.shape[:3]:
             raise ValueError(f"{name} {tuple(t.shape)} must be [blocks, block_size, kv_heads] of the cache "
                              f"{tuple(key_cache.shape)}")
-    _check("block_tables", block_tables, 2, torch.int32)
-    _check("seq_lens", seq_lens, 1, torch.int32)
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
-    if q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache's heads {tuple(key_cache.shape[2:])}")
-    if not seq_lens.is_contiguous() or block_tables.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {seq_lens.shape[0]} sequences "
-                         "(seq_lens must be contiguous)")
-    width, block_size = block_tables.shape[1], key_cache.shape[1]
-    rc = load().duet_check_paged_f32(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                                     seq_lens.shape[0], width, block_size, key_cache.shape[0])
-    if rc == 1:
-        raise ValueError(f"seq_lens must be in [1, {width * block_size}] (block table width × block size)")
-    if rc == 2:
-        raise ValueError(f"block_tables name blocks outside [0, {key_cache.shape[0]})")
+
+
+def _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens) -> None:
+    _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens, torch.int8)
+    _check_scales(key_cache, key_scales, value_scales)
 
 
 def _cache_args(values: torch.Tensor, scales: torch.Tensor) -> tuple:
@@ -144,24 +130,8 @@ def store_kv(
     value_scales: torch.Tensor,
 ) -> None:
     """The new tokens' K/V quantized into their cache slots (``store_kv_ref``'s contract with scales)."""
-    for name, t in (("key", key), ("value", value)):
-        _check(name, t, 3, torch.float32)
-        if t.shape[1:] != key_cache.shape[2:] or t.stride(1) != t.shape[2]:
-            raise ValueError(f"{name} {tuple(t.shape)} must hold whole contiguous rows of the cache's heads "
-                             f"{tuple(key_cache.shape[2:])}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(name, t, 4, torch.int8)
-    for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
-        _check(name, t, 3, torch.float32)
-        if t.shape != key_cache.shape[:3]:
-            raise ValueError(f"{name} {tuple(t.shape)} must be [blocks, block_size, kv_heads] of the cache")
-    _check("slot_mapping", slot_mapping, 1, torch.int64)
-    n = slot_mapping.shape[0]
-    if key.shape[0] != n or value.shape[0] != n or not slot_mapping.is_contiguous():
-        raise ValueError(f"{n} slots for {key.shape[0]} keys and {value.shape[0]} values")
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if n and _values_checked() and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
-        raise ValueError(f"slot_mapping must be in [-1, {num_slots})")
+    n = _check_store_args(key, value, key_cache, value_cache, slot_mapping, torch.int8)
+    _check_scales(key_cache, key_scales, value_scales)
     load().duet_store_kv_i8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                             *_cache_args(key_cache, key_scales), *_cache_args(value_cache, value_scales),
                             slot_mapping.data_ptr(), n, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3])

@@ -34,10 +34,11 @@ def _values_checked() -> bool:
     return not recording()
 
 
-def _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens) -> None:
+def _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens, cache_dtype=torch.float32) -> None:
+    """The attention launchers' checks (``cache_dtype``: the values', int8 for kernels/cpu_kv_int8.py)."""
     _check("q", q, 3, torch.float32)
-    _check("key_cache", key_cache, 4, torch.float32)
-    _check("value_cache", value_cache, 4, torch.float32)
+    _check("key_cache", key_cache, 4, cache_dtype)
+    _check("value_cache", value_cache, 4, cache_dtype)
     _check("block_tables", block_tables, 2, torch.int32)
     _check("seq_lens", seq_lens, 1, torch.int32)
     if key_cache.shape != value_cache.shape:
@@ -99,13 +100,22 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; -1 = skip
 ) -> None:
     """The new tokens' K/V into their cache slots: one memcpy per token and tensor (store_kv_ref's contract)."""
+    n = _check_store_args(key, value, key_cache, value_cache, slot_mapping, torch.float32)
+    load().duet_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+                             key_cache.stride(0), key_cache.stride(1), value_cache.data_ptr(), value_cache.stride(0),
+                             value_cache.stride(1), slot_mapping.data_ptr(), n, key_cache.shape[1],
+                             key_cache.shape[2] * key_cache.shape[3])
+
+
+def _check_store_args(key, value, key_cache, value_cache, slot_mapping, cache_dtype: torch.dtype) -> int:
+    """The store launchers' checks (``cache_dtype``: the values'); the number of tokens."""
     for name, t in (("key", key), ("value", value)):
         _check(name, t, 3, torch.float32)
         if t.shape[1:] != key_cache.shape[2:] or t.stride(1) != t.shape[2]:
             raise ValueError(f"{name} {tuple(t.shape)} must hold whole contiguous rows of the cache's heads "
                              f"{tuple(key_cache.shape[2:])}")
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(name, t, 4, torch.float32)
+        _check(name, t, 4, cache_dtype)
         if t.stride(2) != t.shape[3]:
             raise ValueError(f"{name} rows must be contiguous over heads, got strides {t.stride()}")
     _check("slot_mapping", slot_mapping, 1, torch.int64)
@@ -115,10 +125,7 @@ def store_kv(
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     if n and _values_checked() and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
         raise ValueError(f"slot_mapping must be in [-1, {num_slots})")
-    load().duet_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
-                             key_cache.stride(0), key_cache.stride(1), value_cache.data_ptr(), value_cache.stride(0),
-                             value_cache.stride(1), slot_mapping.data_ptr(), n, key_cache.shape[1],
-                             key_cache.shape[2] * key_cache.shape[3])
+    return n
 
 
 def _gather_kv(lib, key_cache, value_cache, table_row, num_tokens):

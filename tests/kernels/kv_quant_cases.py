@@ -20,6 +20,7 @@ import torch
 from kernels import kv_quant
 from kernels.prefill_attention import gather_kv
 from kernels.store_kv import store_kv_ref
+from tests.kernels.paged import block_tables
 
 # per-element error of a stored value x with scale s: rel * |x| + sub * s (int8: 0 * |x| + 0.5 * s)
 ERROR = {torch.int8: (0.0, 0.5), torch.float8_e4m3fn: (2.0 ** -4, 2.0 ** -10),
@@ -43,6 +44,19 @@ def caches(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype
     store_kv_ref(k, v, d.key, d.value, slots)
     store_kv_ref(k, v, q.key, q.value, slots, key_scales=q.key_scales, value_scales=q.value_scales)
     return d, q, quant
+
+
+def paged_case(dtype: torch.dtype, head_dim: int, kv_heads: int, block_size: int, seq_lens: list[int], seed: int):
+    """(generator, block tables, fp32 layer views, quantized layer views): sequences of ``seq_lens`` tokens in
+    scattered blocks (tests/kernels/paged.py), their K/V (``random_kv``) stored in both caches."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = len(seq_lens) * (max(seq_lens) // block_size + 2)
+    tables = block_tables(seq_lens, block_size, num_blocks, gen).cpu()
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
+                          for s, n in enumerate(seq_lens) for p in range(n)])
+    k, v = random_kv(len(slots), kv_heads, head_dim, gen), random_kv(len(slots), kv_heads, head_dim, gen)
+    dense, quant, _ = caches(num_blocks, block_size, kv_heads, head_dim, dtype, slots, k, v)
+    return gen, tables, dense, quant
 
 
 def element_bound(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

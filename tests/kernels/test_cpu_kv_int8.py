@@ -19,8 +19,7 @@ from kernels import cpu_kv_int8, kv_quant
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 from kernels.store_kv import store_kv_ref
-from tests.kernels.kv_quant_cases import caches, check_within_bound, random_kv
-from tests.kernels.paged import block_tables
+from tests.kernels.kv_quant_cases import check_within_bound, paged_case, random_kv
 
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
 
@@ -32,14 +31,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, values: torch.Tensor) -> 
 
 
 def _setup(head_dim, kv_heads, block_size, seq_lens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = len(seq_lens) * (max(seq_lens) // block_size + 2)
-    tables = block_tables(seq_lens, block_size, num_blocks, gen).cpu()
-    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
-                          for s, n in enumerate(seq_lens) for p in range(n)])
-    k, v = random_kv(len(slots), kv_heads, head_dim, gen), random_kv(len(slots), kv_heads, head_dim, gen)
-    dense, quant, _ = caches(num_blocks, block_size, kv_heads, head_dim, torch.int8, slots, k, v)
-    return gen, tables, dense, quant
+    return paged_case(torch.int8, head_dim, kv_heads, block_size, seq_lens, seed)
 
 
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 3), (128, 2), (80, 1)])

@@ -10,8 +10,7 @@ import torch
 from kernels import kv_quant
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
-from tests.kernels.kv_quant_cases import caches, check_within_bound, element_bound, random_kv, rows
-from tests.kernels.paged import block_tables
+from tests.kernels.kv_quant_cases import check_within_bound, element_bound, paged_case, random_kv, rows
 
 DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -57,20 +56,9 @@ def test_int8_rounds_half_to_even_and_keeps_the_sign():
     assert scales.item() == 1.0 and values.flatten().tolist() == [127, 0, 2, 2, 0, -2, -127, 3]
 
 
-def _setup(dtype, head_dim, kv_heads, block_size, seq_lens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = len(seq_lens) * (max(seq_lens) // block_size + 2)
-    tables = block_tables(seq_lens, block_size, num_blocks, gen).cpu()
-    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
-                          for s, n in enumerate(seq_lens) for p in range(n)])
-    k, v = random_kv(len(slots), kv_heads, head_dim, gen), random_kv(len(slots), kv_heads, head_dim, gen)
-    dense, quant, _ = caches(num_blocks, block_size, kv_heads, head_dim, dtype, slots, k, v)
-    return gen, tables, dense, quant
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_store_writes_each_row_with_its_scale(dtype):
-    _, tables, dense, quant = _setup(dtype, 32, 2, 16, [40, 7], seed=2)
+    _, tables, dense, quant = paged_case(dtype, 32, 2, 16, [40, 7], seed=2)
     for s, n in enumerate([40, 7]):
         k, v = rows(dense, tables[s], n)
         k_hat, v_hat = rows(quant, tables[s], n)
@@ -84,7 +72,7 @@ def test_the_store_writes_each_row_with_its_scale(dtype):
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_reference_is_within_the_derived_bound(dtype, window):
     seq_lens, scale = [1, 37, 90], 64 ** -0.5
-    gen, tables, dense, quant = _setup(dtype, 64, 3, 16, seq_lens, seed=3)
+    gen, tables, dense, quant = paged_case(dtype, 64, 3, 16, seq_lens, seed=3)
     q = torch.randn(3, 9, 64, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     exact = paged_decode_attention_ref(q, dense.key, dense.value, tables, lens, scale, window)
@@ -96,7 +84,7 @@ def test_decode_reference_is_within_the_derived_bound(dtype, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_reference_is_within_the_derived_bound(dtype):
     seq_lens, cu, scale = [30, 21], [0, 12, 33], 32 ** -0.5  # sequence 0 continues a cached prefix of 18
-    gen, tables, dense, quant = _setup(dtype, 32, 2, 8, seq_lens, seed=4)
+    gen, tables, dense, quant = paged_case(dtype, 32, 2, 8, seq_lens, seed=4)
     q = torch.randn(33, 4, 32, generator=gen)
     cu_t, lens = torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
     exact = prefill_attention_ref(q, dense.key, dense.value, tables, cu_t, lens, scale)
@@ -109,7 +97,7 @@ def test_a_wrong_scale_breaks_the_bound():
     1,000 times the error of a right kernel in these cases, so a wrong block or head is caught by the kernels'
     comparison with the reference at fp32 tolerance, tests/kernels/test_cpu_kv_int8.py)."""
     seq_lens, scale = [48], 64 ** -0.5
-    gen, tables, dense, quant = _setup(torch.int8, 64, 1, 16, seq_lens, seed=5)
+    gen, tables, dense, quant = paged_case(torch.int8, 64, 1, 16, seq_lens, seed=5)
     q = torch.randn(1, 2, 64, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     exact = paged_decode_attention_ref(q, dense.key, dense.value, tables, lens, scale)
