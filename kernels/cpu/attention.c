@@ -15,6 +15,24 @@
 // order (differences of a few ulp).
 #include "attention_tiles.h"
 
+typedef struct {  // one layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] by strides (elements)
+    const float *k, *v;
+    int64_t k_b, k_t, k_h, v_b, v_t, v_h;
+} kv_f32_t;
+
+// decode attention's tiles and task loop on fp32 rows (da_qk_f32, da_pv_f32, da_rows_of_f32, da_heads_impl_f32)
+#define DA_T float
+#define DA_SFX(f) f##_f32
+#define DA_LOAD8(p) (*(const v8 *)(p))
+#define DA_SCALED 0
+#define DA_SRC kv_f32_t
+#include "attention_decode.inc"
+#undef DA_T
+#undef DA_SFX
+#undef DA_LOAD8
+#undef DA_SCALED
+#undef DA_SRC
+
 #define MAX_SCRATCH 8192  // floats of per-task scratch on the stack (32 KB); more is allocated
 
 
@@ -145,27 +163,21 @@ static void attend_rows(const float *const *q_rows, float *const *out_rows, cons
 
 // ------------------------------------------------------------------------------------------ an fp32 cache's rows
 
-typedef struct {  // one layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] by strides (elements)
-    const float *k, *v;
-    int64_t k_b, k_t, k_h, v_b, v_t, v_h;
-} kv_f32_t;
-
-// kv_rows_fn of an fp32 cache: pointers into it, nothing copied
+// kv_rows_fn of an fp32 cache (prefill): pointers into it, nothing copied
 static inline void rows_f32(const void *src, const int32_t *table, int block_size, int t0, int n, int h0, int h1,
                             const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h, float *buf) {
     (void)h1;
     (void)buf;
     const kv_f32_t *c = src;
-    da_rows_of(c->k + h0 * c->k_h, c->k_b, c->k_t, c->v + h0 * c->v_h, c->v_b, c->v_t, table, block_size, t0, n,
+    da_rows_of_f32(c->k + h0 * c->k_h, c->k_b, c->k_t, c->v + h0 * c->v_h, c->v_b, c->v_t, table, block_size, t0, n,
                krow, vrow);
     *k_h = c->k_h;
     *v_h = c->v_h;
 }
 
 static void da_heads_f32(const void *src, const float *Q, float *O, int h0, int h1, int group, const int32_t *table,
-                         int block_size, int lo, int hi, int D, float *S, float *m, float *l, const float **ptrs,
-                         float *rows_buf) {
-#define DA(d) da_heads_impl(rows_f32, src, Q, O, h0, h1, group, table, block_size, lo, hi, d, S, m, l, ptrs, rows_buf)
+                         int block_size, int lo, int hi, int D, float *S, float *m, float *l, const void **ptrs) {
+#define DA(d) da_heads_impl_f32(src, Q, O, h0, h1, group, table, block_size, lo, hi, d, S, m, l, ptrs)
     switch (D) {
         case 64: DA(64); break;
         case 128: DA(128); break;
@@ -181,10 +193,10 @@ static void da_heads_f32(const void *src, const float *Q, float *O, int h0, int 
 // output, max and sum are kept apart, then merged per row as sum_c e^(m_c - M) l_c O_c / sum_c e^(m_c - M) l_c.
 // Returns 0, or -1 if a scratch allocation failed.
 #define DA_CHUNK 128  // keys per chunk at least: a chunk's fixed cost (q copy, merge) stays small next to it
-int da_decode(const void *src, da_heads_fn heads, int dequant, const float *q, int64_t q_s, int64_t q_h,
-              const int32_t *tables, int64_t tab_s, const int32_t *seq_lens, float *out, int64_t o_s, int64_t o_h,
-              int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-              int window, int num_threads) {
+int da_decode(const void *src, da_heads_fn heads, const float *q, int64_t q_s, int64_t q_h, const int32_t *tables,
+              int64_t tab_s, const int32_t *seq_lens, float *out, int64_t o_s, int64_t o_h, int num_seqs,
+              int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
+              int num_threads) {
     const int group = num_q_heads / num_kv_heads, split = num_seqs < 2 * num_threads;
     const int per_task = split ? 1 : num_kv_heads, head_tasks = num_kv_heads / per_task;
     const int rows = per_task * group, D = head_dim;
@@ -203,10 +215,8 @@ int da_decode(const void *src, da_heads_fn heads, int dequant, const float *q, i
 #pragma omp parallel num_threads(num_threads)
     {
         float *buf = aligned_alloc(64, sizeof(float) * ((size_t)rows * (DA_TILE + 2 * D + 2) + 16));
-        const float **ptrs = malloc(sizeof(float *) * 4 * DA_TILE);
-        // two tiles of K and V rows of the task's heads, for a source that dequantizes (da_heads_impl)
-        float *rows_buf = dequant ? aligned_alloc(64, sizeof(float) * 4 * DA_TILE * (size_t)per_task * D) : NULL;
-        int ok = buf && ptrs && (rows_buf || !dequant) && !failed;
+        const void **ptrs = malloc(sizeof(void *) * 8 * DA_TILE);
+        int ok = buf && ptrs && !failed;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -230,8 +240,7 @@ int da_decode(const void *src, da_heads_fn heads, int dequant, const float *q, i
                 const float *qr = q + s * q_s + (int64_t)(h0 * group + r) * q_h;
                 for (int d = 0; d < D; d++) Q[r * D + d] = qr[d] * scale;
             }
-            heads(src, Q, O, h0, h0 + per_task, group, tables + s * tab_s, block_size, c0, c1, D, S, m, l, ptrs,
-                  rows_buf);
+            heads(src, Q, O, h0, h0 + per_task, group, tables + s * tab_s, block_size, c0, c1, D, S, m, l, ptrs);
             if (chunks == 1) {
                 for (int r = 0; r < rows; r++)
                     memcpy(out + s * o_s + (int64_t)(h0 * group + r) * o_h, O + r * D, sizeof(float) * D);
@@ -272,7 +281,6 @@ int da_decode(const void *src, da_heads_fn heads, int dequant, const float *q, i
         }
         free(buf);
         free(ptrs);
-        free(rows_buf);
     }
     free(part);
     return failed ? -1 : 0;
@@ -288,7 +296,7 @@ int duet_decode_attention_f32(const float *q, int64_t q_s, int64_t q_h, const fl
                               int head_dim, int block_size, float scale, int window, int num_threads) {
     if (head_dim % 8 == 0) {
         const kv_f32_t src = {k, v, k_b, k_t, k_h, v_b, v_t, v_h};
-        return da_decode(&src, da_heads_f32, 0, q, q_s, q_h, tables, tab_s, seq_lens, out, o_s, o_h, num_seqs,
+        return da_decode(&src, da_heads_f32, q, q_s, q_h, tables, tab_s, seq_lens, out, o_s, o_h, num_seqs,
                          num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads);
     }
     int group = num_q_heads / num_kv_heads, failed = 0;

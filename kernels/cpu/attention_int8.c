@@ -9,12 +9,27 @@
 // ±127; a zero row gets scale 0 and zeros. kernels/kv_quant.py quantize_ref computes the same fp32 quotient and
 // rounding: both write the same bytes.
 //
-// Attention: the fp32 kernels' task loops (attention_tiles.h), fed with rows dequantized as they are read
-// (int8 × scale, in fp32) into a per-thread buffer a tile at a time (decode: the next tile's while the current one is
-// worked; prefill: a 256-key tile of one KV head). Scores, softmax and accumulation are fp32, as in attention.c.
+// Decode attention: the fp32 kernel's tiles and task loop instantiated for int8 rows (attention_decode.inc): each
+// K/V chunk is loaded as 8 int8 and converted to fp32 in registers, a dot is multiplied by its key's scale and a
+// probability by its value's scale (the same products as dequantizing first, in another order), so decode reads a
+// quarter of fp32's bytes and writes nothing back. Prefill attention (compute-bound): the fp32 task loop fed with
+// a 256-key tile of one KV head dequantized into a per-thread buffer (attention_tiles.h's kv_rows_fn). Scores,
+// softmax and accumulation are fp32 throughout, as in attention.c.
 #include "attention_tiles.h"
 
 typedef int8_t vb8 __attribute__((vector_size(8), aligned(1)));  // 8 int8 lanes, unaligned loads
+
+// 8 int8 at p as 8 floats. GCC turns __builtin_convertvector of an 8-byte vector into 8 scalar byte loads (1,352
+// movsbl in this file, and int8 decode ran at 0.68x fp32's speed): on x86 it is one sign-extending load and one
+// conversion by intrinsics.
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 load8_i8(const int8_t *p) {
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline v8 load8_i8(const int8_t *p) { return __builtin_convertvector(*(const vb8 *)p, v8); }
+#endif
 
 typedef struct {  // one layer's int8 K and V with their scales (strides in elements)
     const int8_t *k, *v;
@@ -25,11 +40,35 @@ typedef struct {  // one layer's int8 K and V with their scales (strides in elem
 } kv_i8_t;
 
 // dst[0:D] = src[0:D] * scale (D a multiple of 8)
-static inline void dequant_row(float *restrict dst, const int8_t *restrict src, float scale, int D) {
-    for (int d = 0; d < D; d += 8) *(v8 *)(dst + d) = __builtin_convertvector(*(const vb8 *)(src + d), v8) * scale;
+// the rows' scale pointers of keys [t0, t0 + n) (K and V, head 0: head h's scale is p[h]), a block at a time
+static inline void da_scale_rows(const kv_i8_t *c, const int32_t *table, int block_size, int t0, int n,
+                                 const float **ksrow, const float **vsrow) {
+    for (int t = 0; t < n; t++) {
+        int pos = t0 + t, off = pos % block_size;
+        int64_t b = table[pos / block_size];
+        ksrow[t] = c->ks + b * c->ks_b + off * c->ks_t;
+        vsrow[t] = c->vs + b * c->vs_b + off * c->vs_t;
+    }
 }
 
-// kv_rows_fn of an int8 cache: keys [t0, t0 + n) of heads [h0, h1) dequantized into buf, K rows [n][h1 - h0][D]
+// decode attention's tiles and task loop on int8 rows (da_qk_i8, da_pv_i8, da_rows_of_i8, da_heads_impl_i8)
+#define DA_T int8_t
+#define DA_SFX(f) f##_i8
+#define DA_LOAD8(p) load8_i8(p)
+#define DA_SCALED 1
+#define DA_SRC kv_i8_t
+#include "attention_decode.inc"
+#undef DA_T
+#undef DA_SFX
+#undef DA_LOAD8
+#undef DA_SCALED
+#undef DA_SRC
+
+static inline void dequant_row(float *restrict dst, const int8_t *restrict src, float scale, int D) {
+    for (int d = 0; d < D; d += 8) *(v8 *)(dst + d) = load8_i8(src + d) * scale;
+}
+
+// kv_rows_fn of an int8 cache (prefill): keys [t0, t0 + n) of heads [h0, h1) dequantized into buf, K rows [n][h1 - h0][D]
 // then V rows likewise; the row pointers point there.
 static inline void rows_i8(const void *src, const int32_t *table, int block_size, int t0, int n, int h0, int h1,
                            const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h, float *buf) {
@@ -54,9 +93,8 @@ static inline void rows_i8(const void *src, const int32_t *table, int block_size
 }
 
 static void da_heads_i8(const void *src, const float *Q, float *O, int h0, int h1, int group, const int32_t *table,
-                        int block_size, int lo, int hi, int D, float *S, float *m, float *l, const float **ptrs,
-                        float *rows_buf) {
-#define DA(d) da_heads_impl(rows_i8, src, Q, O, h0, h1, group, table, block_size, lo, hi, d, S, m, l, ptrs, rows_buf)
+                        int block_size, int lo, int hi, int D, float *S, float *m, float *l, const void **ptrs) {
+#define DA(d) da_heads_impl_i8(src, Q, O, h0, h1, group, table, block_size, lo, hi, d, S, m, l, ptrs)
     switch (D) {  // the common head sizes get their own unrolled copy, as in attention.c
         case 64: DA(64); break;
         case 128: DA(128); break;
@@ -79,7 +117,7 @@ int duet_decode_attention_i8(const float *q, int64_t q_s, int64_t q_h, const int
                              int64_t o_h, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                              int block_size, float scale, int window, int num_threads) {
     const kv_i8_t src = {k, v, ks, vs, k_b, k_t, k_h, v_b, v_t, v_h, ks_b, ks_t, vs_b, vs_t, head_dim};
-    return da_decode(&src, da_heads_i8, 1, q, q_s, q_h, tables, tab_s, seq_lens, out, o_s, o_h, num_seqs,
+    return da_decode(&src, da_heads_i8, q, q_s, q_h, tables, tab_s, seq_lens, out, o_s, o_h, num_seqs,
                      num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads);
 }
 

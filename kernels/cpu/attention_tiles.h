@@ -1,8 +1,9 @@
 // What duet's CPU attention kernels share (attention.c: fp32 caches; attention_int8.c: int8 caches): the vector
-// helpers, the register tiles of QKᵀ and PV, the online-softmax step, and the per-task loops of decode and
-// prefill attention, generic in where a tile's K/V rows come from (kv_rows_fn: row pointers straight into an fp32
-// cache, or rows dequantized into a buffer). The loops are always_inline and each file instantiates them with its
-// own rows function, a constant there, so the call is inlined: the fp32 path compiles as it did before the split.
+// helpers, the online-softmax step, the drivers' interfaces (da_decode, pf_prefill), and prefill's register tiles
+// and task loop, generic in where a tile's K/V rows come from (kv_rows_fn: row pointers straight into an fp32 cache,
+// or rows dequantized into a buffer; always_inline with the rows function a constant at each instantiation, so the
+// call is inlined and the fp32 path compiles as before). Decode's tiles are a template per element type
+// (attention_decode.inc).
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -57,81 +58,6 @@ static inline v8 da_reduce8(const v8 *p) {
     return DA_SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + DA_SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// S[g][0:nt8] = Q[g] . K_t for G rows (Q: G x D, scaled, contiguous; row t of K at krow[t] + koff): each K
-// chunk is loaded once for all G rows, eight keys' partial sums reduced together; keys past nt get -inf. While
-// at it, the same rows of the next tile (nkrow, nn of them; NULL: none) are prefetched.
-static inline __attribute__((always_inline)) void da_qk(const float *restrict Q, const int G, const int D,
-                                                        const float *const *krow, int64_t koff, int nt,
-                                                        const float *const *nkrow, int nn, float *restrict S,
-                                                        int ld_s) {
-    const int nt8 = (nt + 7) & ~7;
-    for (int j0 = 0; j0 < nt8; j0 += 8) {
-        v8 part[4][8];
-        for (int j = 0; j < 8; j++) {
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            if (j0 + j < nt) {
-                const float *kr = krow[j0 + j] + koff;
-                if (nkrow && j0 + j < nn)
-                    for (int c = 0; c < D; c += 16) __builtin_prefetch(nkrow[j0 + j] + koff + c, 0, DA_PF);
-                for (int c = 0; c < D; c += 8) {
-                    v8 kc = *(const v8 *)(kr + c);
-                    a0 += *(const v8 *)(Q + c) * kc;
-                    if (G > 1) a1 += *(const v8 *)(Q + D + c) * kc;
-                    if (G > 2) a2 += *(const v8 *)(Q + 2 * D + c) * kc;
-                    if (G > 3) a3 += *(const v8 *)(Q + 3 * D + c) * kc;
-                }
-            }
-            part[0][j] = a0;
-            part[1][j] = a1;
-            part[2][j] = a2;
-            part[3][j] = a3;
-        }
-        for (int g = 0; g < G; g++) *(v8 *)(S + g * ld_s + j0) = da_reduce8(part[g]);
-    }
-    for (int g = 0; g < G; g++)
-        for (int t = nt; t < nt8; t++) S[g * ld_s + t] = -INFINITY;
-}
-
-// O[g] += sum_t S[g][t] V_t for G rows (V row t at vrow[t] + voff), each V chunk loaded once for all rows; the
-// next tile's rows prefetched as in da_qk.
-static inline __attribute__((always_inline)) void da_pv(const float *restrict S, int ld_s, const int G, const int D,
-                                                        const float *const *vrow, int64_t voff, int nt,
-                                                        const float *const *nvrow, int nn, float *restrict O) {
-    int c0 = 0;
-    for (; c0 + 32 <= D; c0 += 32) {
-        v8 acc[4][4];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++) acc[g][c] = *(v8 *)(O + g * D + c0 + 8 * c);
-        for (int t = 0; t < nt; t++) {
-            const float *vr = vrow[t] + voff + c0;
-            if (nvrow && t < nn) {
-                __builtin_prefetch(nvrow[t] + voff + c0, 0, DA_PF);
-                __builtin_prefetch(nvrow[t] + voff + c0 + 16, 0, DA_PF);
-            }
-            v8 x0 = *(const v8 *)vr, x1 = *(const v8 *)(vr + 8), x2 = *(const v8 *)(vr + 16),
-               x3 = *(const v8 *)(vr + 24);
-            for (int g = 0; g < G; g++) {
-                float p = S[g * ld_s + t];
-                acc[g][0] += p * x0;
-                acc[g][1] += p * x1;
-                acc[g][2] += p * x2;
-                acc[g][3] += p * x3;
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++) *(v8 *)(O + g * D + c0 + 8 * c) = acc[g][c];
-    }
-    for (; c0 < D; c0 += 8) {
-        v8 acc[4];
-        for (int g = 0; g < G; g++) acc[g] = *(v8 *)(O + g * D + c0);
-        for (int t = 0; t < nt; t++) {
-            v8 x = *(const v8 *)(vrow[t] + voff + c0);
-            for (int g = 0; g < G; g++) acc[g] += S[g * ld_s + t] * x;
-        }
-        for (int g = 0; g < G; g++) *(v8 *)(O + g * D + c0) = acc[g];
-    }
-}
-
 // the online-softmax step of one row over a tile: new running max, rescale of O and l, S -> exp(S - max)
 static inline void da_softmax_row(float *restrict sr, int nt8, float *m, float *l, float *restrict o, int D) {
     v8 vm = *(v8 *)sr;
@@ -153,97 +79,18 @@ static inline void da_softmax_row(float *restrict sr, int nt8, float *m, float *
     *l += hsum8(acc);
 }
 
-// row pointers of keys [t0, t0 + n) (K and V, head 0), a block at a time
-static inline void da_rows_of(const float *k, int64_t k_b, int64_t k_t, const float *v, int64_t v_b, int64_t v_t,
-                              const int32_t *table, int block_size, int t0, int n, const float **krow,
-                              const float **vrow) {
-    for (int t = 0; t < n;) {
-        int pos = t0 + t, off = pos % block_size, c = block_size - off < n - t ? block_size - off : n - t;
-        int64_t b = table[pos / block_size];
-        const float *kb = k + b * k_b + (int64_t)off * k_t, *vb = v + b * v_b + (int64_t)off * v_t;
-        for (int i = 0; i < c; i++) {
-            krow[t + i] = kb + (int64_t)i * k_t;
-            vrow[t + i] = vb + (int64_t)i * v_t;
-        }
-        t += c;
-    }
-}
-
-// Query rows of KV heads [h0, h1) of one sequence against keys [lo, hi), in tiles of DA_TILE keys: per tile,
-// QKᵀ of every head (the tile's K rows read in address order, the next tile's prefetched alongside), the
-// softmax step, then PV likewise. Q: scaled queries [rows][D] (row = (h - h0) * group + g); O: the results.
-// Scratch: S rows x DA_TILE, m/l rows each, 4 x DA_TILE row pointers; rows_buf: two tiles of rows for a source
-// that dequantizes (kv_rows_fn), the next tile's rows made while the current one is worked, else NULL.
-static inline __attribute__((always_inline)) void da_heads_impl(
-    kv_rows_fn rows_of, const void *src, const float *restrict Q, float *restrict O, int h0, int h1, int group,
-    const int32_t *table, int block_size, int lo, int hi, const int D, float *restrict S, float *m, float *l,
-    const float **ptrs, float *rows_buf) {
-    const int rows = (h1 - h0) * group;
-    const float **krow = ptrs, **vrow = ptrs + DA_TILE, **nkrow = ptrs + 2 * DA_TILE, **nvrow = ptrs + 3 * DA_TILE;
-    for (int r = 0; r < rows; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-    memset(O, 0, sizeof(float) * rows * D);
-    const size_t tile_floats = (size_t)2 * DA_TILE * (h1 - h0) * D;  // one tile's K and V rows in rows_buf
-    float *buf = rows_buf, *nbuf = rows_buf ? rows_buf + tile_floats : NULL;
-    int64_t k_h, v_h;  // elements from one KV head's row to the next in the tile's rows
-    int nt = hi - lo < DA_TILE ? hi - lo : DA_TILE;
-    rows_of(src, table, block_size, lo, nt, h0, h1, krow, vrow, &k_h, &v_h, buf);
-    for (int t0 = lo; t0 < hi; t0 += DA_TILE) {
-        int nn = hi - (t0 + nt) < DA_TILE ? hi - (t0 + nt) : DA_TILE;  // the next tile's keys
-        if (nn > 0) rows_of(src, table, block_size, t0 + nt, nn, h0, h1, nkrow, nvrow, &k_h, &v_h, nbuf);
-        const int nt8 = (nt + 7) & ~7;
-        for (int h = h0; h < h1; h++)
-            for (int g0 = 0; g0 < group; g0 += 4) {
-                int r0 = (h - h0) * group + g0, G = group - g0 < 4 ? group - g0 : 4;
-                const float *const *pf = g0 == 0 && nn > 0 ? nkrow : NULL;
-                switch (G) {
-                    case 1: da_qk(Q + r0 * D, 1, D, krow, (h - h0) * k_h, nt, pf, nn, S + r0 * DA_TILE, DA_TILE); break;
-                    case 2: da_qk(Q + r0 * D, 2, D, krow, (h - h0) * k_h, nt, pf, nn, S + r0 * DA_TILE, DA_TILE); break;
-                    case 3: da_qk(Q + r0 * D, 3, D, krow, (h - h0) * k_h, nt, pf, nn, S + r0 * DA_TILE, DA_TILE); break;
-                    default: da_qk(Q + r0 * D, 4, D, krow, (h - h0) * k_h, nt, pf, nn, S + r0 * DA_TILE, DA_TILE);
-                }
-            }
-        for (int r = 0; r < rows; r++) da_softmax_row(S + r * DA_TILE, nt8, m + r, l + r, O + r * D, D);
-        for (int h = h0; h < h1; h++)
-            for (int g0 = 0; g0 < group; g0 += 4) {
-                int r0 = (h - h0) * group + g0, G = group - g0 < 4 ? group - g0 : 4;
-                const float *const *pf = g0 == 0 && nn > 0 ? nvrow : NULL;
-                switch (G) {
-                    case 1: da_pv(S + r0 * DA_TILE, DA_TILE, 1, D, vrow, (h - h0) * v_h, nt, pf, nn, O + r0 * D); break;
-                    case 2: da_pv(S + r0 * DA_TILE, DA_TILE, 2, D, vrow, (h - h0) * v_h, nt, pf, nn, O + r0 * D); break;
-                    case 3: da_pv(S + r0 * DA_TILE, DA_TILE, 3, D, vrow, (h - h0) * v_h, nt, pf, nn, O + r0 * D); break;
-                    default: da_pv(S + r0 * DA_TILE, DA_TILE, 4, D, vrow, (h - h0) * v_h, nt, pf, nn, O + r0 * D);
-                }
-            }
-        const float **tk = krow, **tv = vrow;  // the next tile's pointers become the current ones
-        krow = nkrow;
-        vrow = nvrow;
-        nkrow = tk;
-        nvrow = tv;
-        float *tb = buf;  // and the next tile's buffer the current one
-        buf = nbuf;
-        nbuf = tb;
-        nt = nn;
-    }
-    for (int r = 0; r < rows; r++) {
-        float inv = 1.0f / l[r];
-        for (int d = 0; d < D; d++) O[r * D + d] *= inv;
-    }
-}
-
-// One decode task's attention (da_heads_impl instantiated for one source); run by da_decode.
+// One decode task's attention (da_heads_impl of attention_decode.inc, instantiated for one cache type); run by
+// da_decode. ptrs: room for 8 x DA_TILE pointers.
 typedef void (*da_heads_fn)(const void *src, const float *Q, float *O, int h0, int h1, int group,
                             const int32_t *table, int block_size, int lo, int hi, int D, float *S, float *m,
-                            float *l, const float **ptrs, float *rows_buf);
+                            float *l, const void **ptrs);
 
-// Decode attention of every sequence, its tasks chosen, run and merged here (attention.c); heads: the source's
-// task; dequant: the source dequantizes rows (each thread then holds two tiles of them).
-int da_decode(const void *src, da_heads_fn heads, int dequant, const float *q, int64_t q_s, int64_t q_h,
-              const int32_t *tables, int64_t tab_s, const int32_t *seq_lens, float *out, int64_t o_s, int64_t o_h,
-              int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-              int window, int num_threads);
+// Decode attention of every sequence, its tasks chosen, run and merged here (attention.c); heads: the task of one
+// cache type.
+int da_decode(const void *src, da_heads_fn heads, const float *q, int64_t q_s, int64_t q_h, const int32_t *tables,
+              int64_t tab_s, const int32_t *seq_lens, float *out, int64_t o_s, int64_t o_h, int num_seqs,
+              int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
+              int num_threads);
 
 // ------------------------------------------------------------------------------------------ prefill attention
 //
@@ -439,6 +286,7 @@ static inline __attribute__((always_inline)) void pf_task_impl(
 typedef void (*pf_task_fn)(const void *src, const pf_task_t *task, const pf_args_t *a, float *buf, int *ibuf,
                            const float **krow, const float **vrow, float *rows_buf);
 
-// Prefill attention of every sequence: its tasks made, ordered and run here (attention.c); dequant as da_decode's.
+// Prefill attention of every sequence: its tasks made, ordered and run here (attention.c); dequant: the task's rows
+// function dequantizes (each thread then holds one tile of K and V rows, 2 x PF_KEYS x head_dim floats).
 int pf_prefill(const void *src, pf_task_fn task, int dequant, const pf_args_t *a, int num_seqs, int num_q_heads,
                int num_kv_heads, int num_threads);
