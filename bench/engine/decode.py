@@ -84,7 +84,8 @@ def run_decode(engine, batch: int, context: int, steps: int, vocab: int, compile
     # Long enough that no sequence ends inside the timed steps (the first prompts decode while the last ones still
     # prefill): a batch that shrank there would time smaller batches, and on CUDA the capture of their graphs
     # (seen on an H200: a 0.4-1.2 s Triton compile inside "batch 32"). What is left is aborted after timing.
-    max_tokens = steps + 2 + engine.config.max_num_seqs
+    # A prompt as long as the step budget takes two steps (decode tokens share the budget): up to 2 per prompt.
+    max_tokens = steps + 2 + engine.config.max_num_seqs * (context // engine.config.max_num_batched_tokens + 1)
     request_ids = []
     for _i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=g).tolist()

@@ -6,6 +6,10 @@ of one cache, as in a real step), the same lengths and block tables for both.
 
 Prints milliseconds per step (all layers) of decode attention, of the int8 store of the step's rows, and of prefill
 attention over ``--prefill`` new tokens of one sequence; the last line is ``ratio: <fp32 ms / int8 ms>`` of decode.
+
+Measured (2-vCPU Xeon, 2 threads, defaults, 2026-11-28): decode fp32 176.2 ms (3.02 GB of K/V at 17.1 GB/s), int8
+79.9 ms (0.80 GB at 10.0 GB/s): ratio 2.21; the int8 store of 16 rows 1.3 ms per step (all layers); prefill of 1,024
+tokens fp32 322 ms, int8 307 ms.
 """
 from __future__ import annotations
 
