@@ -1,7 +1,8 @@
 """An engine with a quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py, docs/ARCHITECTURE.md
 "Quantized KV cache"): the choice is checked and refused by name where a backend has no kernels for it; greedy decode
 with int8 KV is the same on the torch and cpu kernels; blocks moved by their bytes (a handoff's block copy, the host
-and disk tiers, a prefix hit) carry their scales, so the output equals the same engine's own; the prefix cache's
+and disk tiers, a prefix hit) carry their scales, so the output equals the same engine's own, and so does speculative
+decoding's (rejected drafts' rows are overwritten, scales and all); the prefix cache's
 namespace includes the KV dtype; the budget counts 1-byte values and their scales; and on a real model the next-token
 distributions stay close to those over an fp32 cache (the bounds below, measured)."""
 from __future__ import annotations
@@ -20,6 +21,8 @@ from engine.kv.cache_dtype import resolve_kv_cache_dtype
 from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.models.kernel_backend import get_ops
 from engine.request import SamplingParams
+from tests.engine.speculative.test_engine_spec import NGRAM, prompts
+from tests.engine.speculative.test_engine_spec import make_engine as make_spec_engine
 from tests.engine.test_engine_handoff import run_disagg, workload
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -66,6 +69,18 @@ def test_a_handoff_by_block_bytes_equals_the_same_engine(model_dir, kernels, kv)
     assert run_disagg(P, D, prompts, params) == colocated
     assert run_disagg(P, D, prompts, params) == colocated  # warm: D's own int8 prefix hits too
     assert D.stats.num_remote_prefix_hit_blocks > 0
+
+
+def test_speculative_decoding_with_int8_kv_equals_plain_int8(model_dir):
+    """Verification writes the drafts' rows (quantized per token) and a rejection leaves them to be overwritten: a
+    row's scale is its own, so nothing of a rejected draft reaches a later token. Greedy outputs equal plain decode's
+    on the same int8 cache dtype (tests/engine/speculative/test_engine_spec.py's prompts, the cost model off)."""
+    cases = prompts()
+    want = [r["token_ids"] for r in engine(model_dir, "int8").generate(cases, GREEDY)]
+    spec = make_spec_engine(model_dir, NGRAM, kv_cache_dtype="int8", kernels="cpu")
+    assert [r["token_ids"] for r in spec.generate(cases, GREEDY)] == want
+    st = spec.spec.stats
+    assert st.num_accepted_tokens > 0 and st.num_draft_tokens > st.num_accepted_tokens  # some drafts rolled back
 
 
 def families(seed=3):
