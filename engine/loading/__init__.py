@@ -8,6 +8,7 @@ Pieces (each module's docstring is its design note):
 - gguf.py            GGUFCheckpoint: model config, weights and tokenizer from one GGUF file
 - quantized.py       quantized checkpoint weights kept packed: which, and their assembly into the model
 - hf_quantized.py    GPTQ / AWQ / compressed-tensors layers unpacked from their int32 words (GroupQuantWeight)
+- hf_fp8.py          FP8 checkpoints' layers (float8 e4m3 + tensor / channel / block scales: Fp8Weight), dequantized
 - quantize.py        quantization int8 | int4: a float checkpoint's weights quantized at load into GGUF blocks
 - resident.py        what a loaded model holds (format, bytes, kernel per layer kind), read from its objects
 - weights_summary.py WeightsSummary: that, as plain torch-free values (WorkerInfo, /v1/models, /metrics)

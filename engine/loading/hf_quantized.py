@@ -17,6 +17,8 @@ per int32 word, value j of a word in its bits [bits * j, bits * (j + 1)):
   act-order: ``weight_g_idx``. w = (q - zp) * s, the same in the unsigned domain (both carry the offset);
   symmetric: zp = 0, i.e. z = 2^(bits - 1).
 A g_idx that is not ``i // group_size`` (act-order) becomes a column permutation (kernels/quant_group.py).
+FP8 checkpoints (an ``Fp8Fields`` spec) go through the same three steps with engine/loading/hf_fp8.py's parts and
+``Fp8Weight``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading import hf_fp8
+from engine.models.config_fp8 import Fp8Fields
 from engine.models.config_quant import QuantFields
 from kernels.quant_group import GROUP_FORMATS, GroupQuantWeight
 
@@ -37,19 +41,26 @@ PARTS = {
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # word value k holds output column _AWQ_ORDER[k] of its 8
 
 
-def _split(name: str, method: str) -> tuple[str, str] | None:
-    """(layer prefix, part) when ``name`` is a part of a quantized layer of ``method``; else None."""
-    required, optional = PARTS[method]
+def _parts(spec: QuantFields | Fp8Fields) -> tuple[set[str], set[str]]:
+    return hf_fp8.parts(spec) if isinstance(spec, Fp8Fields) else PARTS[spec.method]
+
+
+def _split(name: str, spec: QuantFields | Fp8Fields) -> tuple[str, str] | None:
+    """(layer prefix, part) when ``name`` is a part of a quantized layer of ``spec``'s method; else None."""
+    required, optional = _parts(spec)
     prefix, _, part = name.rpartition(".")
     return (prefix, part) if part in required | optional else None
 
 
-def quantized_layers(names: Iterable[str], spec: QuantFields) -> dict[str, set[str]]:
+def quantized_layers(names: Iterable[str] | dict[str, str], spec: QuantFields | Fp8Fields) -> dict[str, set[str]]:
     """Layer prefix -> the parts the checkpoint has for it, for every quantized layer; a ModelLoadError when a
-    layer lacks a required part (a truncated or mislabelled checkpoint)."""
+    layer lacks a required part (a truncated or mislabelled checkpoint). FP8: ``names`` maps each tensor to its
+    safetensors dtype (an fp8 weight is told from a float one by it)."""
+    if isinstance(spec, Fp8Fields):
+        return hf_fp8.quantized_layers(dict(names), spec)
     layers: dict[str, set[str]] = {}
     for name in names:
-        hit = _split(name, spec.method)
+        hit = _split(name, spec)
         if hit is not None:
             layers.setdefault(hit[0], set()).add(hit[1])
     required = PARTS[spec.method][0]
@@ -62,24 +73,25 @@ def quantized_layers(names: Iterable[str], spec: QuantFields) -> dict[str, set[s
     return layers
 
 
-def tensor_types(dtypes: dict[str, str], spec: QuantFields) -> dict[str, str]:
+def tensor_types(dtypes: dict[str, str], spec: QuantFields | Fp8Fields) -> dict[str, str]:
     """HF weight name -> its type: G4 / G8 for a quantized layer's (``<prefix>.weight``, a name the file does not
     hold), the safetensors dtype (F32, F16, BF16) for a float one; quantized.py's ``packed_params`` reads these.
     ``dtypes``: every tensor of the checkpoint -> its safetensors dtype."""
-    types = {f"{prefix}.weight": GROUP_FORMATS[spec.bits] for prefix in quantized_layers(dtypes, spec)}
+    fmt = hf_fp8.FP8_TYPE if isinstance(spec, Fp8Fields) else GROUP_FORMATS[spec.bits]
+    types = {f"{prefix}.weight": fmt for prefix in quantized_layers(dtypes, spec)}
     for name, dtype in dtypes.items():
         if name.endswith(".weight") and name not in types:
             types[name] = dtype
     return types
 
 
-def assemble(items: Iterator[tuple[str, torch.Tensor]], spec: QuantFields,
+def assemble(items: Iterator[tuple[str, torch.Tensor]], spec: QuantFields | Fp8Fields,
              layers: dict[str, set[str]]) -> Iterator[tuple[str, object]]:
     """The checkpoint's (name, tensor) stream with each quantized layer's parts replaced by one
     (``<prefix>.weight``, GroupQuantWeight), yielded when its last part arrives; other tensors pass through."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in items:
-        hit = _split(name, spec.method)
+        hit = _split(name, spec)
         if hit is None or hit[0] not in layers:
             yield name, tensor
             continue
@@ -94,8 +106,10 @@ def assemble(items: Iterator[tuple[str, torch.Tensor]], spec: QuantFields,
                 raise ModelLoadError(f"{prefix}: {spec.method} tensors do not fit together: {e}") from None
 
 
-def unpack(spec: QuantFields, parts: dict[str, torch.Tensor]) -> GroupQuantWeight:
-    """One layer's tensors (suffix -> tensor) as a GroupQuantWeight."""
+def unpack(spec: QuantFields | Fp8Fields, parts: dict[str, torch.Tensor]) -> GroupQuantWeight | hf_fp8.Fp8Weight:
+    """One layer's tensors (suffix -> tensor) as a GroupQuantWeight (an Fp8Weight for FP8)."""
+    if isinstance(spec, Fp8Fields):
+        return hf_fp8.unpack(spec, parts)
     if spec.method == "gptq":
         q = _unpack_words(_int32(parts["qweight"], "qweight"), spec.bits, dim=0).T
         zeros = _unpack_words(_int32(parts["qzeros"], "qzeros"), spec.bits, dim=1).T + spec.zero_offset

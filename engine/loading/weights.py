@@ -19,6 +19,8 @@ from safetensors import safe_open
 
 from engine.errors import ModelLoadError
 from engine.loading.gguf import QuantTensor, open_gguf
+from engine.loading.hf_fp8 import Fp8Weight
+from engine.loading.hf_fp8 import dequantize as dequantize_fp8
 from engine.loading.hf_quantized import assemble, quantized_layers, tensor_types
 from engine.loading.paths import is_gguf
 from engine.loading.quantize import PROJECTION_FORMAT, check_quantizable, quantize_model
@@ -154,6 +156,8 @@ def load_model(
         else:
             types = open_gguf(model_path).tensor_types()
         reason = None if keep_quantized else "quantized_weights: dense, or quantization: w8a16"
+        if getattr(hf_quant, "method", None) == "fp8" and reason is None:
+            reason = f"the {ops.name} kernels have no FP8 GEMM: to {str(dtype).removeprefix('torch.')}"
         kept = packed_params(model, types, ops) if keep_quantized else {}
         report(model, kept, types, ops, reason)
         drop_dense(model, kept)
@@ -180,6 +184,8 @@ def load_model(
                 continue
             if isinstance(tensor, GroupQuantWeight):  # not kept packed: its float weights
                 tensor = dequantize_group_ref(tensor)
+            elif isinstance(tensor, Fp8Weight):  # float(q) * scale in fp32, then the model dtype
+                tensor = dequantize_fp8(tensor)
             elif isinstance(tensor, QuantTensor):
                 # a piece of a parameter kept dense, come as blocks because its type is kept elsewhere
                 tensor = torch.from_numpy(tensor.dequantize())

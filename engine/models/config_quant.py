@@ -14,11 +14,13 @@ integer zero each (``w = (q - z) * s``):
   ``Linear`` with integer weights of 4 or 8 bits, strategy ``group`` (size a multiple of 32) or ``channel``,
   symmetric or not (zero points), ``actorder`` none / weight / static, or group (a ``weight_g_idx`` per layer);
   ``quantization_status`` compressed; the ``ignore`` list's layers are float in the file and stay so.
+FP8 checkpoints (``fp8``, ``fbgemm_fp8``, compressed-tensors with float weights) are read by
+engine/models/config_fp8.py into an ``Fp8Fields``.
 Which layers are quantized is read from the tensors (a layer with ``qweight`` / ``weight_packed`` is, a layer
 with ``weight`` is not), so an ignore list needs no pattern matching here.
 
-Anything else is a ModelLoadError naming the field and value: other methods (fp8, bitsandbytes, hqq, marlin, ...),
-other bit widths, group sizes that are not whole 32-weight blocks, quantized activations (W8A8, FP8 ...), a KV
+Anything else is a ModelLoadError naming the field and value: other methods (bitsandbytes, hqq, marlin, ...),
+other bit widths, group sizes that are not whole 32-weight blocks, quantized integer activations (W8A8), a KV
 cache scheme, sparsity or transforms, GPTQModel's per-module ``dynamic`` overrides, other AWQ versions and
 backends, other compressed-tensors formats and statuses, several config groups, targets other than Linear.
 Fields that only describe calibration (dataset, damp_percent, true_sequential, observers, ...) are ignored.
@@ -29,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.models.config_fp8 import Fp8Fields, compressed_tensors_fp8, fbgemm_fp8, hf_fp8, is_float_scheme
 
-METHODS = ("gptq", "awq", "compressed-tensors")
+METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "fbgemm_fp8")
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class QuantFields:
     zero_offset: int = 0  # added to a stored zero: 1 for GPTQ's v1 checkpoint format (zero - 1 stored)
 
 
-def read_quantization(cfg: dict[str, Any]) -> QuantFields | None:
+def read_quantization(cfg: dict[str, Any]) -> QuantFields | Fp8Fields | None:
     """``cfg['quantization_config']`` checked and read; None when the checkpoint has none."""
     quant = cfg.get("quantization_config")
     if not quant:
@@ -54,7 +57,8 @@ def read_quantization(cfg: dict[str, Any]) -> QuantFields | None:
         raise ModelLoadError(f"quantization_config quant_method {method!r} is not supported (supported: "
                              f"{', '.join(METHODS)}; or a GGUF file, or --quantization int8 | int4 on a float "
                              f"checkpoint)")
-    return {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}[method](quant)
+    return {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": hf_fp8,
+            "fbgemm_fp8": fbgemm_fp8}[method](quant)
 
 
 def _refuse(method: str, key: str, value: Any, supported: str) -> ModelLoadError:
@@ -106,7 +110,7 @@ def _awq(q: dict[str, Any]) -> QuantFields:
     return QuantFields("awq", bits, _group_size("awq", q.get("group_size", q.get("q_group_size")), False), sym=False)
 
 
-def _compressed_tensors(q: dict[str, Any]) -> QuantFields:
+def _compressed_tensors(q: dict[str, Any]) -> QuantFields | Fp8Fields:
     m = "compressed-tensors"
     for key in ("kv_cache_scheme", "sparsity_config", "moe_sparsity_config", "transform_config"):
         if q.get(key):
@@ -121,11 +125,13 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantFields:
     (name, scheme), = groups.items()
     if not isinstance(scheme, dict):
         raise _refuse(m, f"config_groups.{name}", scheme, "an object")
+    if scheme.get("targets") != ["Linear"]:
+        raise _refuse(m, f"config_groups.{name}.targets", scheme.get("targets"), '["Linear"]')
+    if is_float_scheme(scheme):
+        return compressed_tensors_fp8(q, name, scheme)
     fmt = scheme.get("format") or q.get("format")
     if fmt != "pack-quantized":
         raise _refuse(m, "format", fmt, "pack-quantized")
-    if scheme.get("targets") != ["Linear"]:
-        raise _refuse(m, f"config_groups.{name}.targets", scheme.get("targets"), '["Linear"]')
     for key in ("input_activations", "output_activations"):
         if scheme.get(key):
             raise _refuse(m, f"config_groups.{name}.{key}", scheme[key], "weight-only: W4A16 or W8A16")
@@ -133,7 +139,7 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantFields:
     if not isinstance(w, dict):
         raise _refuse(m, f"config_groups.{name}.weights", w, "an object")
     if w.get("type", "int") != "int":
-        raise _refuse(m, "weights.type", w.get("type"), "int")
+        raise _refuse(m, "weights.type", w.get("type"), "int, or float for FP8")
     if w.get("dynamic", False) is not False:
         raise _refuse(m, "weights.dynamic", w.get("dynamic"), "false")
     strategy = w.get("strategy")
