@@ -18,8 +18,8 @@ environment overrides ``auto``.
 
 A quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py) needs store and attention kernels that read its
 pages (values + per-token, per-head scales): ``torch`` has int8 and both fp8s (the references), ``cpu`` int8
-(kernels/cpu_kv_int8.py), ``triton`` none yet (``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name
-rather than run something else.
+(kernels/cpu_kv_int8.py), ``triton`` int8 and both fp8s (kernels/store_kv.py, kernels/_paged_kv.py)
+(``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name rather than run something else.
 
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
 instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
@@ -163,7 +163,8 @@ def _with_out(linear: Callable) -> Callable:
 
 
 # the quantized KV cache dtypes (EngineConfig.kv_cache_dtype) each backend's store and attention kernels read
-KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",), "triton": ()}
+KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",),
+                              "triton": ("int8", "fp8_e4m3", "fp8_e5m2")}
 
 
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32",
