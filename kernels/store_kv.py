@@ -8,11 +8,14 @@ cache dtype on store, as the reference does.
 A quantized cache (int8 / fp8 values and one fp32 scale per token and KV head, kernels/kv_quant.py): the kernel
 quantizes each (token, head) row as ``kv_quant.quantize_ref`` does and writes the same bytes. The reference's
 arithmetic is all correctly rounded fp32, so the kernel's is too: amax / qmax and x / scale with ``div_rn`` (a plain
-``/`` compiles to the approximate ``div.full.f32`` on NVIDIA GPUs), the clamp to +-qmax, then the rounding to the
-stored grid done in fp32 (``_round_to_grid``) so that the final cast is exact. Why not the cast itself: Triton's
-interpreter rounds fp32 -> fp8 wrongly (measured with Triton 3.9: 88 of 4,096 N(0, 10) values differ from torch's
-cast for e4m3, 165 for e5m2, e.g. 7.97 -> 4.0: the rounding carry is lost), so the tests would not check what a GPU
-runs; with the grid rounding done first, both run the same fp32 operations.
+``/`` compiles to the approximate ``div.full.f32`` for sm_90: tests/kernels/sm90_compile.py counts them), the clamp
+to +-qmax, then the rounding onto the stored grid in fp32 (``_round_to_grid``), so that the final cast only converts
+a value the grid holds (exact). Why not let the cast round: Triton 3.9's interpreter rounds fp32 -> fp8 wrongly
+(7.97 -> 4.0 in e4m3, the carry lost: tests/kernels/test_triton_kv_quant.py
+``test_the_interpreters_own_fp8_cast_is_why_the_store_rounds_first``), so the interpreter tests would not check
+what a GPU runs; with the rounding done first, both run the same fp32 operations. In the sm_90 PTX the grid
+rounding stays two ``add.f32`` (not folded), and the casts are ``cvt.rzi.s16.f32`` / ``cvt.rn.satfinite.e4m3x2.f32``
+of values on the grid (read from the PTX of the compile check's store cases, 2026-11-28).
 """
 from __future__ import annotations
 
