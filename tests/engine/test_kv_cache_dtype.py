@@ -48,6 +48,20 @@ def test_the_choice_is_checked_and_refused_by_name_where_no_kernel_reads_it(mode
     assert get_ops("triton", "cpu", kv_cache_dtype="fp8_e5m2").name == "triton"
 
 
+def test_e4m3_on_triton_is_refused_below_compute_capability_8_9(monkeypatch):
+    """Triton has no e4m3 type before Ada / Hopper (engine/models/kernel_backend.py): refused at start-up, not at the
+    first compile."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="fp8_e4m3 on the triton kernels needs a GPU of compute capability >= 8.9; "
+                                          r"NVIDIA A100-SXM4-80GB is 8.0 \(int8 and fp8_e5m2 run there\)"):
+        get_ops("triton", "cuda:0", kv_cache_dtype="fp8_e4m3")
+    for kv in ("int8", "fp8_e5m2"):
+        assert get_ops("triton", "cuda:0", kv_cache_dtype=kv).name == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert get_ops("triton", "cuda:0", kv_cache_dtype="fp8_e4m3").name == "triton"
+
+
 def test_int8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir):
     """The two stores write the same bytes for the same rows; attention differs by fp32 sums in another order, which
     may round a later row's quantization the other way: tokens, not bits, are compared."""
