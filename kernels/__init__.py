@@ -15,15 +15,15 @@ value and scale views and ``key_scales`` / ``value_scales`` arguments (kv_quant.
 Where Triton runs: ``_triton_utils.triton_available(device)`` is True on CUDA, and on CPU when the kernels
 were built in interpreter mode: TRITON_INTERPRET=1 must be in the environment *before* the first import of a
 kernel module (Triton 3.9 picks interpreted or compiled functions when ``@triton.jit`` runs). Launchers raise
-a ValueError naming the argument otherwise. ``_paged_kv.attend_kv_tile`` is decode attention's online-softmax
-step (its tanh serves prefill's soft-cap too); prefill attention's tile configs live in ``prefill_tiles``.
+a ValueError naming the argument otherwise. ``_paged_kv`` holds both attention kernels' online-softmax steps over
+one K/V tile (a quantized cache's scales applied there); prefill attention's tile configs live in ``prefill_tiles``.
 
 Pieces:
 - decode_attention.py   paged_decode_attention: one query token per sequence (flash-decoding on GPU)
 - prefill_attention.py  prefill_attention: variable-length causal attention over the paged cache
 - prefill_tiles.py      the prefill kernel's tile configs, chosen among by the autotuner on CUDA
-- _paged_kv.py          decode attention's step over one tile of paged K/V (online softmax); the tanh both use
-- store_kv.py           store_kv: new K/V rows into their slots of the paged cache
+- _paged_kv.py          decode's and prefill's steps over one tile of paged K/V (online softmax, quantized K/V scales)
+- store_kv.py           store_kv: new K/V rows into their slots of the paged cache (quantized: the reference's bytes)
 - kv_quant.py           the quantized KV cache (int8 / fp8 values + fp32 scales per token and head): views, references
 - fused.py              fused per-token ops: RMSNorm (+ residual add), in-place RoPE, SwiGLU
 - fused_moe.py          fused_moe: every token through its top-k experts

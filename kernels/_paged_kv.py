@@ -1,13 +1,21 @@
-"""The inner step both attention kernels share: one TILE_N-token tile of paged K/V, online softmax.
+"""The two attention kernels' steps over one tile of paged K/V (online softmax), and what they share.
 
-Inlined by Triton into ``_decode_partition_kernel`` and ``_prefill_attention_kernel``. A tile may span
-several cache blocks: each position's block id is gathered from the block table row ``table``. Scores are
-in the log2 domain (``qk_scale`` includes log2(e)); a row with nothing visible so far keeps m = -inf and
-the update subtracts 0 instead, so exp2 yields 0 rather than NaN (prefill's sliding window needs this).
+``attend_kv_tile`` is decode's step (inlined into ``_decode_partition_kernel``), ``attend_prefill_tile`` prefill's
+(``_prefill_attention_kernel``, FlashAttention-2's forward). A tile may span several cache blocks: each position's
+block id is gathered from the block table row ``table`` (prefill reads one block id per tile when the tile lies in
+one block). Scores are in the log2 domain (``qk_scale`` includes log2(e)); a row with nothing visible so far keeps
+m = -inf and the update subtracts 0 instead, so exp2 yields 0 rather than NaN (the sliding window needs this).
 
 Soft-capping (Gemma 2: cap * tanh(score / cap), before the mask) commutes with the log2 scaling when the cap
 is scaled too: the launchers pass ``softcap`` already multiplied by log2(e). tanh is built from exp2 of a
 non-positive argument (no overflow; the interpreter has no tanh).
+
+A quantized cache (``KV_QUANT``; kernels/kv_quant.py): K and V hold int8 / fp8 values and ``ks_base`` / ``vs_base``
+point at one fp32 scale per (token, KV head), at ``block * stride_sb + offset * stride_st`` (K's and V's scales share
+their strides: they are views of one cache tensor). A tile's values are converted to q's dtype, exactly (int8 and
+both fp8s are representable in fp16, bf16 and fp32), and go through the same dots as a dense cache's; a key's scale
+multiplies its column of fp32 scores, a value's scale its column of fp32 probabilities before the P·V dot. Scores,
+softmax and the accumulator stay fp32; nothing is dequantized into memory.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ def attend_kv_tile(
     l_i,  # [ROWS] fp32 running softmax denominator
     k_base,  # key_cache_ptr + kv_head * stride_kh: [num_blocks, block_size, head_dim] via strides
     v_base,  # value_cache_ptr + kv_head * stride_vh
+    ks_base,  # key_scales_ptr + kv_head * stride_sh: [num_blocks, block_size] fp32 (read only when KV_QUANT)
+    vs_base,  # value_scales_ptr + kv_head * stride_sh
     table,  # block_tables_ptr + seq * stride_bts: [max_blocks_per_seq] int32
     pos,  # [TILE_N] absolute token positions of this tile
     load_mask,  # [TILE_N] positions to read (inside the sequence)
@@ -40,19 +50,26 @@ def attend_kv_tile(
     block_size,
     stride_kb, stride_kt,
     stride_vb, stride_vt,
+    stride_sb, stride_st,
     qk_scale,
     softcap,  # cap * log2(e), read only when SOFTCAP
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     blocks = tl.load(table + pos // block_size, mask=load_mask, other=0).to(tl.int64)
     offsets = pos % block_size
     k = tl.load(k_base + (blocks * stride_kb + offsets * stride_kt)[None, :] + offs_d[:, None],
                 mask=d_mask[:, None] & load_mask[None, :], other=0.0)  # [BLOCK_D, TILE_N]
-    if UPCAST:
-        k = k.to(tl.float32)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [ROWS, TILE_N]
+    if UPCAST or KV_QUANT:
+        k = k.to(q.dtype)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [ROWS, TILE_N]
+    if KV_QUANT:
+        scale_rows = blocks * stride_sb + offsets * stride_st
+        s = s * (tl.load(ks_base + scale_rows, mask=load_mask, other=0.0) * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
     s = tl.where(allowed, s, float("-inf"))
@@ -63,7 +80,99 @@ def attend_kv_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + (blocks * stride_vb + offsets * stride_vt)[:, None] + offs_d[None, :],
                 mask=load_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_N, BLOCK_D]
-    if UPCAST:
-        v = v.to(tl.float32)
+    if UPCAST or KV_QUANT:
+        v = v.to(q.dtype)
+    if KV_QUANT:
+        p = p * tl.load(vs_base + scale_rows, mask=load_mask, other=0.0)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attend_prefill_tile(
+    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D] fp32 unnormalized output, [BLOCK_M] running max (log2), denominator
+    q,  # [BLOCK_M, BLOCK_D]
+    k_base,  # key_cache_ptr + kv_head * stride_kh
+    v_base,  # value_cache_ptr + kv_head * stride_vh
+    ks_base,  # key_scales_ptr + kv_head * stride_sh (read only when KV_QUANT)
+    vs_base,  # value_scales_ptr + kv_head * stride_sh
+    table,  # block_tables_ptr + seq * stride_bts: [max_blocks_per_seq] int32
+    start,  # first position of the tile, a multiple of BLOCK_N
+    q_pos,  # [BLOCK_M] absolute position of each row (read only when MASKED)
+    seq_len, window,
+    stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
+    qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+):
+    """One K/V tile of the online softmax. Unmasked (MASKED false) only for tiles inside the sequence that every
+    row sees whole: then there are no bounds, no mask and the scale rides in the max-subtracting FMA."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = start + offs_n
+    if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: one table read, a contiguous slice
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        k_tile = k_base + block * stride_kb + (start % BLOCK_SIZE) * stride_kt
+        v_tile = v_base + block * stride_vb + (start % BLOCK_SIZE) * stride_vt
+        k_ptrs = k_tile + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_tile + offs_n[:, None] * stride_vt + offs_d[None, :]
+        scale_rows = block * stride_sb + (start % BLOCK_SIZE + offs_n) * stride_st
+    else:  # the tile spans blocks: each token's block id
+        if MASKED:
+            blocks = tl.load(table + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
+        else:
+            blocks = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_base + (blocks * stride_kb + (pos % BLOCK_SIZE) * stride_kt)[None, :] + offs_d[:, None]
+        v_ptrs = v_base + (blocks * stride_vb + (pos % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
+        scale_rows = blocks * stride_sb + (pos % BLOCK_SIZE) * stride_st
+    if MASKED:  # zero rows past the sequence end: the cache there may hold NaN, and 0 * NaN is NaN
+        in_seq = pos < seq_len
+        k = tl.load(k_ptrs, mask=(offs_d[:, None] < HEAD_DIM) & in_seq[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if UPCAST or KV_QUANT:
+        k = k.to(q.dtype)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if KV_QUANT:
+        if MASKED:
+            qk = qk * tl.load(ks_base + scale_rows, mask=in_seq, other=0.0)[None, :]
+        else:
+            qk = qk * tl.load(ks_base + scale_rows)[None, :]
+    if SOFTCAP:  # Gemma 2: cap * tanh(s / cap) in log2 units (softcap is cap * log2(e))
+        qk = softcap * _tanh(qk * (qk_scale / softcap))
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
+    if MASKED:
+        allowed = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, qk * score_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
+        p = tl.math.exp2(qk * score_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    if UPCAST or KV_QUANT:
+        v = v.to(q.dtype)
+    if KV_QUANT:
+        if MASKED:
+            p = p * tl.load(vs_base + scale_rows, mask=in_seq, other=0.0)[None, :]
+        else:
+            p = p * tl.load(vs_base + scale_rows)[None, :]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i

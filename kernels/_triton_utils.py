@@ -22,6 +22,7 @@ import triton
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # kernels/kv_quant.py's value dtypes
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -102,6 +103,44 @@ def check_block_tables(block_tables: torch.Tensor, lens: torch.Tensor, num_block
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in the used columns")
 
 
+def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                   value_scales: torch.Tensor | None) -> bool:
+    """A dense cache (float K and V, no scales) or a quantized one (kernels/kv_quant.py: int8 / fp8 K and V of one
+    dtype, fp32 scales ``[num_blocks, block_size, num_kv_heads]`` for both, with one set of strides, the head's
+    contiguous). Returns True for a quantized cache."""
+    if (key_scales is None) != (value_scales is None):
+        given = "key_scales" if value_scales is None else "value_scales"
+        raise ValueError(f"only {given} was given: a quantized KV cache takes key_scales and value_scales")
+    quantized = key_scales is not None
+    dtypes = QUANT_KV_DTYPES if quantized else FLOAT_DTYPES
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if isinstance(t, torch.Tensor) and not quantized and t.dtype in QUANT_KV_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}, a quantized KV cache: pass key_scales and value_scales")
+        check_tensor(name, t, 4, dtypes)
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}")
+    check_shape("value_cache", value_cache, key_cache.shape)
+    if not quantized:
+        return False
+    for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
+        check_tensor(name, t, 3, (torch.float32,))
+        check_shape(name, t, tuple(key_cache.shape[:3]))
+        check_last_dim_contiguous(name, t)
+    if key_scales.stride() != value_scales.stride():
+        raise ValueError(f"key_scales strides {key_scales.stride()} differ from value_scales' "
+                         f"{value_scales.stride()} (views of one cache share them)")
+    return True
+
+
+def kv_scale_args(key_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                  value_scales: torch.Tensor | None) -> tuple:
+    """(key_scales, value_scales, stride over blocks, stride over tokens) as the kernels take them, after
+    ``check_kv_cache``; a dense cache passes ``key_cache`` as an unread placeholder and zero strides."""
+    if key_scales is None:
+        return key_cache, key_cache, 0, 0
+    return key_scales, value_scales, key_scales.stride(0), key_scales.stride(1)
+
+
 def check_paged_attention_args(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -111,19 +150,20 @@ def check_paged_attention_args(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.device:
-    """The checks decode and prefill attention share: dtypes, shapes, strides, devices, scalars."""
+    """The checks decode and prefill attention share: dtypes, shapes, strides, devices, scalars. A dense cache
+    has q's dtype; a quantized one has its scales (``check_kv_cache``)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
-    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if key_scales is value_scales is None and getattr(t, "dtype", q.dtype) in FLOAT_DTYPES and t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype} (one dtype for q, K and V)")
+    check_kv_cache(key_cache, value_cache, key_scales, value_scales)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     device = check_device(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                          seq_lens=seq_lens)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype} (one dtype for q, K and V)")
-    check_shape("value_cache", value_cache, key_cache.shape)
+                          seq_lens=seq_lens, key_scales=key_scales, value_scales=value_scales)
     _, _, num_kv_heads, head_dim = key_cache.shape
     num_q_heads = q.shape[1]
     if q.shape[2] != head_dim:

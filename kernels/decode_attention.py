@@ -18,6 +18,9 @@ K/V byte once with enough programs in flight to saturate HBM:
   and writes the output itself (no reduce launch).
 - the number of partitions is sized from the block table's width (no device sync for ``max(seq_lens)``);
   programs whose partition lies past ``seq_lens[s]`` or before the sliding window return at once.
+- a quantized cache (int8 / fp8 values, ``key_scales`` / ``value_scales`` fp32 per token and KV head,
+  kernels/kv_quant.py): the same grid reads 1-byte values and a scale per token; the tile step converts the values
+  and applies the scales to the fp32 scores and probabilities (kernels/_paged_kv.py).
 """
 from __future__ import annotations
 
@@ -106,6 +109,8 @@ def _decode_partition_kernel(
     q_ptr,  # [num_seqs, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (read only when KV_QUANT)
+    value_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, key_scales' strides
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     out_ptr,  # [num_seqs, num_q_heads, head_dim], written only when SINGLE_PARTITION
@@ -115,6 +120,7 @@ def _decode_partition_kernel(
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st,  # key_scales / value_scales (the head stride is 1)
     stride_bts,
     stride_os, stride_oh,
     qk_scale,  # softmax scale * log2(e)
@@ -133,6 +139,7 @@ def _decode_partition_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,9 +175,10 @@ def _decode_partition_kernel(
     for start in range(lo, part_end, TILE_N):
         pos = start + offs_n
         valid = (pos < part_end) & (pos >= win_start)  # the same for every query head of the group
-        acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, table, pos, valid, valid[None, :],
-                                       offs_d, d_mask, block_size, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, softcap, UPCAST, DOT_PRECISION, SOFTCAP)
+        acc, m_i, l_i = attend_kv_tile(q, acc, m_i, l_i, k_base, v_base, key_scales_ptr + kv_head,
+                                       value_scales_ptr + kv_head, table, pos, valid, valid[None, :], offs_d, d_mask,
+                                       block_size, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
+                                       qk_scale, softcap, UPCAST, DOT_PRECISION, SOFTCAP, KV_QUANT)
 
     if SINGLE_PARTITION:
         out = acc / l_i[:, None]
@@ -234,10 +242,13 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim], dtype of q
-    """Triton flash-decoding; same semantics as ``paged_decode_attention_ref``."""
+    """Triton flash-decoding; same semantics as ``paged_decode_attention_ref``, a quantized cache's too."""
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                                   softcap=softcap)
+                                   softcap=softcap, key_scales=key_scales, value_scales=value_scales)
 
 
 def _partition_size(capacity_tokens: int, num_programs: int, num_sms: int, tile_n: int) -> int:
@@ -252,10 +263,11 @@ def _partition_size(capacity_tokens: int, num_programs: int, num_sms: int, tile_
 
 def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                             partition_size: int | None = None, tile_n: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, key_scales: torch.Tensor | None = None,
+                            value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The launcher; tests pass ``partition_size`` / ``tile_n`` to force the split path at tiny sizes."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                           sliding_window, softcap)
+                                           sliding_window, softcap, key_scales, value_scales)
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     tu.check_shape("seq_lens", seq_lens, (num_seqs,))
@@ -286,11 +298,13 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
         part_sum = torch.empty_like(part_max)
     window = sliding_window or 0
     upcast = tu.INTERPRET  # the interpreter gets bf16 arithmetic wrong: compute in fp32 after loading
+    ks, vs, stride_sb, stride_st = tu.kv_scale_args(key_cache, key_scales, value_scales)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
+        q, key_cache, value_cache, ks, vs, block_tables, seq_lens, out, part_out, part_max, part_sum,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        stride_sb, stride_st,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         float(scale) * _LOG2E, head_dim, block_size, window, float(softcap or 1.0) * _LOG2E, num_partitions,
@@ -304,6 +318,7 @@ def _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, s
         UPCAST=upcast,
         DOT_PRECISION=tu.dot_precision(q.dtype),
         SOFTCAP=softcap is not None,
+        KV_QUANT=key_scales is not None,
         num_warps=4,
         num_stages=2,
     )

@@ -25,6 +25,9 @@ heads of a GQA group in its rows, gathered and masked every tile, and ran at 0.3
 - paged K/V: when the cache's block size is a multiple of ``BLOCK_N``, a tile lies inside one block: one
   block-table read per tile and a contiguous slice; otherwise each token's block id is gathered (any block
   size). ``BLOCK_SIZE`` is a compile-time constant, so both are shifts and masks.
+- a quantized cache (int8 / fp8 values, ``key_scales`` / ``value_scales`` fp32 per token and KV head,
+  kernels/kv_quant.py): the same loops; the tile step converts the values and applies the scales to the fp32
+  scores and probabilities (kernels/_paged_kv.py).
 - tile configs: on CUDA the launcher autotunes a few ``TileConfig`` (kernels/prefill_tiles.py) once per head size, dtype, GQA
   group, block size and feature set (``DUET_PREFILL_AUTOTUNE=0``: the first one, no tuning); elsewhere (the
   interpreter, the sm_90 compile check) it runs the first config of its list.
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import _triton_utils as tu
-from kernels._paged_kv import _tanh
+from kernels._paged_kv import attend_prefill_tile
 from kernels.kv_quant import dequantize_ref
 from kernels.prefill_tiles import TileConfig, configs_for
 
@@ -136,86 +139,12 @@ def _find_sequence(
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D] fp32 unnormalized output, [BLOCK_M] running max (log2), denominator
-    q,  # [BLOCK_M, BLOCK_D]
-    k_base,  # key_cache_ptr + kv_head * stride_kh
-    v_base,  # value_cache_ptr + kv_head * stride_vh
-    table,  # block_tables_ptr + seq * stride_bts: [max_blocks_per_seq] int32
-    start,  # first position of the tile, a multiple of BLOCK_N
-    q_pos,  # [BLOCK_M] absolute position of each row (read only when MASKED)
-    seq_len, window,
-    stride_kb, stride_kt, stride_vb, stride_vt,
-    qk_scale, softcap,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One K/V tile of the online softmax. Unmasked (MASKED false) only for tiles inside the sequence that every
-    row sees whole: then there are no bounds, no mask and the scale rides in the max-subtracting FMA."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    pos = start + offs_n
-    if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: one table read, a contiguous slice
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-        k_tile = k_base + block * stride_kb + (start % BLOCK_SIZE) * stride_kt
-        v_tile = v_base + block * stride_vb + (start % BLOCK_SIZE) * stride_vt
-        k_ptrs = k_tile + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = v_tile + offs_n[:, None] * stride_vt + offs_d[None, :]
-    else:  # the tile spans blocks: each token's block id
-        if MASKED:
-            blocks = tl.load(table + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
-        else:
-            blocks = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-        k_ptrs = k_base + (blocks * stride_kb + (pos % BLOCK_SIZE) * stride_kt)[None, :] + offs_d[:, None]
-        v_ptrs = v_base + (blocks * stride_vb + (pos % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
-    if MASKED:  # zero rows past the sequence end: the cache there may hold NaN, and 0 * NaN is NaN
-        in_seq = pos < seq_len
-        k = tl.load(k_ptrs, mask=(offs_d[:, None] < HEAD_DIM) & in_seq[None, :], other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    if UPCAST:
-        k = k.to(tl.float32)
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-    if SOFTCAP:  # Gemma 2: cap * tanh(s / cap) in log2 units (softcap is cap * log2(e))
-        qk = softcap * _tanh(qk * (qk_scale / softcap))
-        score_scale = 1.0
-    else:
-        score_scale = qk_scale
-    if MASKED:
-        allowed = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, qk * score_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * score_scale)
-        p = tl.math.exp2(qk * score_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if MASKED:
-        v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-    if UPCAST:
-        v = v.to(tl.float32)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _prefill_attention_kernel(
     q_ptr,  # [num_q_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (read only when KV_QUANT)
+    value_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, key_scales' strides
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -223,6 +152,7 @@ def _prefill_attention_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st,  # key_scales / value_scales (the head stride is 1)
     stride_bts,
     stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e)
@@ -238,6 +168,7 @@ def _prefill_attention_kernel(
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -269,6 +200,8 @@ def _prefill_attention_kernel(
     kv_head = head // GROUP
     k_base = key_cache_ptr + kv_head * stride_kh
     v_base = value_cache_ptr + kv_head * stride_vh
+    ks_base = key_scales_ptr + kv_head
+    vs_base = value_scales_ptr + kv_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -279,20 +212,20 @@ def _prefill_attention_kernel(
         kv_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
         full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
         for start in range(kv_start, full_start, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
-                                         q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
-                                         qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
-                                         USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
+            acc, m_i, l_i = attend_prefill_tile(
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
+                seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
     for start in range(full_start, full_end, BLOCK_N):  # every row sees these tiles whole
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
-                                     q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
-                                     USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
+        acc, m_i, l_i = attend_prefill_tile(
+            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
+            seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
     for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, table, tl.multiple_of(start, BLOCK_N),
-                                     q_pos, seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
-                                     USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION)
+        acc, m_i, l_i = attend_prefill_tile(
+            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
+            seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -332,12 +265,15 @@ def prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     *,
+    key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
+    value_scales: torch.Tensor | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
-    """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``.
-    ``config``: pin one tile config (tests, benchmarks); None autotunes on CUDA (see the module docstring)."""
+    """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``, a quantized
+    cache's too (kernels/_paged_kv.py). ``config``: pin one tile config (tests, benchmarks); None autotunes on CUDA
+    (see the module docstring)."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                           sliding_window, softcap)
+                                           sliding_window, softcap, key_scales, value_scales)
     tu.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
     tu.check_device(q=q, cu_seqlens_q=cu_seqlens_q)
     num_q_tokens, num_q_heads, head_dim = q.shape
@@ -352,10 +288,12 @@ def prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_q_tokens == 0 or num_seqs == 0:
         return out
-    args = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+    ks, vs, stride_sb, stride_st = tu.kv_scale_args(key_cache, key_scales, value_scales)
+    args = (q, key_cache, value_cache, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
             q.stride(0), q.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            stride_sb, stride_st,
             block_tables.stride(0),
             out.stride(0), out.stride(1),
             float(scale) * _LOG2E, num_seqs, num_q_tokens, sliding_window or 0, float(softcap or 1.0) * _LOG2E)
@@ -368,6 +306,7 @@ def prefill_attention(
         SOFTCAP=softcap is not None,
         UPCAST=tu.INTERPRET,  # the interpreter gets bf16 arithmetic wrong: compute in fp32 after loading
         DOT_PRECISION=tu.dot_precision(q.dtype),
+        KV_QUANT=key_scales is not None,
     )
 
     def grid(meta):

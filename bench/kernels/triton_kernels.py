@@ -2,7 +2,9 @@
 
 On a CUDA GPU (bf16, Llama-3-8B-like heads: 32 query / 8 KV heads of 128, block size 16):
 - decode attention, batch 64 x 4096-token context: achieved GB/s of K/V read, as a fraction of the device's
-  HBM peak (table below; decode is bound by reading the cache, so this is the number that matters);
+  HBM peak (table below; decode is bound by reading the cache, so this is the number that matters); then the same
+  K/V quantized (int8, fp8_e4m3: 1-byte values + an fp32 scale per token and KV head, kernels/kv_quant.py) by the
+  Triton store: GB/s of values and scales read, and the step time against the bf16 cache's;
 - prefill attention, 4 prompts of 2048 tokens from the paged cache: TFLOP/s (causal FLOPs) vs torch SDPA on
   contiguous, unpaged tensors (its flash backend), ``prefill attention ratio: triton / sdpa``;
 - GEMM at prefill (M = 4096) and decode (M = 1, 16, 64) shapes: TFLOP/s vs torch.matmul (cuBLAS);
@@ -45,6 +47,7 @@ if _SMALL or not _HAS_CUDA:
 
 import torch  # noqa: E402
 
+from kernels import kv_quant  # noqa: E402
 from kernels import prefill_attention as pa  # noqa: E402
 from kernels import prefill_tiles as tiles  # noqa: E402
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
@@ -125,12 +128,30 @@ def bench_decode(s: Setup) -> None:
           paged_decode_attention_ref(q[:n], kc, vc, tables[:n], lens[:n], scale), 2e-2)
     ms = s.time_ms(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale))
     kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * kc.element_size()
-    gbps = kv_bytes / ms / 1e6
+    print(f"decode attention  batch {batch} x {context} ctx, {s.q_heads}/{s.kv_heads} heads x {s.head_dim}: "
+          f"{ms:.3f} ms, {_bandwidth(s, kv_bytes, ms)}")
+    rows = (kc.shape[0] * s.block_size, s.kv_heads, s.head_dim)
+    for kv_name, kv_dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+        layer = kv_quant.layer_views(kv_quant.allocate(kc.shape[0], 1, s.block_size, s.kv_heads, s.head_dim, kv_dtype,
+                                                       s.device), s.block_size, s.kv_heads, s.head_dim)[0]
+        store_kv(kc.reshape(rows), vc.reshape(rows), layer.key, layer.value, torch.arange(rows[0], device=s.device),
+                 **layer.scales)
+        check(f"decode {kv_name} KV", paged_decode_attention(q[:n], layer.key, layer.value, tables[:n], lens[:n], scale,
+                                                             **layer.scales),
+              paged_decode_attention_ref(q[:n], layer.key, layer.value, tables[:n], lens[:n], scale, **layer.scales),
+              2e-2)
+        ms_q = s.time_ms(lambda: paged_decode_attention(q, layer.key, layer.value, tables, lens, scale, **layer.scales))
+        q_bytes = 2 * batch * context * s.kv_heads * (s.head_dim + 4)  # values + fp32 scales
+        print(f"decode attention  {kv_name} KV, same shapes: {ms_q:.3f} ms ({ms / ms_q:.2f}x the {s.dtype} cache's "
+              f"speed), {_bandwidth(s, q_bytes, ms_q)}")
+
+
+def _bandwidth(s: Setup, num_bytes: int, ms: float) -> str:
+    gbps = num_bytes / ms / 1e6
     name = "cpu (interpreter)" if s.small else torch.cuda.get_device_name()
     peak = None if s.small else next((tb for key, tb in HBM_PEAK_TBPS if key in name), None)
     frac = f"{gbps / (peak * 1e3):.1%} of {peak} TB/s HBM peak" if peak else "HBM peak unknown for this device"
-    print(f"decode attention  batch {batch} x {context} ctx, {s.q_heads}/{s.kv_heads} heads x {s.head_dim}: "
-          f"{ms:.3f} ms, {gbps:.1f} GB/s = {frac} [{name}]")
+    return f"{gbps:.1f} GB/s = {frac} [{name}]"
 
 
 def bench_prefill(s: Setup) -> None:

@@ -18,8 +18,11 @@ environment overrides ``auto``.
 
 A quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py) needs store and attention kernels that read its
 pages (values + per-token, per-head scales): ``torch`` has int8 and both fp8s (the references), ``cpu`` int8
-(kernels/cpu_kv_int8.py), ``triton`` none yet (``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name
-rather than run something else.
+(kernels/cpu_kv_int8.py), ``triton`` int8 and both fp8s (kernels/store_kv.py, kernels/_paged_kv.py)
+(``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name rather than run something else. On a GPU
+below compute capability 8.9 (A100: 8.0) Triton 3.9 has no e4m3 type ("type fp8e4nv not supported in this
+architecture", seen compiling the store for sm_80 with tests/kernels/sm90_compile.py's stand-in driver; int8 and
+e5m2 compile there), so ``fp8_e4m3`` on ``triton`` is refused at start-up there, naming the GPU.
 
 If ``auto`` picks ``cpu`` and the C library cannot be built or loaded (no compiler), the engine runs ``torch``
 instead: ``resolve_backend`` returns the reason, the runner logs it and the worker counts it
@@ -162,8 +165,17 @@ def _with_out(linear: Callable) -> Callable:
     return with_out
 
 
+def _check_e4m3_gpu(device: str) -> None:
+    """Triton compiles float8e4nv (torch's float8_e4m3fn) for compute capability >= 8.9 only (module docstring)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"kv_cache_dtype fp8_e4m3 on the triton kernels needs a GPU of compute capability >= 8.9; "
+                          f"{torch.cuda.get_device_name(device)} is {major}.{minor} (int8 and fp8_e5m2 run there)")
+
+
 # the quantized KV cache dtypes (EngineConfig.kv_cache_dtype) each backend's store and attention kernels read
-KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",), "triton": ()}
+KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",),
+                              "triton": ("int8", "fp8_e4m3", "fp8_e5m2")}
 
 
 def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp32",
@@ -182,6 +194,8 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
         takes = [b for b, names in KV_CACHE_DTYPES_BY_BACKEND.items() if kv_cache_dtype in names]
         raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} is not implemented yet on the {backend} kernels "
                           f"(it runs on: {', '.join(takes)}; kernels=torch takes every KV dtype)")
+    if backend == "triton" and kv_cache_dtype == "fp8_e4m3" and device.startswith("cuda"):
+        _check_e4m3_gpu(device)
 
     if backend == "cpu":
         from kernels import cpu_kv_int8, cpu_native, cpu_quant

@@ -1,6 +1,6 @@
 """An engine with a quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py, docs/ARCHITECTURE.md
 "Quantized KV cache"): the choice is checked and refused by name where a backend has no kernels for it; greedy decode
-with int8 KV is the same on the torch and cpu kernels; blocks moved by their bytes (a handoff's block copy, the host
+with int8 KV is the same on the torch, cpu and triton kernels (fp8 on torch and triton); blocks moved by their bytes (a handoff's block copy, the host
 and disk tiers, a prefix hit) carry their scales, so the output equals the same engine's own, and so does speculative
 decoding's (rejected drafts' rows are overwritten, scales and all); the prefix cache's
 namespace includes the KV dtype; the budget counts 1-byte values and their scales; and on a real model the next-token
@@ -41,11 +41,25 @@ def engine(model_dir, kv: str, kernels: str = "cpu", **kw) -> Engine:
 def test_the_choice_is_checked_and_refused_by_name_where_no_kernel_reads_it(model_dir):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
         EngineConfig(model=str(model_dir), kv_cache_dtype="int4")
-    with pytest.raises(ConfigError, match="kv_cache_dtype fp8_e4m3 is not implemented yet on the cpu kernels"):
-        engine(model_dir, "fp8_e4m3")
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        with pytest.raises(ConfigError, match=f"kv_cache_dtype {kv} is not implemented yet on the cpu kernels "
+                                              r"\(it runs on: torch, triton;"):
+            engine(model_dir, kv)
+    assert get_ops("triton", "cpu", kv_cache_dtype="fp8_e5m2").name == "triton"
+
+
+def test_e4m3_on_triton_is_refused_below_compute_capability_8_9(monkeypatch):
+    """Triton has no e4m3 type before Ada / Hopper (engine/models/kernel_backend.py): refused at start-up, not at the
+    first compile."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="fp8_e4m3 on the triton kernels needs a GPU of compute capability >= 8.9; "
+                                          r"NVIDIA A100-SXM4-80GB is 8.0 \(int8 and fp8_e5m2 run there\)"):
+        get_ops("triton", "cuda:0", kv_cache_dtype="fp8_e4m3")
     for kv in ("int8", "fp8_e5m2"):
-        with pytest.raises(ConfigError, match=f"kv_cache_dtype {kv} is not implemented yet on the triton kernels"):
-            get_ops("triton", "cpu", kv_cache_dtype=kv)
+        assert get_ops("triton", "cuda:0", kv_cache_dtype=kv).name == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert get_ops("triton", "cuda:0", kv_cache_dtype="fp8_e4m3").name == "triton"
 
 
 def test_int8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir):
@@ -58,6 +72,23 @@ def test_int8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir):
     fp8 = engine(model_dir, "fp8_e4m3", "torch")
     assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert all(len(r["token_ids"]) == 12 for r in fp8.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_greedy_decode_is_the_same_on_the_triton_and_torch_kernels(model_dir, kv):
+    """The Triton kernels (the interpreter here, tests/kernels/test_triton_kv_quant.py) store the reference's bytes
+    and attend in fp32 as the references do, sums in another order: the same greedy tokens on the same KV dtype,
+    through prefill and decode; run again, the prompts' full blocks are prefix hits (prefill continues a cached
+    prefix, read from the Triton store's bytes) and the tokens stay the same."""
+    prompts, _ = workload(seed=1)
+    want = [r["token_ids"] for r in engine(model_dir, kv, "torch").generate(prompts, GREEDY)]
+    tri = engine(model_dir, kv, "triton")
+    assert tri.runner.ops.name == "triton" and tri.runner.kv_cache.element_size() == 1
+    assert [r["token_ids"] for r in tri.generate(prompts, GREEDY)] == want
+    hits_before = tri.scheduler.num_prefix_hit_tokens
+    assert [r["token_ids"] for r in tri.generate(prompts, GREEDY)] == want
+    assert tri.scheduler.num_prefix_hit_tokens - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts) > 0
+    assert len({tuple(t) for t in want}) == len(prompts)
 
 
 @pytest.mark.parametrize("kernels,kv", [("cpu", "int8"), ("torch", "fp8_e4m3")])

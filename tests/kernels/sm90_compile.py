@@ -8,7 +8,10 @@ Triton, reads registers and spill stores from the cubin with the bundled cuobjdu
 Tensors live on the CPU: only their dtypes, strides and alignment reach the compiler.
 
 Prints one JSON line per compiled kernel; exits 1 if any kernel fails to compile, or spills registers to local
-memory in fp16/bf16 (fp32 is a correctness path, not a fast one).
+memory in fp16/bf16 (fp32 is a correctness path, not a fast one). Each line also counts the fp32 divisions in the
+kernel's PTX by rounding: ``div_rn`` (IEEE, correctly rounded) and ``div_approx`` (``div.full`` / ``div.approx``,
+what a plain ``/`` compiles to): the quantized KV store must write the torch reference's bytes, so it may only
+hold the first kind (kernels/store_kv.py).
 By default a representative subset (every kernel and config branch, ~45 compilations); ``--all`` compiles
 every dtype x head_dim x GQA ratio x M combination (minutes).
 """
@@ -30,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 H100 = GPUTarget("cuda", 90, 32)
 H100_SHARED_BYTES = 232448
 RESULTS: list[dict] = []
+_DIVISIONS: dict[str, dict] = {}  # kernel name -> the fp32 divisions of its latest compiled PTX
 
 
 class _Utils:
@@ -39,7 +43,7 @@ class _Utils:
 
     def load_binary(self, name, cubin, shared, device):
         usage = _resource_usage(cubin)
-        RESULTS.append({"kernel": name, "shared_bytes": shared, **usage})
+        RESULTS.append({"kernel": name, "shared_bytes": shared, **usage, **_DIVISIONS.pop(name, {})})
         return None, None, usage["registers"], usage["spill_stores"], 1024
 
 
@@ -69,6 +73,13 @@ def _resource_usage(cubin: bytes) -> dict:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     return {"registers": int(re.search(r"\bREG:(\d+)", usage).group(1)),
             "spill_stores": len(re.findall(r"\bSTL(?:\.\w+)*\s", sass))}
+
+
+def _count_divisions(*, key, fn, compile, **_) -> None:
+    """jit_post_compile_hook: the fp32 divisions in the PTX of the kernel just compiled, by rounding."""
+    ptx = fn.jit_function.device_caches[compile["device"]][0][key].asm["ptx"]
+    _DIVISIONS[fn.name] = {"div_rn": len(re.findall(r"\bdiv\.rn(?:\.ftz)?\.f32", ptx)),
+                           "div_approx": len(re.findall(r"\bdiv\.(?:full|approx)(?:\.ftz)?\.f32", ptx))}
 
 
 def _cases(full: bool):
@@ -130,6 +141,7 @@ def _cases(full: bool):
         qkv, table = torch.zeros(8, 48 * 128, dtype=dtype), torch.zeros(4096, 128)
         yield f"rotary {dtype}", lambda: fu.rotary_(qkv, 40, 128, torch.zeros(8, dtype=torch.long), table, table)
         yield f"silu_mul {dtype}", lambda: fu.silu_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
+    yield from _kv_quant_cases(full, paged)
     yield from _quant_cases(full)
     for dtype, m, groups in gemms:
         x = torch.zeros(m, 4096, dtype=dtype)
@@ -139,6 +151,42 @@ def _cases(full: bool):
         else:
             qw, s = torch.zeros(4096, 4096, dtype=torch.int8), torch.ones(4096, groups)
             yield f"w8a16 {dtype} M={m} groups={groups}", lambda: gemm.w8a16_gemm(x, qw, s)
+
+
+def _kv_quant_cases(full: bool, paged):
+    """The store and both attention kernels over a quantized KV cache (kernels/kv_quant.py's views): each value
+    dtype with 16-bit and fp32 models, the split and single decode paths, a soft cap."""
+    from kernels import decode_attention as da
+    from kernels import kv_quant
+    from kernels import prefill_attention as pa
+    from kernels import store_kv as sk
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    names = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+    if full:
+        cases = [(kv, dt, d, h) for kv in names for dt in (bf16, fp16, fp32) for d in (64, 128) for h in ((32, 8), (16, 1))]
+    else:
+        cases = [(torch.int8, bf16, 128, (32, 8)), (torch.float8_e4m3fn, bf16, 128, (32, 8)),
+                 (torch.float8_e5m2, fp16, 80, (16, 1)), (torch.int8, fp32, 64, (28, 4))]
+    for kv_dtype, dtype, head_dim, (q_heads, kv_heads) in cases:
+        label = f"{names[kv_dtype]} {dtype} d={head_dim} h={q_heads}/{kv_heads}"
+        layer = kv_quant.layer_views(kv_quant.allocate(64, 2, 16, kv_heads, head_dim, kv_dtype, "cpu"), 16, kv_heads,
+                                     head_dim)[1]
+        q, _, _, bt, sl = paged(dtype, head_dim, q_heads, kv_heads, 2, [700, 1000])
+        yield f"decode split {label}", lambda: da._paged_decode_attention(
+            q, layer.key, layer.value, bt, sl, 0.1, None, partition_size=512, **layer.scales)
+        yield f"decode single {label}", lambda: da._paged_decode_attention(
+            q, layer.key, layer.value, bt, sl, 0.1, 64, partition_size=1024, **layer.scales)
+        q, _, _, bt, sl = paged(dtype, head_dim, q_heads, kv_heads, 300, [100, 200])
+        cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+        yield f"prefill {label}", lambda: pa.prefill_attention(q, layer.key, layer.value, bt, cu, sl, 0.1, 128,
+                                                               **layer.scales)
+        k = torch.zeros(5, kv_heads, head_dim, dtype=dtype)
+        yield f"store_kv {label}", lambda: sk.store_kv(k, k, layer.key, layer.value, torch.arange(5), **layer.scales)
+    q, _, _, bt, sl = paged(bf16, 128, 16, 8, 2, [700, 1000])
+    layer = kv_quant.layer_views(kv_quant.allocate(64, 2, 16, 8, 128, torch.int8, "cpu"), 16, 8, 128)[1]
+    yield "decode softcap int8 bf16", lambda: da._paged_decode_attention(
+        q, layer.key, layer.value, bt, sl, 0.1, None, partition_size=512, softcap=50.0, **layer.scales)
 
 
 def _quant_cases(full: bool):
@@ -179,8 +227,12 @@ def main() -> int:
 
     tu.triton_available = lambda device: True  # CPU tensors stand in for CUDA ones; nothing is launched
     triton.runtime.driver.set_active(_CompileOnlyDriver())
+    triton.knobs.runtime.jit_post_compile_hook = _count_divisions
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""  # a label substring (development)
     failed = 0
     for label, thunk in _cases(full="--all" in sys.argv):
+        if only not in label:
+            continue
         start, t0 = len(RESULTS), time.perf_counter()
         try:
             thunk()
