@@ -41,6 +41,7 @@ Pieces:
 - cpu_quant_group.py    group-quantized linears kept packed, C kernels (kernels/cpu/quant_g.c)
 - quant_gpu.py          GpuQuant: the Triton kernels' packed layout of every quantized format (GGUF blocks, groups)
 - quant_gemm.py         quant_gemm: y = x @ W.T, W packed, dequantized in registers (W4A16 / W8A16; split-K)
+- fp8_gemm.py           FP8 checkpoints' W8A8 linears (torch._scaled_mm; per-token / group / static activation scales)
 - quant_rows.py         quant_rows: rows of a packed weight gathered and dequantized (token table, large-M fallback)
 - _quant_values.py      the two quantized kernels' shared steps: high bits, a group's scale / min / zero
 """

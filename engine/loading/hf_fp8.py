@@ -27,6 +27,9 @@ class Fp8Weight:
     scale: torch.Tensor  # float32, broadcast per strategy: [1, 1] tensor, [rows, 1] channel, [rows/bn, cols/bk] block
     block: tuple[int, int] | None  # (bn, bk) for a block scale
     input_scale: torch.Tensor | None = None  # float32 [] (static activations), as the checkpoint gives it
+    activations: str = "none"  # how a GEMM in FP8 quantizes the layer's input (Fp8Fields.activations)
+    group_size: int = 0  # activations "dynamic-group": columns per scale
+    scale_ub: float | None = None  # activations "dynamic-token" of fbgemm_fp8: the cap on a row's amax
     fmt: str = FP8_TYPE
 
     @property
@@ -92,7 +95,30 @@ def unpack(spec: Fp8Fields, got: dict[str, torch.Tensor]) -> Fp8Weight:
     if spec.activations == "static-tensor" and input_scale is None:
         raise ValueError("static activations (input_activations strategy tensor) without an input_scale")
     return Fp8Weight(weight, scale.contiguous(), spec.block,
-                     None if input_scale is None else input_scale.to(torch.float32).reshape(()))
+                     None if input_scale is None else input_scale.to(torch.float32).reshape(()),
+                     spec.activations, spec.group_size, spec.scale_ub)
+
+
+def join_rows(parts: list[Fp8Weight]) -> Fp8Weight | None:
+    """The pieces of a fused projection (q, k, v) as one weight, row-wise, when one GEMM computes exactly what the
+    pieces would: the same activation scheme and no static input scale that differs, tensor or channel scales
+    (a tensor scale becomes the same value on each of its rows: exact), or block scales whose blocks each piece
+    fills (all rows but the last piece's a multiple of bn). None otherwise: the caller keeps them as parts."""
+    first = parts[0]
+    same = all((p.block, p.activations, p.group_size, p.scale_ub) == (first.block, first.activations,
+                                                                      first.group_size, first.scale_ub)
+               for p in parts)
+    statics = {float(p.input_scale) for p in parts if p.input_scale is not None}
+    if not same or len(statics) > 1:
+        return None
+    if first.block is not None:
+        if any(p.rows % first.block[0] for p in parts[:-1]):
+            return None
+        scale = torch.cat([p.scale for p in parts])
+    else:
+        scale = torch.cat([p.scale.expand(p.rows, 1) for p in parts])
+    return Fp8Weight(torch.cat([p.weight for p in parts]), scale.contiguous(), first.block, first.input_scale,
+                     first.activations, first.group_size, first.scale_ub)
 
 
 def expanded_scale(w: Fp8Weight) -> torch.Tensor:

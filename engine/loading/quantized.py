@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.hf_fp8 import Fp8Weight
+from engine.loading.hf_fp8 import join_rows as join_fp8_rows
 from engine.models.kernel_backend import KernelOps
 from engine.models.layers import Linear, QuantParts
 from engine.models.llama import CausalLM
@@ -107,7 +109,11 @@ class PackedPieces:
             raise ModelLoadError(f"{name}: the checkpoint gives it whole and in pieces")
         parts = [pieces[p] for p in order]
         want = self._shape(name, module)
-        if isinstance(parts[0], GroupQuantWeight):
+        if isinstance(parts[0], Fp8Weight):
+            weight = self._join_fp8(name, module, parts, want)
+            if weight is None:
+                return
+        elif isinstance(parts[0], GroupQuantWeight):
             weight = self._join_group(name, module, parts, want)
             if weight is None:
                 return
@@ -146,6 +152,26 @@ class PackedPieces:
             else:
                 runs.append((p.fmt, [p.data]))
         return [(fmt, np.concatenate(d) if len(d) > 1 else d[0]) for fmt, d in runs]
+
+    def _join_fp8(self, name: str, module, parts: list, want: tuple[int, int]):
+        """FP8 pieces joined row-wise (engine/loading/hf_fp8.py ``join_rows``), or, where one GEMM would not compute
+        what the pieces do (static input scales that differ, blocks a piece does not fill), one packed weight per
+        piece (``QuantParts``)."""
+        rows, cols = sum(p.rows for p in parts), {p.cols for p in parts}
+        if (rows, *cols) != want or len(cols) != 1:
+            raise ModelLoadError(f"{name}: FP8 pieces of {rows} x {sorted(cols)} weights, the model config implies "
+                                 f"{want[0]} x {want[1]}")
+        joined = join_fp8_rows(parts) if len(parts) > 1 else parts[0]
+        if joined is not None:
+            return joined
+        log.info("weights: %s kept as %d FP8 parts (their scales cannot be joined into one GEMM)", name, len(parts))
+        packed, r0 = [], 0
+        for p in parts:
+            packed.append((r0, self.model.ops.pack_quant(p)))
+            r0 += p.rows
+        module.quant = QuantParts(tuple(packed), want[0], want[1])
+        self.done.add(name)
+        return None
 
     def _join_group(self, name: str, module, parts: list, want: tuple[int, int]):
         """The GPTQ / AWQ / compressed-tensors pieces of one weight joined row-wise; when their act-order column

@@ -142,6 +142,13 @@ def _fmt(packed) -> str:
     """The packed object's format name (its ``fmt``, with its ``group_size`` where it has one)."""
     fmt = getattr(packed, "fmt", None)
     fmt = fmt if isinstance(fmt, str) else type(packed).__name__
+    if isinstance(packed, QuantParts) and fmt == "FP8":  # FP8 pieces kept apart: what each is
+        return " + ".join(dict.fromkeys(_fmt(p) for _, p in packed.parts)) + " (parts)"
+    if fmt == "FP8":  # kernels/fp8_gemm.py: its scales' layout, or the dequantized weight it measured faster
+        if packed.dense is not None:
+            return f"FP8 checkpoint, {_dtype(packed.dense)} dense"
+        scales = f"{packed.block[0]}x{packed.block[1]} block" if packed.block else "per-row"
+        return f"FP8 e4m3 ({scales} scales)"
     group = getattr(packed, "group_size", None)
     return f"{fmt} g{group}" if isinstance(group, int) else fmt
 
@@ -172,6 +179,9 @@ def _quant_kernel(ops: KernelOps, packed) -> str:
     if ops.name == "torch":
         return "torch reference (dequantized per call)"
     module = type(packed).__module__
+    if module == "kernels.fp8_gemm":
+        return ("torch linear (FP8 measured slower)" if packed.dense is not None else
+                f"torch._scaled_mm W8A8, activations {packed.activations}")
     if ops.name == "cpu" and module == "kernels.cpu_quant":  # GGUF blocks (and int8 / int4 quantized at load)
         from kernels import cpu_quant
         from kernels.cpu_quant_isa import default_isa

@@ -179,7 +179,7 @@ def load_model(
             if target is None:
                 continue
             name, piece = target
-            if isinstance(tensor, (QuantTensor, GroupQuantWeight)) and name in kept:
+            if isinstance(tensor, (QuantTensor, GroupQuantWeight, Fp8Weight)) and name in kept:
                 pieces.add(name, piece, tensor)
                 continue
             if isinstance(tensor, GroupQuantWeight):  # not kept packed: its float weights

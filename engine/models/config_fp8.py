@@ -38,6 +38,7 @@ class Fp8Fields:
     block: tuple[int, int] | None = None  # (rows, cols) per scale, strategy "block"
     scale_part: str = "weight_scale"  # the scale tensor's suffix ("weight_scale_inv" for quant_method fp8)
     group_size: int = 0  # activations "dynamic-group": input columns per scale
+    scale_ub: float | None = None  # fbgemm_fp8: the cap on a row's activation amax (activation_scale_ub)
     method: str = "fp8"  # what the loader dispatches on (config_quant.QuantFields.method's counterpart)
 
 
@@ -67,7 +68,7 @@ def fbgemm_fp8(q: dict[str, Any]) -> Fp8Fields:
     ub = q.get("activation_scale_ub", 1200.0)
     if isinstance(ub, bool) or not isinstance(ub, (int, float)) or ub <= 0:
         raise _refuse("fbgemm_fp8", "activation_scale_ub", ub, "a positive number")
-    return Fp8Fields("fbgemm_fp8", "channel", "dynamic-token")
+    return Fp8Fields("fbgemm_fp8", "channel", "dynamic-token", scale_ub=float(ub))
 
 
 def is_float_scheme(scheme: dict[str, Any]) -> bool:

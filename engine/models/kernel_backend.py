@@ -156,21 +156,48 @@ def _torch_quant_linear(x, w, bias=None, out=None):
     return y.to(x.dtype) if out is None else out.copy_(y)
 
 
-def _with_out(linear: Callable) -> Callable:
-    """A quantized linear without ``out=``, given one: its result copied into ``out`` (a ``QuantParts`` column
-    slice; one device copy, captured by a CUDA graph like the GEMM)."""
-    def with_out(x, packed, bias=None, out=None):
-        y = linear(x, packed, bias)
-        return y if out is None else out.copy_(y)
-    return with_out
-
-
 def _check_e4m3_gpu(device: str) -> None:
     """Triton compiles float8e4nv (torch's float8_e4m3fn) for compute capability >= 8.9 only (module docstring)."""
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ConfigError(f"kv_cache_dtype fp8_e4m3 on the triton kernels needs a GPU of compute capability >= 8.9; "
                           f"{torch.cuda.get_device_name(device)} is {major}.{minor} (int8 and fp8_e5m2 run there)")
+
+
+def _triton_quant_formats() -> frozenset[str]:
+    from kernels import quant_gpu
+
+    return quant_gpu.GPU_FORMATS | {"FP8"}
+
+
+def _triton_pack_quant(w, device: str, dtype: torch.dtype):
+    """GGUF blocks and GPTQ / AWQ / compressed-tensors layers into kernels/quant_gpu.py's layout; an FP8 layer
+    (engine/loading/hf_fp8.py) kept in FP8 where it measures faster than its dequantized weight (kernels/fp8_gemm.py
+    ``prefer_fp8``: timed on CUDA, per layer shape; else the weight in ``dtype``, logged)."""
+    from kernels import fp8_gemm, quant_gpu
+
+    if getattr(w, "fmt", None) != "FP8":
+        return quant_gpu.pack_gpu(w, device=device)
+    packed = fp8_gemm.pack(w, w.activations, w.group_size, w.scale_ub, device=device)
+    key = (packed.rows, packed.cols, packed.block)
+    if key not in _FP8_CHOICE:
+        _FP8_CHOICE[key] = fp8_gemm.prefer_fp8(packed, dtype)
+        if not _FP8_CHOICE[key]:
+            log.info("kernels: FP8 %dx%d layers run in %s: their dequantized GEMM measured faster", packed.rows,
+                     packed.cols, dtype)
+    return packed if _FP8_CHOICE[key] else fp8_gemm.as_dense(packed, dtype)
+
+
+_FP8_CHOICE: dict[tuple, bool] = {}  # per FP8 layer shape: whether the FP8 GEMM measured faster (once a process)
+
+
+def _triton_quant_linear(x, packed, bias=None, out=None):
+    from kernels import fp8_gemm, quant_gemm
+
+    if packed.fmt == "FP8":
+        return fp8_gemm.linear(x, packed, bias, out=out)
+    y = quant_gemm.quant_gemm(x, packed, bias)
+    return y if out is None else out.copy_(y)
 
 
 # the quantized KV cache dtypes (EngineConfig.kv_cache_dtype) each backend's store and attention kernels read
@@ -237,13 +264,15 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             w8a16_linear=gemm.w8a16_gemm_ref,
             attention_softcap=True,
         )
-    from kernels import fused, fused_moe, quant_gemm, quant_gpu, quant_rows
+    from kernels import fused, fused_moe, quant_rows
 
     return KernelOps(
         name="triton",
-        # quantized weights kept packed on the device, dequantized in registers (kernels/quant_gemm.py)
-        quant_formats=quant_gpu.GPU_FORMATS, pack_quant=functools.partial(quant_gpu.pack_gpu, device=device),
-        quant_linear=_with_out(quant_gemm.quant_gemm), quant_rows=functools.partial(quant_rows.quant_rows, dtype=dtype),
+        # quantized weights kept packed on the device, dequantized in registers (kernels/quant_gemm.py); FP8
+        # checkpoints' weights in FP8 (kernels/fp8_gemm.py: torch._scaled_mm)
+        quant_formats=_triton_quant_formats(), pack_quant=functools.partial(_triton_pack_quant, device=device,
+                                                                            dtype=dtype),
+        quant_linear=_triton_quant_linear, quant_rows=functools.partial(quant_rows.quant_rows, dtype=dtype),
         store_kv=store_kv.store_kv,
         prefill_attention=prefill_attention.prefill_attention,
         decode_attention=decode_attention.paged_decode_attention,

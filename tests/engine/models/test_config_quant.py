@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ModelLoadError
+from engine.models.config_fp8 import Fp8Fields
 from engine.models.config_quant import QuantFields
 from tests.engine.models.test_config import parse
 
@@ -33,6 +34,16 @@ def ct(**weights) -> dict:
     (CT, QuantFields("compressed-tensors", 4, 128, True)),
     (ct(num_bits=8, strategy="channel", group_size=None, symmetric=False, actorder="weight"),
      QuantFields("compressed-tensors", 8, -1, False)),
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     Fp8Fields("fp8", "block", "dynamic-group", (128, 128), "weight_scale_inv", group_size=128)),  # DeepSeek-V3
+    ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+     Fp8Fields("fbgemm_fp8", "channel", "dynamic-token", scale_ub=1200.0)),
+    ({**CT, "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                           "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True}}}},
+     Fp8Fields("compressed-tensors", "channel", "dynamic-token")),  # llm-compressor's FP8_DYNAMIC
 ])
 def test_supported_configs_are_read(quant, want):
     assert parse(quantization_config=quant).quantization == want
@@ -40,7 +51,7 @@ def test_supported_configs_are_read(quant, want):
 
 
 @pytest.mark.parametrize("quant, message", [
-    ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
+    ({"quant_method": "fp8"}, r"\(fp8\): weight_block_size=None is not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ("gptq", "quantization_config must be an object"),
     ({**GPTQ, "bits": 3}, r"\(gptq\): bits=3 is not supported \(4 or 8\)"),
@@ -66,7 +77,8 @@ def test_supported_configs_are_read(quant, want):
     ({**CT, "config_groups": {"group_0": {**CT["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
      r"input_activations=.* is not supported \(weight-only: W4A16 or W8A16\)"),  # W8A8
-    (ct(type="float", num_bits=8), "weights.type='float' is not supported"),  # FP8 weights
+    (ct(type="float", num_bits=8), "format='pack-quantized' is not supported .float-quantized for float weights"),
+    (ct(type="mx", num_bits=8), "weights.type='mx' is not supported .int, or float for FP8"),
     (ct(num_bits=2), r"bits=2 is not supported \(4 or 8\)"),
     (ct(strategy="tensor"), "weights.strategy='tensor'"),
     (ct(strategy="block", block_structure=[128, 128]), "weights.strategy='block'"),
