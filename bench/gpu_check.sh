@@ -3,13 +3,17 @@
 # make bench-kernels, the quantized GEMMs, make bench-decode (a Llama-3.2-1B-shaped random model) and the KV tier
 # copies.
 #
-#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels quant decode tiers (the default), gemm, prefill
+#   bash bench/gpu_check.sh [stage ...]      # stages: env tests kernels quant decode tiers (the default), fp8, gemm, prefill
 #
 # quant (issue 48, ~2 min): python -m bench.kernels.quant_gemm: W4A16 (Q4_0) and W8A16 (Q8_0) Triton GEMMs vs bf16
 # cuBLAS and vs dequantize + cuBLAS at M = 1 .. 1024 on Llama-8B shapes; its "crossover" lines say where
 # kernels/quant_gemm.py DEQUANT_GEMM_ROWS (a placeholder until then) should be, "ratio:" the W4A16 speedup at M = 1
 # (the kernels' correctness on the GPU is in the tests stage: tests/kernels/test_quant_*.py and
 # tests/engine/loading/test_quantized_triton.py).
+#
+# fp8 (issue 49, ~1 min): python -m bench.kernels.fp8_gemm: FP8 checkpoints' W8A8 linears (torch._scaled_mm, per-row
+# and 128x128 block scales) vs bf16 cuBLAS at M = 1 .. 2048 on Llama-8B shapes; "ratio:" per-row FP8 over bf16 at
+# M = 2048 (goal >= 1.5). Each output is first checked against the fp32 reference on the GPU.
 #
 # prefill (issue 51, ~3 min): the prefill attention tests compiled on the GPU (every tile config, pinned), then
 # python -m bench.kernels.triton_kernels --prefill (the autotuned kernel, each config,
@@ -80,6 +84,9 @@ for s in $STAGES; do
         tail -3 "$OUT/model.log"
         stage decode 180 $PY -m bench.engine.decode --model "$MODEL_1B" --dtype bfloat16 --device cuda \
             --json "$OUT/decode.json"
+        ;;
+    fp8)
+        stage fp8 120 $PY -m bench.kernels.fp8_gemm --device cuda
         ;;
     tiers)
         stage tiers 60 $PY -m bench.kv.tiers_copy --repeats 3
