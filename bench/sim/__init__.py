@@ -17,6 +17,7 @@ Pieces (each module's docstring is its design note):
 - calibration_check.py  simulate a real run's workload and configuration and compare field by field
 - goodput_study.py      the autoscaler against the best fixed P:D split (study e)
 - tiers_study.py        KV tiers and peers, and the tier-weight sweep (study d)
+- kv_dtype_study.py     a quantized KV cache: capacity, hit rate and goodput, bf16 vs int8 / fp8 (study f)
 - trace_replay.py       routing study: the Mooncake trace against the real index and policies
 - calibration/          the CPU calibration data
 - goodput_fixed/        saved fixed-split goodput searches

@@ -9,6 +9,8 @@ policy replay the Mooncake trace with the model replaced by a calibrated step-ti
                                                                  # d. KV tiers and peers (bench/sim/tiers_study.py)
     python -m bench.sim tier-weights --hardware gpu [--config colocated-4] [--rate 4] [--alphas 4]
                                  [--weights "1,1,1;0.75,0.25,0.5"] [--start N]  # d2. the routing weights on tiers
+    python -m bench.sim kv-dtype --hardware gpu [--configs colocated-4,2P+2D]
+                                 # f. a quantized KV cache: capacity, hit rate, goodput (bench/sim/kv_dtype_study.py)
     python -m bench.sim goodput [--hardware cpu,gpu] [--budgets 4,8] [--workloads mooncake,burst,shift] [--jobs 2]
                                  # e. DistServe goodput: the autoscaler vs the best fixed split
                                  # (bench/sim/goodput_study.py)
@@ -46,6 +48,7 @@ from bench.sim.goodput_study import (
     study_goodput,
     trace_case,
 )
+from bench.sim.kv_dtype_study import study_kv_dtype
 from bench.sim.runs import OUT, POLICY_NAMES, parse_config, pivot, row, run_at, save, split_name, table
 from bench.sim.scenarios import (
     CALIBRATION,
@@ -163,7 +166,8 @@ def scenarios(names: str, args: argparse.Namespace) -> list[Scenario]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "goodput",
+    ap.add_argument("study", choices=["all", "disagg", "autoscale", "routing", "tiers", "tier-weights", "kv-dtype",
+                                      "goodput",
                                       "goodput-trace", "run", "calibration-check"])
     ap.add_argument("--hardware", default=None, help="cpu, gpu or cpu,gpu (default: both for all, else cpu)")
     ap.add_argument("--limit", type=int, help="trace window (requests; default 1000)")
@@ -253,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.study == "tiers":
             study_tiers(sc, args.out_dir, tuple(args.configs.split(",")), args.arms, args.host_gib * 2**30,
                         args.disk_gib * 2**30)
+        if args.study == "kv-dtype":
+            configs = args.configs if args.configs != "colocated-4,colocated-8" else "colocated-4,2P+2D"
+            study_kv_dtype(sc, args.out_dir, tuple(configs.split(",")), args.link)
         if args.study == "tier-weights":
             grid = (tuple(tuple(float(x) for x in t.split(",")) for t in args.weights.split(";"))
                     if args.weights else TIER_WEIGHT_GRID)

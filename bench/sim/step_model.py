@@ -22,7 +22,8 @@ Two models:
 * ``RooflineStepModel`` (GPU, no measurement): ``t = overhead + max(FLOPs / (MFU · peak), bytes / (eff · HBM
   bandwidth))`` with FLOPs = 2·(matmul params)·N + 4·layers·heads·head_dim·(A + C) + 2·hidden·vocab·S and
   bytes = weights + KV read (C + prompt contexts) + KV written (N). The figures are in ``GpuSpec`` /
-  ``ModelSpec`` and written into every result.
+  ``ModelSpec`` and written into every result; a quantized KV cache (``ModelSpec.kv_cache_dtype``) shrinks the KV
+  bytes read and written, the blocks' bytes on the wire, and grows the blocks a GPU holds.
 
 ``TransferModel`` is the KV handoff: ``fixed_s + blocks · bytes_per_block / bytes_per_s``.
 """
@@ -169,6 +170,8 @@ class ModelSpec:
     vocab_size: int = 128256
     bytes_per_param: int = 2
     max_model_len: int = 131072
+    kv_cache_dtype: str = "auto"  # "auto": KV values in bytes_per_param; "int8" / "fp8_*": 1 byte + an fp32 scale
+                                  # per token and KV head (engine/kv/cache_dtype.py's page layout)
 
     @property
     def matmul_params(self) -> float:
@@ -181,7 +184,9 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        if self.kv_cache_dtype == "auto":
+            return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        return self.num_layers * 2 * self.num_kv_heads * (self.head_dim + 4)
 
 
 @dataclass(frozen=True)
