@@ -27,3 +27,21 @@ def test_lm_eval_local_completions_on_duet_equals_hf_backend(tmp_path):
     assert cmp.num_docs == LIMIT * len(TASKS), report
     assert cmp.all_equal, report
     assert not cmp.doc_diffs, report
+
+
+def test_a_quantized_kv_run_is_held_within_the_reference_stderr():
+    """``--kv-cache-dtype``'s check (no server): a metric holds when |hf - duet| <= lm-eval's stderr of hf's, or,
+    where lm-eval reports N/A, its mean_stderr over the documents' 0/1 scores, sqrt(p (1 - p) / (n - 1))."""
+    from bench.api.lm_eval_compare import within_stderr
+
+    samples = {"duet_mc": [{}] * 40, "duet_short_answer": [{}] * 20}
+    hf = {"results": {"duet_mc": {"acc,none": 0.6, "acc_stderr,none": "N/A", "acc_norm,none": 0.55,
+                                  "acc_norm_stderr,none": 0.01},
+                      "duet_short_answer": {"exact_match,strip": 0.55, "exact_match_stderr,strip": "N/A"}},
+          "samples": samples}
+    duet = {"results": {"duet_mc": {"acc,none": 0.575, "acc_norm,none": 0.525},
+                        "duet_short_answer": {"exact_match,strip": 0.3}}, "samples": samples}
+    rows = {(t, m): (err, ok) for t, m, _, _, err, ok in within_stderr(hf, duet)}
+    assert abs(rows[("duet_mc", "acc,none")][0] - (0.6 * 0.4 / 39) ** 0.5) < 1e-12 and rows[("duet_mc", "acc,none")][1]
+    assert rows[("duet_mc", "acc_norm,none")] == (0.01, False)  # lm-eval's own stderr, and 0.025 is beyond it
+    assert not rows[("duet_short_answer", "exact_match,strip")][1]  # 0.25 off, stderr 0.114
