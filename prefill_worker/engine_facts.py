@@ -1,5 +1,6 @@
-"""What a worker states about its engine: the KV compatibility its peers must share, and the figures of its
-stats() that come from the engine's prefix cache and tiers."""
+"""What a worker states about its engine: the KV compatibility its peers must share (and how a peer's model-dtype
+blocks are stored into a quantized cache), and the figures of its stats() that come from the engine's prefix cache
+and tiers."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,7 +9,9 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_runner import ModelRunner
+from kernels import kv_quant
 from kvtransfer import BLOCK_MAJOR, KVCompat
+from kvtransfer.convert_reader import StoreBlocks
 from kvtransfer.layout import NO_SCALES, PAGE_SCALES
 
 
@@ -21,6 +24,18 @@ def kv_compat(engine_config: EngineConfig, runner: ModelRunner) -> KVCompat:
                     layout_name=BLOCK_MAJOR, block_size=engine_config.block_size, num_layers=mc.num_layers,
                     num_kv_heads=runner.num_kv_heads, head_dim=mc.head_dim, tp_size=runner.tp.size,
                     total_kv_heads=mc.num_kv_heads, scale_layout=PAGE_SCALES if kv.quantized else NO_SCALES)
+
+
+def block_store(runner: ModelRunner) -> StoreBlocks | None:
+    """How a quantized cache takes a peer's model-dtype blocks (kvtransfer/convert_reader.py): its own store kernel
+    over every row, so the bytes are those this engine writes for the same K/V. None for a model-dtype cache: it
+    converts nothing."""
+    if not runner.kv_dtype.quantized:
+        return None
+
+    def store(blocks, block_ids) -> None:
+        kv_quant.store_blocks(runner.ops.store_kv, runner.kv_layers, blocks, block_ids, runner.dtype)
+    return store
 
 
 def hit_sources(engine: Engine) -> dict[str, int]:

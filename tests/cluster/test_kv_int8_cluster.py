@@ -11,6 +11,7 @@ from engine.engine import Engine
 from engine.kv.hashing import kv_namespace
 from router.routing.index import NO_MATCH
 from tests.cluster.test_disagg_cluster import params_for, prompts_for, run_all, stats, wait_for
+from tests.engine.test_engine_handoff import run_disagg
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +40,45 @@ def test_int8_disaggregated_equals_colocated_int8_cold_then_warm(int8_disagg, lo
     assert s2["decode-0"]["num_remote_prefix_hit_blocks"] > 0
     for w in s2.values():
         assert w["kv_blocks_used"] == 0 and w["num_requests"] == 0, w
+
+
+@pytest.fixture(scope="module")
+def mixed_disagg(cluster_factory):
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "decode.kv_cache_dtype": "int8"})
+
+
+def test_mixed_precision_fp32_prefill_int8_decode(mixed_disagg, loop_thread, tiny_model):
+    """The prefill pool keeps fp32 KV (auto), the decode pool int8: the decode worker reads P's fp32 blocks over NIXL
+    into staging and quantizes them with its own store kernel (kvtransfer/convert_reader.py).
+
+    Compared: each output equals the same two engine configs run in process (tests/engine/test_engine_handoff.py's
+    ``run_disagg``, P fp32 -> D's store -> D int8 decode), token for token, cold and warm (D's int8 prefix hits). The
+    first token is the prefill worker's, so it equals a colocated fp32 engine's. Not compared with a colocated int8 run
+    token for token: there the prompt's layers >= 1 attend over int8 KV while they are computed, here over fp32 KV, so
+    D's blocks differ from the int8 engine's beyond layer 0 (tests/engine/test_kv_cache_dtype.py asserts both) and a
+    later greedy token can flip where two logits are near-equal (on this random tiny model, 3 of 21 requests of
+    prompts_for(11..13) differ from colocated int8, at their 5th-13th token). Bytes on the wire: the fp32 blocks."""
+    from tests.engine.test_kv_cache_dtype import convert_blocks
+
+    prompts = prompts_for(11)
+    params = [params_for(i) for i in range(len(prompts))]
+    model = str(tiny_model())
+    fp32 = [r["token_ids"] for r in Engine(EngineConfig(model=model, num_blocks=256)).generate(prompts, params)]
+    want = run_disagg(Engine(EngineConfig(model=model, num_blocks=256)),
+                      Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype="int8")), prompts, params,
+                      copy=convert_blocks)
+    backend = mixed_disagg.backend
+    assert backend.hasher.namespace == kv_namespace("", "int8") and backend.prefill_hasher.namespace == ""
+    cold = run_all(loop_thread, backend, "cold", prompts, params)
+    assert [g["token_ids"] for g in cold] == want
+    assert [g["token_ids"][0] for g in cold] == [t[0] for t in fp32]
+    s = stats(loop_thread, mixed_disagg)
+    fp32_block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x K,V x tokens x KV heads x head_dim x 4 B
+    assert s["decode-0"]["transfers_ok"] == len(prompts)
+    assert s["decode-0"]["transfer_bytes"] == sum(-(-len(p) // 16) for p in prompts) * fp32_block_bytes
+    for worker, hasher in (("decode-0", backend.hasher), ("prefill-0", backend.prefill_hasher)):
+        assert wait_for(lambda: all(backend.index.match(hasher(ids)).get(worker, NO_MATCH).total == len(ids) // 16
+                                    for ids in prompts))
+    warm = run_all(loop_thread, backend, "warm", prompts, params)
+    assert [g["token_ids"] for g in warm] == want
+    assert stats(loop_thread, mixed_disagg)["decode-0"]["num_remote_prefix_hit_blocks"] > 0
