@@ -1,7 +1,10 @@
 """A real 1 prefill + 1 decode cluster (Ray actors, KV blocks over NIXL) whose engines keep an int8 KV cache
-(``engine.kv_cache_dtype: int8``): each block's int8 values travel with their scales in its one byte range, so the
-disaggregated output equals a colocated int8 engine's token for token, with cold caches and with warm ones (the
-decode worker's own int8 prefix hits), and the router hashes in the workers' int8 namespace."""
+(``engine.kv_cache_dtype: int8``) and speculate (n-gram): each block's int8 values travel with their scales in its
+one byte range, so the disaggregated output equals a colocated int8 engine's (without speculation) token for token,
+with cold caches and with warm ones (the decode worker's own int8 prefix hits), drafts verified and rolled back over
+the int8 cache, and the router hashes in the workers' int8 namespace. Then mixed precision: an fp32 prefill pool
+feeding an int8 decode pool (converted on the pull). The rest of the int8 matrix (tiers, peer reads, migration,
+tensor parallelism): tests/cluster/test_kv_int8_matrix.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +14,7 @@ from engine.engine import Engine
 from engine.kv.hashing import kv_namespace
 from router.routing.index import NO_MATCH
 from tests.cluster.test_disagg_cluster import params_for, prompts_for, run_all, stats, wait_for
+from tests.engine.speculative.test_engine_spec import NGRAM
 from tests.engine.test_engine_handoff import run_disagg
 
 pytestmark = pytest.mark.slow
@@ -18,10 +22,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def int8_disagg(cluster_factory):
-    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "engine.kv_cache_dtype": "int8"})
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "engine.kv_cache_dtype": "int8",
+                              "engine.speculative_config": NGRAM})
 
 
-def test_int8_disaggregated_equals_colocated_int8_cold_then_warm(int8_disagg, loop_thread, tiny_model):
+def test_int8_disaggregated_with_speculation_equals_colocated_int8_cold_then_warm(int8_disagg, loop_thread, tiny_model):
     prompts = prompts_for(11)
     params = [params_for(i) for i in range(len(prompts))]
     colocated = Engine(EngineConfig(model=str(tiny_model()), num_blocks=256, kv_cache_dtype="int8"))
@@ -38,6 +43,8 @@ def test_int8_disaggregated_equals_colocated_int8_cold_then_warm(int8_disagg, lo
     assert [g["token_ids"] for g in warm] == [w["token_ids"] for w in want]
     s2 = stats(loop_thread, int8_disagg)
     assert s2["decode-0"]["num_remote_prefix_hit_blocks"] > 0
+    spec = s2["decode-0"]["spec_decode"]  # drafts verified over the int8 cache, some rolled back
+    assert spec["num_draft_tokens"] > spec["num_accepted_tokens"] > 0
     for w in s2.values():
         assert w["kv_blocks_used"] == 0 and w["num_requests"] == 0, w
 
