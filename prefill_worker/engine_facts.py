@@ -38,6 +38,19 @@ def block_store(runner: ModelRunner) -> StoreBlocks | None:
     return store
 
 
+def cache_config(engine: Engine) -> dict[str, Any]:
+    """The KV cache's configuration for stats() (``kv_cache``): what /metrics' ``vllm:cache_config_info`` labels say
+    (router/metrics/cache_config.py) and the dashboard's KV panel shows. ``cache_dtype`` is the config's name
+    (``auto``, ``int8``, ...), ``storage`` the element dtype a block holds; ``num_gpu_blocks`` counts the device
+    cache's blocks (vLLM's name, a CPU engine's too), ``num_cpu_blocks`` the host tier's slots."""
+    runner, config = engine.runner, engine.config
+    host = engine.tiers.host.num_slots if engine.tiers is not None else 0
+    return {"kv_cache": {"cache_dtype": config.kv_cache_dtype, "storage": runner.kv_dtype.name,
+                         "block_size": config.block_size, "num_gpu_blocks": engine.pool.num_blocks,
+                         "num_cpu_blocks": host, "enable_prefix_caching": config.enable_prefix_caching,
+                         "bytes_per_block": runner.bytes_per_block}}
+
+
 def hit_sources(engine: Engine) -> dict[str, int]:
     """Prompt tokens not computed, by where their KV came from (duet_prefix_hit_tokens_total{source})."""
     sched, B = engine.scheduler, engine.config.block_size
