@@ -131,6 +131,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "model": args.model, "served_model_name": args.served_model_name, "ray_address": args.address,
         "prefill.num_workers": args.prefill, "decode.num_workers": args.decode,
         "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
+        "decode.kv_cache_dtype": args.decode_kv_cache_dtype,
         "router.host": args.host, "router.port": args.port, "router.grpc_port": args.grpc_port,
         "router.index": args.index, "router.prefill_policy": args.prefill_policy,
         "router.decode_policy": args.decode_policy, "router.local_prefill_max_tokens": args.local_prefill_max_tokens,
@@ -180,6 +181,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (default 1)")
     p.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (default 1)")
+    p.add_argument("--decode-kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the decode pool's own KV dtype (default: --kv-cache-dtype); int8 / fp8_* under a prefill pool "
+                        "at auto: mixed precision, the decode workers quantize the blocks they pull")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")

@@ -5,7 +5,8 @@
                                          # GGUF file's name without its quantization suffix)
     engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
     prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
-    decode:  {num_workers: 2}
+    decode:  {num_workers: 2, kv_cache_dtype: int8}   # a pool's own KV dtype (mixed precision: prefill auto,
+                                                      # decode int8 / fp8_*, converted on the pull)
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
               salt_by_api_key: false,       # true: each API key is its own prefix-cache domain
@@ -32,7 +33,7 @@ from typing import Any
 import yaml
 
 from cluster.autoscaler import AutoscalerConfig
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.errors import ConfigError
 from engine.loading.paths import checkpoint_name
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
@@ -53,8 +54,14 @@ class PoolConfig:
     # extra Ray custom resources each worker of this pool asks for: pins a pool to a KubeRay worker group
     # that declares them (e.g. {"duet_prefill": 1} on the compute-heavy GPU group)
     resources: dict[str, float] = field(default_factory=dict)
+    # the KV cache dtype of this pool's engines (None: the engine section's); a prefill pool at the model dtype
+    # ("auto") feeding a quantized decode pool converts on the pull (kvtransfer/convert_reader.py)
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ConfigError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
@@ -209,6 +216,7 @@ class ClusterConfig:
             raise ConfigError(f"unknown config keys: {sorted(raw)}")
         if kwargs["decode"].num_workers < 1:
             raise ConfigError("decode.num_workers must be >= 1")
+        _check_kv_pairing(engine.kv_cache_dtype, kwargs["prefill"], kwargs["decode"])
         if engine.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size is set per pool (prefill.tensor_parallel_size, "
                               "decode.tensor_parallel_size; --prefill-tp / --decode-tp), not in the engine section")
@@ -234,6 +242,17 @@ class ClusterConfig:
                 node = node.setdefault(p, {})
             node[leaf] = value
         return cls.from_dict(raw)
+
+
+def _check_kv_pairing(engine_kv: str, prefill: PoolConfig, decode: PoolConfig) -> None:
+    """Pools of two KV dtypes exchange blocks only when the prefill pool keeps the model dtype and the decode pool
+    quantizes on the pull (kvtransfer/convert_reader.py); any other pairing is refused here, naming both."""
+    p = prefill.kv_cache_dtype or engine_kv
+    d = decode.kv_cache_dtype or engine_kv
+    if p != d and p != "auto":
+        raise ConfigError(f"prefill.kv_cache_dtype {p!r} and decode.kv_cache_dtype {d!r}: pools of two KV dtypes "
+                          "need the prefill pool at the model dtype ('auto'), the decode pool quantized (its pull "
+                          "converts); nothing converts the other way")
 
 
 def _build(cls, values: dict[str, Any], section: str):

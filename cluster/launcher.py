@@ -27,7 +27,8 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import PoolManager
 from cluster.ray_client import RayWorkerClient
-from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers
+from cluster.spawn import WORKER_RESOURCE, Spawner, max_pool_workers, worker_engine_config
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.loading.checkpoint import load_model_config, load_tokenizer
@@ -165,14 +166,19 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
                  i.max_model_len)
     log.info("serving max_model_len %d: the longest context every worker holds (the checkpoint's: %d)",
              card.max_model_len, model_config.max_position_embeddings)
-    hasher = BlockHasher(config.engine.block_size, config.engine.hash_seed,  # the workers' namespace (their KV dtype)
-                         kv_namespace(config.engine.hash_namespace, config.engine.kv_cache_dtype))
+    p_hasher, d_hasher = (_pool_hasher(worker_engine_config(config, pool)) for pool in (config.prefill, config.decode))
     B = config.engine.block_size
     return ClusterBackend(
-        card, load_tokenizer(config.engine.model), hasher, prefill, decode,
+        card, load_tokenizer(config.engine.model), d_hasher, prefill, decode,
+        prefill_hasher=None if p_hasher.fingerprint == d_hasher.fingerprint else p_hasher,  # pools of two KV dtypes
         prefill_policy=make_policy(config.router.prefill_policy, B, tier_weights=config.router.weights),
         decode_policy=make_policy(config.router.decode_policy, B, tier_weights=config.router.weights),
         local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics)
+
+
+def _pool_hasher(engine: EngineConfig) -> BlockHasher:
+    """How a pool's workers hash their blocks: their namespace includes their KV dtype."""
+    return BlockHasher(engine.block_size, engine.hash_seed, kv_namespace(engine.hash_namespace, engine.kv_cache_dtype))
 
 
 def _start_feeds(config: ClusterConfig, backend: ClusterBackend, clients: list[RayWorkerClient]):

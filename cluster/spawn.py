@@ -32,12 +32,14 @@ def max_pool_workers(config: ClusterConfig) -> int:
 
 
 def worker_engine_config(config: ClusterConfig, pool: PoolConfig) -> EngineConfig:
-    """The engine config of one worker of ``pool``: the pool's num_blocks, if it sets one; on a CPU, the
+    """The engine config of one worker of ``pool``: the pool's num_blocks and KV dtype, if it sets them; on a CPU, the
     engines that size their KV cache from the same RAM (engine/kv/sizing.py), unless the engine section says:
     every worker the pools may hold, as if they shared one machine (the launcher cannot know the placement)."""
     engine = config.engine if pool.num_blocks is None else config.engine.replace(num_blocks=pool.num_blocks)
     if pool.tensor_parallel_size != 1:
         engine = engine.replace(tensor_parallel_size=pool.tensor_parallel_size)
+    if pool.kv_cache_dtype is not None:
+        engine = engine.replace(kv_cache_dtype=pool.kv_cache_dtype)
     if engine.colocated_engines is None and not engine.device.startswith("cuda"):
         engine = engine.replace(colocated_engines=max_pool_workers(config))
     return engine

@@ -6,7 +6,9 @@ A quantized cache is one tensor ``kv[num_blocks, num_layers, 2, page]`` of 1-byt
 (engine/kv/cache_dtype.py; docs/ARCHITECTURE.md "Quantized KV cache"). ``layer_views`` cuts it into the strided
 per-layer views the kernels take: values ``[num_blocks, block_size, num_kv_heads, head_dim]`` and scales
 ``[num_blocks, block_size, num_kv_heads]``, both views of the one tensor (nothing is copied, and a block's
-bytes, scales included, stay one contiguous range). A dense cache's views carry no scales.
+bytes, scales included, stay one contiguous range). A dense cache's views carry no scales. ``store_blocks`` stores
+whole blocks of a dense cache (a peer's, read over NIXL: mixed precision across pools) through a cache's own store
+kernel.
 
 Scales are symmetric, one per token and KV head: ``scale = amax_d |x| / qmax`` (qmax 127 for int8, 448 for
 e4m3, 57344 for e5m2); int8 stores ``round_half_even(x / scale)`` (at most ``scale / 2`` off per element), fp8
@@ -15,6 +17,7 @@ the cast of ``x / scale`` (round to nearest even). A row of zeros gets scale 0 a
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,6 +65,26 @@ def layer_views(kv: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: 
     scales = kv[..., values:].view(torch.float32).view(num_blocks, num_layers, 2, block_size, num_kv_heads)
     return [LayerKV(vals[:, layer, 0], vals[:, layer, 1], scales[:, layer, 0], scales[:, layer, 1])
             for layer in range(num_layers)]
+
+
+def store_blocks(store_kv: Callable, layers: Sequence[LayerKV], blocks: torch.Tensor, block_ids: Sequence[int],
+                 dtype: torch.dtype) -> None:
+    """Whole blocks of a dense cache ``blocks [n, num_layers, 2, block_size, num_kv_heads, head_dim]`` (a peer's, of
+    the model dtype) into blocks ``block_ids`` of a cache whose per-layer views are ``layers``, through ``store_kv``,
+    that cache's own store kernel: the bytes written are those the cache's engine stores for the same K/V rows (every
+    row of a block, the unused tail of a last block too: its rows are overwritten before anything reads them).
+    ``dtype``: the rows' dtype the store takes (the engine's compute dtype)."""
+    n, num_layers, _, block_size, num_kv_heads, head_dim = blocks.shape
+    if n != len(block_ids) or num_layers != len(layers):
+        raise ValueError(f"{n} staged blocks of {num_layers} layers for {len(block_ids)} block ids of a cache of "
+                         f"{len(layers)} layers")
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=blocks.device)
+    slots = (ids[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)
+    rows = n * block_size
+    for layer, kv in enumerate(layers):
+        key = blocks[:, layer, 0].to(dtype).reshape(rows, num_kv_heads, head_dim).contiguous()
+        value = blocks[:, layer, 1].to(dtype).reshape(rows, num_kv_heads, head_dim).contiguous()
+        store_kv(key, value, kv.key, kv.value, slots, **kv.scales)
 
 
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,11 @@ rank holds into its own blocks. The cost against a same-split handoff: every sou
 rank of a narrower split reads heads it drops: ``tp / src_tp`` times the bytes when the peer split is
 coarser) and one device copy. Notices travel as in a same-split pull: only the caller decides which READ
 carries one.
+
+A quantized cache (``PAGE_SCALES``: each (layer, K|V) page holds its 1-byte values ``[block_size, heads, head_dim]``
+and then their fp32 scales ``[block_size, heads]``, engine/kv/cache_dtype.py) splits the same way: each side is cut
+into two views with the heads on one axis (``head_views``), and a head moves with its scales. A quantized scale is
+per token and head, so a head's bytes are the same on any split.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.layout import KVCompat
+from kvtransfer.layout import NO_SCALES, KVCompat
 from kvtransfer.nixl_transport import DEFAULT_TRANSFER_TIMEOUT_S, NixlTransport
 from kvtransfer.tp_split import check_split_compatible, read_plan
 from kvtransfer.wire import PeerInfo
@@ -27,6 +32,18 @@ log = logging.getLogger(__name__)
 STAGING_BLOCKS = 32
 
 
+def head_views(kv: torch.Tensor, c: KVCompat) -> list[torch.Tensor]:
+    """Views of a cache of layout ``c`` with the KV heads on axis 4: the dense cache itself ``[n, layers, 2,
+    block_size, heads, head_dim]``; a quantized one's values (the same shape) and fp32 scales ``[n, layers, 2,
+    block_size, heads]`` (views of the one tensor: writing them writes the cache)."""
+    if c.scale_layout == NO_SCALES:
+        return [kv]
+    n, layers = kv.shape[0], kv.shape[1]
+    values = c.block_size * c.num_kv_heads * c.head_dim
+    shape = (n, layers, 2, c.block_size, c.num_kv_heads)
+    return [kv[..., :values].view(*shape, c.head_dim), kv[..., values:].view(torch.float32).view(shape)]
+
+
 class SplitReader:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, rank: int, peer_compat: KVCompat, agent_name: str,
                  staging_blocks: int = STAGING_BLOCKS) -> None:
@@ -34,7 +51,11 @@ class SplitReader:
         (rank ``rank`` of ``compat.tp_size``); ``peer_compat``: the layout of every rank of the peer split."""
         check_split_compatible(compat, peer_compat, agent_name)
         self.kv, self.compat, self.rank, self.peer_compat = kv, compat, rank, peer_compat
-        shape = (staging_blocks, *kv.shape[1:4], peer_compat.num_kv_heads, kv.shape[5])
+        p = peer_compat
+        if p.scale_layout == NO_SCALES:
+            shape = (staging_blocks, p.num_layers, 2, p.block_size, p.num_kv_heads, p.head_dim)
+        else:  # a page: values, then a 4-byte scale per (token, head)
+            shape = (staging_blocks, p.num_layers, 2, p.block_size * p.num_kv_heads * (p.head_dim + 4))
         self.staging = torch.empty(shape, dtype=kv.dtype, device=kv.device)
         self.transport = NixlTransport(self.staging, peer_compat, agent_name=agent_name)
         self.plan = read_plan(rank, compat.tp_size, peer_compat.tp_size, compat.total_kv_heads)
@@ -67,8 +88,9 @@ class SplitReader:
             for copy in self.plan:
                 moved += self.transport.read_blocks(names[copy.src_rank], remote, list(range(len(remote))),
                                                     timeout_s=timeout_s).num_bytes
-                src = self.staging[: len(remote), :, :, :, copy.src_start: copy.src_start + copy.count]
-                self.kv[dst, :, :, :, copy.dst_start: copy.dst_start + copy.count] = src
+                for ours, staged in zip(head_views(self.kv, self.compat), head_views(self.staging, self.peer_compat)):
+                    src = staged[: len(remote), :, :, :, copy.src_start: copy.src_start + copy.count]
+                    ours[dst, :, :, :, copy.dst_start: copy.dst_start + copy.count] = src
             if self.kv.is_cuda:  # the copies landed before anyone is told the blocks are here
                 torch.cuda.synchronize(self.kv.device)
         return moved

@@ -61,16 +61,11 @@ _SPLIT_FIELDS = ("num_kv_heads", "tp_size")
 
 def check_split_compatible(ours: KVCompat, theirs: KVCompat, peer: str) -> None:
     """Raise ``KVCompatError`` naming both layouts unless the two caches differ in their split alone (same model,
-    dtype, layout, block size and geometry, same total of KV heads) and hold no scales (a quantized KV cache's
-    pages: not split yet)."""
+    dtype and scale layout, layout, block size and geometry, same total of KV heads)."""
     diff = [d for d in ours.diff(theirs) if d.split(":")[0] not in _SPLIT_FIELDS]
     if diff:
         raise KVCompatError(f"peer {peer!r} has an incompatible KV layout: ours {describe(ours)}, theirs "
                             f"{describe(theirs)} ({'; '.join(diff)})")
-    if ours.scale_layout != NO_SCALES:  # the staging copy slices heads of the dense layout (split_reader.py)
-        raise KVCompatError(f"peer {peer!r}: a handoff between tensor-parallel splits of a quantized KV cache "
-                            f"({ours.dtype}, scales {ours.scale_layout}) is not implemented yet: ours "
-                            f"{describe(ours)}, theirs {describe(theirs)}")
 
 
 def describe(c: KVCompat) -> str:

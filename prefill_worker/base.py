@@ -45,7 +45,7 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
-from prefill_worker.engine_facts import hit_sources, kv_compat, spec_stats, tier_stats
+from prefill_worker.engine_facts import block_store, cache_config, hit_sources, kv_compat, spec_stats, tier_stats
 from prefill_worker.event_sinks import EventSink
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
@@ -165,7 +165,7 @@ class WorkerBase(ABC):
         host = self.engine.tiers.mover.host if self.engine.tiers is not None else None
         # the reading agent, kept for the worker's life whatever its role (a flip clears its peers)
         self.puller = Puller(self.engine.runner.kv_cache, self.compat, options.worker_id, options.transfer_timeout_s,
-                             host=host)
+                             host=host, store_blocks=block_store(self.engine.runner))
         if options.fault_pull_delay_s > 0:
             log.warning("fault injection: every KV pull of %s waits %.2f s (transfer.fault_pull_delay_s)",
                         options.worker_id, options.fault_pull_delay_s)
@@ -295,6 +295,7 @@ class WorkerBase(ABC):
                     "moe_tokens_per_expert": engine.runner.model.tokens_per_expert(),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
                     "events_full_state_due": self._full_state_due, **tier_stats(engine), **spec_stats(engine),
+                    **cache_config(engine),
                     **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))

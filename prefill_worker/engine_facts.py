@@ -1,5 +1,6 @@
-"""What a worker states about its engine: the KV compatibility its peers must share, and the figures of its
-stats() that come from the engine's prefix cache and tiers."""
+"""What a worker states about its engine: the KV compatibility its peers must share (and how a peer's model-dtype
+blocks are stored into a quantized cache), and the figures of its stats() that come from the engine's prefix cache
+and tiers."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -8,7 +9,9 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_runner import ModelRunner
+from kernels import kv_quant
 from kvtransfer import BLOCK_MAJOR, KVCompat
+from kvtransfer.convert_reader import StoreBlocks
 from kvtransfer.layout import NO_SCALES, PAGE_SCALES
 
 
@@ -21,6 +24,31 @@ def kv_compat(engine_config: EngineConfig, runner: ModelRunner) -> KVCompat:
                     layout_name=BLOCK_MAJOR, block_size=engine_config.block_size, num_layers=mc.num_layers,
                     num_kv_heads=runner.num_kv_heads, head_dim=mc.head_dim, tp_size=runner.tp.size,
                     total_kv_heads=mc.num_kv_heads, scale_layout=PAGE_SCALES if kv.quantized else NO_SCALES)
+
+
+def block_store(runner: ModelRunner) -> StoreBlocks | None:
+    """How a quantized cache takes a peer's model-dtype blocks (kvtransfer/convert_reader.py): its own store kernel
+    over every row, so the bytes are those this engine writes for the same K/V. None for a model-dtype cache: it
+    converts nothing."""
+    if not runner.kv_dtype.quantized:
+        return None
+
+    def store(blocks, block_ids) -> None:
+        kv_quant.store_blocks(runner.ops.store_kv, runner.kv_layers, blocks, block_ids, runner.dtype)
+    return store
+
+
+def cache_config(engine: Engine) -> dict[str, Any]:
+    """The KV cache's configuration for stats() (``kv_cache``): what /metrics' ``vllm:cache_config_info`` labels say
+    (router/metrics/cache_config.py) and the dashboard's KV panel shows. ``cache_dtype`` is the config's name
+    (``auto``, ``int8``, ...), ``storage`` the element dtype a block holds; ``num_gpu_blocks`` counts the device
+    cache's blocks (vLLM's name, a CPU engine's too), ``num_cpu_blocks`` the host tier's slots."""
+    runner, config = engine.runner, engine.config
+    host = engine.tiers.host.num_slots if engine.tiers is not None else 0
+    return {"kv_cache": {"cache_dtype": config.kv_cache_dtype, "storage": runner.kv_dtype.name,
+                         "block_size": config.block_size, "num_gpu_blocks": engine.pool.num_blocks,
+                         "num_cpu_blocks": host, "enable_prefix_caching": config.enable_prefix_caching,
+                         "bytes_per_block": runner.bytes_per_block}}
 
 
 def hit_sources(engine: Engine) -> dict[str, int]:

@@ -22,6 +22,7 @@ import torch
 
 from engine.histogram import NIXL_BYTES_BUCKETS, NIXL_XFER_BUCKETS_S, Histogram
 from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo, ReleaseNotice, TransferRequest
+from kvtransfer.convert_reader import StoreBlocks
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
 from prefill_worker.sources import Sources
 
@@ -32,8 +33,10 @@ PullDone = Callable[[str | None, int], None]
 
 class Puller:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, worker_id: str, transfer_timeout_s: float,
-                 host: torch.Tensor | None = None) -> None:
-        self._kv, self._compat, self._host = kv, compat, host
+                 host: torch.Tensor | None = None, store_blocks: StoreBlocks | None = None) -> None:
+        """``store_blocks``: how a peer's model-dtype blocks are stored into this (quantized) cache
+        (prefill_worker/sources.py)."""
+        self._kv, self._compat, self._host, self._store_blocks = kv, compat, host, store_blocks
         self.worker_id = worker_id
         self.transfer_timeout_s = transfer_timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -103,7 +106,8 @@ class Puller:
         except Exception as e:
             self._ready.set_exception(e)
             return
-        self._sources = Sources(self._kv, self._compat, 0, transport.agent_name, reader=transport)
+        self._sources = Sources(self._kv, self._compat, 0, transport.agent_name, reader=transport,
+                                store_blocks=self._store_blocks)
         self._ready.set_result(transport.peer_info())
         with transport:
             while True:
@@ -171,7 +175,7 @@ class Puller:
             if failed is not None:
                 self._notify_failed(request)
                 raise KVTransferError(f"a tensor-parallel rank's read failed: {failed}")
-            if self._sources.is_split(request.peer_name):  # another split: staged reads, the notice after them
+            if self._sources.is_staged(request.peer_name):  # another split or KV dtype: staged reads
                 try:
                     num_bytes = self._sources.read(request.peer_name, request.remote_block_ids,
                                                    request.local_block_ids, timeout_s,

@@ -1,11 +1,15 @@
-"""The workers one rank reads KV from, whatever their tensor-parallel split (a rank of a one-rank worker too).
+"""The workers one rank reads KV from, whatever their tensor-parallel split or KV dtype (a rank of a one-rank worker
+too).
 
-A peer of the same split (kvtransfer/layout.py ``KVCompat``: same heads per rank, same number of ranks) is read
-rank to rank with this rank's reading agent: rank r of ours reads rank r of theirs, whole blocks. A peer of
-another split is read through a ``SplitReader`` (kvtransfer/split_reader.py; one per split): every peer rank
-holding some of our heads, whole blocks into staging, our heads copied into place. Either way the handshake
-checks the layouts and names both when they cannot exchange blocks at all (another model, dtype, block size).
-Peers are known by their rank-0 agent name (the handoff's ``source``). One thread uses a ``Sources``.
+A peer of the same layout (kvtransfer/layout.py ``KVCompat``: same heads per rank, same number of ranks, same KV
+dtype) is read rank to rank with this rank's reading agent: rank r of ours reads rank r of theirs, whole blocks. A
+peer of another split is read through a ``SplitReader`` (kvtransfer/split_reader.py; one per split): every peer rank
+holding some of our heads, whole blocks into staging, our heads copied into place. A peer whose cache holds the model
+dtype while ours is quantized (mixed precision across pools) is read through a ``ConvertReader``
+(kvtransfer/convert_reader.py; one per peer layout): its blocks into staging, quantized into ours by our own store
+kernel (``store_blocks``). Either way the handshake checks the layouts and names both when they cannot exchange
+blocks at all (another model, block size, a KV dtype pairing nothing converts). Peers are known by their rank-0
+agent name (the handoff's ``source``). One thread uses a ``Sources``.
 """
 from __future__ import annotations
 
@@ -13,18 +17,23 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer import KVCompat, KVTransferError, NixlTransport, PeerInfo
+from kvtransfer import KVCompat, KVCompatError, KVTransferError, NixlTransport, PeerInfo
+from kvtransfer.convert_reader import ConvertReader, StoreBlocks
 from kvtransfer.split_reader import SplitReader
 
 
 class Sources:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, rank: int, agent_name: str,
-                 reader: NixlTransport | None = None) -> None:
-        """``reader``: the rank's reading agent (made here if not given)."""
+                 reader: NixlTransport | None = None, store_blocks: StoreBlocks | None = None) -> None:
+        """``reader``: the rank's reading agent (made here if not given); ``store_blocks``: staged model-dtype
+        blocks -> ours, for peers whose KV dtype converts into ours (None: such peers are refused)."""
         self.kv, self.compat, self.rank, self.agent_name = kv, compat, rank, agent_name
         self.reader = reader or NixlTransport(kv, compat, agent_name=agent_name)
+        self.store_blocks = store_blocks
         self._splits: dict[KVCompat, SplitReader] = {}
-        self._peers: dict[str, tuple[str, object]] = {}  # rank-0 agent name -> ("same", our rank's peer) | ("split", reader)
+        self._converts: dict[KVCompat, ConvertReader] = {}
+        # rank-0 agent name -> ("same", our rank's peer) | ("split", reader) | ("convert", reader)
+        self._peers: dict[str, tuple[str, object]] = {}
 
     def same_split(self, peer: PeerInfo) -> bool:
         theirs = peer.layout.compat
@@ -32,11 +41,12 @@ class Sources:
 
     def add(self, peer: PeerInfo) -> str:
         """Handshake with a worker (``peer``: its rank 0, listing the others); returns its name."""
-        if self.same_split(peer):
-            mine = peer if self.rank == 0 else peer.tp_ranks[self.rank - 1]
-            self._peers[peer.agent_name] = ("same", self.reader.add_peer(mine))
+        compat = peer.layout.compat
+        if compat.dtype != self.compat.dtype:  # mixed precision: converted on the pull, or refused naming both
+            self._peers[peer.agent_name] = ("convert", self._add_convert(peer))
+        elif self.same_split(peer):
+            self._peers[peer.agent_name] = ("same", self.reader.add_peer(self._rank_peer(peer)))
         else:
-            compat = peer.layout.compat
             split = self._splits.get(compat)
             if split is None:
                 split = SplitReader(self.kv, self.compat, self.rank, compat,
@@ -46,11 +56,29 @@ class Sources:
             self._peers[peer.agent_name] = ("split", split)
         return peer.agent_name
 
+    def _rank_peer(self, peer: PeerInfo) -> PeerInfo:
+        """The rank of worker ``peer`` this rank reads (the same-numbered one)."""
+        return peer if self.rank == 0 else peer.tp_ranks[self.rank - 1]
+
+    def _add_convert(self, peer: PeerInfo) -> ConvertReader:
+        compat = peer.layout.compat
+        convert = self._converts.get(compat)
+        if convert is None:
+            if self.store_blocks is None:
+                raise KVCompatError(f"peer {peer.agent_name!r} holds {compat.dtype} KV, ours {self.compat.dtype}, "
+                                    "and this reader converts nothing")
+            convert = ConvertReader(self.kv, self.compat, compat, f"{self.agent_name}-from-{compat.dtype}",
+                                    self.store_blocks)
+            self._converts[compat] = convert
+        convert.add_peer(peer, self._rank_peer(peer))
+        return convert
+
     def knows(self, name: str) -> bool:
         return name in self._peers
 
-    def is_split(self, name: str) -> bool:
-        return self._peers.get(name, ("same",))[0] == "split"
+    def is_staged(self, name: str) -> bool:
+        """Read through staging (another split, another KV dtype), not straight into our cache."""
+        return self._peers.get(name, ("same",))[0] != "same"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -76,6 +104,8 @@ class Sources:
         if kind == "same":
             return self.reader.read_blocks(target, remote_block_ids, local_block_ids, notif=notif,
                                            timeout_s=timeout_s).num_bytes
+        if kind == "convert":
+            return target.read(source, remote_block_ids, local_block_ids, timeout_s, notif=notif)
         moved = target.read(source, remote_block_ids, local_block_ids, timeout_s)
         if notif:
             target.notify(source, notif)
@@ -89,5 +119,5 @@ class Sources:
             target.notify(source, payload)
 
     def close(self) -> None:
-        for split in self._splits.values():
-            split.close()
+        for reader in (*self._splits.values(), *self._converts.values()):
+            reader.close()

@@ -34,7 +34,7 @@ from engine.loading.checkpoint import load_model_config
 from engine.model_runner import ModelRunner
 from engine.models.tensor_parallel import TensorParallel, check_split, init_group, open_store
 from kvtransfer import NixlTransport, PeerInfo, TransferRequest
-from prefill_worker.engine_facts import kv_compat
+from prefill_worker.engine_facts import block_store, kv_compat
 from prefill_worker.sources import Sources
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class TPRank:
                 host_slots, disk_slots = tier_slots(self.config, runner.bytes_per_block)
                 self.mover = TierMover(runner.kv_cache, host_slots, self.config.kv_disk_dir if disk_slots else None,
                                        tag)
-            self._sources = Sources(runner.kv_cache, compat, self.rank, f"{tag}-read")
+            self._sources = Sources(runner.kv_cache, compat, self.rank, f"{tag}-read", store_blocks=block_store(runner))
             self._kv, self._compat, self._tag = runner.kv_cache, compat, tag
             self.owner = (NixlTransport(runner.kv_cache, compat, agent_name=tag,
                                         host=self.mover.host if self.mover is not None else None)

@@ -7,7 +7,7 @@ worker (cluster.ray_client talks to Ray actors; tests may bring their own). One 
     D = route(decode policy)                       # where it will decode
     uncached on D <= local_prefill_max_tokens?     # conditional disaggregation: D prefills it itself
         -> stream D.generate(...)
-    P = route(prefill policy)
+    P = route(prefill policy)                      # (prefill_hasher's hashes: a pool of another KV dtype)
     first = await P.prefill(...)                   # first token + KVHandoff (blocks leased on P)
     yield first                                    # TTFT: the client has its first token now
     stream D.decode(handoff)                       # D pulls the blocks it lacks over NIXL, decodes
@@ -29,6 +29,11 @@ continued elsewhere from where the client is (router/dispatch/migration.py: the 
 engine resuming exactly), at most ``MAX_MIGRATIONS`` times; then it ends with ``finish_reason="error"``.
 A live worker's failure is an error output, never retried blindly.
 Bad input raises InvalidRequestError before anything runs.
+
+Pools of two KV dtypes (mixed precision: a prefill pool at the model dtype, a quantized decode pool) hash in two
+namespaces (engine/kv/hashing.py ``kv_namespace``): ``hasher`` is the decode pool's, ``prefill_hasher`` the prefill
+pool's; each worker's fingerprint is checked against its own pool's, and a request's prefill is routed on the
+prefill pool's hashes.
 """
 from __future__ import annotations
 
@@ -80,10 +85,12 @@ class ClusterBackend(WorkerFaults, Backend):
         decode_policy: RoutingPolicy | None = None,
         local_prefill_max_tokens: int = 0,
         metrics: RouterMetrics | None = None,
+        prefill_hasher: BlockHasher | None = None,
     ) -> None:
         self.card = card
         self.tokenizer = tokenizer
-        self.hasher = hasher
+        self.hasher = hasher  # the decode pool's block hashes
+        self.prefill_hasher = prefill_hasher or hasher  # the prefill pool's (another namespace: another KV dtype)
         self.registry = registry or WorkerRegistry()
         self.index = index or PrefixIndex()
         self.tracker = tracker or LoadTracker()
@@ -120,12 +127,16 @@ class ClusterBackend(WorkerFaults, Backend):
 
     def activate(self, client: WorkerClient, pid: int | None = None, node: str | None = None) -> None:
         """A started worker (already in the registry as ``starting``) joins its pool: routed to from now on."""
-        check_fingerprints(self.hasher, [client.descriptor])
+        check_fingerprints(self.hasher_of(client.descriptor.role), [client.descriptor])
         if client.descriptor.max_model_len < self.card.max_model_len:  # it would refuse requests the card allows
             raise ConfigError(f"worker {client.worker_id} holds {client.descriptor.max_model_len} tokens of context, "
                               f"the model is served with {self.card.max_model_len}: give it a larger KV cache")
         self.tracker.add_worker(client.worker_id)
         self.registry.mark_ready(client.worker_id, time.monotonic(), client=client, pid=pid, node=node)
+
+    def hasher_of(self, role: Role) -> BlockHasher:
+        """How the workers of ``role``'s pool hash their blocks."""
+        return self.prefill_hasher if role == Role.PREFILL else self.hasher
 
     def retire(self, worker_id: str, reason: str, *, fault: bool) -> bool:
         """A worker leaves for good (drained, or found dead): out of the registry's live set, the index and
@@ -219,13 +230,14 @@ class ClusterBackend(WorkerFaults, Backend):
             self._count_route(Role.DECODE, "placed_again" if again else "local_prefill")
             return self._local(rid, ids, params, decode[d.worker], uncached_on_d, total_blocks, timing)
         self.counters["disaggregated"] += 1
-        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), hashes, len(ids),
+        p_hashes = hashes if self.prefill_hasher is self.hasher else self.prefill_hasher(ids, params.hash_salt)
+        p = route(self.prefill_policy, self.index, self.tracker, Role.PREFILL, list(prefill), p_hashes, len(ids),
                   peers=set(prefill))  # prefill workers lend each other blocks
         self._count_route(Role.PREFILL, "placed_again" if again else "disaggregated")
         self.prefill_tokens_routed += len(ids) - p.overlap_blocks * B
         borrow = None
         if p.peer is not None and p.peer in prefill:  # the cluster pool: read what the peer holds, not compute it
-            borrow = (prefill[p.peer], hashes[:p.overlap_blocks + p.peer_blocks])
+            borrow = (prefill[p.peer], p_hashes[:p.overlap_blocks + p.peer_blocks])
         return self._disaggregated(rid, ids, params, prefill[p.worker], decode[d.worker],
                                    len(ids) - p.overlap_blocks * B, total_blocks, timing, borrow, hashes)
 

@@ -5,4 +5,5 @@ Pieces (each module's docstring is its design note):
 - speculative.py  speculative decoding families, under vLLM's names
 - tiers.py        KV tier and pool families
 - weights.py      duet_weight_bytes: each worker's resident weights by layer kind and format
+- cache_config.py vllm:cache_config_info: each worker's KV cache configuration (KV dtype, blocks) as labels
 """

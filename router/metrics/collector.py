@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
+from router.metrics.cache_config import cache_config_family
 from router.metrics.speculative import spec_families
 from router.metrics.tiers import tier_families
 from router.metrics.weights import weight_family
@@ -262,6 +263,7 @@ class ClusterCollector:
                     family.add_metric(self._labels(rec), cumulative_buckets(snap), sum_value=snap["sum"])
             yield family
         yield weight_family(live, self._labels, WORKER_LABELS)
+        yield cache_config_family(live, self._labels, WORKER_LABELS)
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         yield from spec_families(live, self._labels, WORKER_LABELS)
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))

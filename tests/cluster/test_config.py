@@ -1,5 +1,5 @@
-"""cluster/config.py: the router section's KV tier weights, the transfer section's lease bounds and the lifecycle
-section's probe misses (validated when the config is built)."""
+"""cluster/config.py: the router section's KV tier weights, the transfer section's lease bounds, the lifecycle
+section's probe misses and the pools' KV dtypes (validated when the config is built)."""
 import pytest
 
 from cluster.config import ClusterConfig
@@ -38,3 +38,30 @@ def test_health_misses_is_a_whole_number_of_probes(misses):
         ClusterConfig.from_dict({"model": "m", "lifecycle": {"health_misses": misses}})
     assert ClusterConfig.from_dict({"model": "m"}).lifecycle.health_misses == 2
     assert ClusterConfig.from_dict({"model": "m", "lifecycle": {"health_misses": 1}}).lifecycle.health_misses == 1
+
+
+def test_a_pool_may_store_its_own_kv_dtype_when_the_pull_converts_it():
+    """Mixed precision: a prefill pool at the model dtype, a quantized decode pool (its pull converts); each worker
+    gets its pool's dtype, the router hashes each pool in its own namespace, and flips between such pools are off
+    (a worker would keep its cache's dtype: a reload), logged as the flip blockers' reason."""
+    from cluster.cli import build_parser, serve_config_from_args
+    from cluster.flip import flip_blockers
+    from cluster.launcher import _pool_hasher
+    from cluster.spawn import worker_engine_config
+    from engine.kv.hashing import kv_namespace
+
+    config = ClusterConfig.from_dict({"model": "m", "decode": {"kv_cache_dtype": "int8"}})
+    engines = [worker_engine_config(config, pool) for pool in (config.prefill, config.decode)]
+    assert [e.kv_cache_dtype for e in engines] == ["auto", "int8"]
+    assert [_pool_hasher(e).namespace for e in engines] == ["", kv_namespace("", "int8")]
+    assert "kv_cache_dtype 'auto' != 'int8'" in flip_blockers(config)[0]
+    args = build_parser().parse_args(["serve", "--model", "m", "--decode-kv-cache-dtype", "fp8_e4m3"])
+    assert serve_config_from_args(args).decode.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ConfigError, match="prefill.kv_cache_dtype 'int8' and decode.kv_cache_dtype 'auto': pools of "
+                                          "two KV dtypes need the prefill pool at the model dtype"):
+        ClusterConfig.from_dict({"model": "m", "engine": {"kv_cache_dtype": "int8"}, "decode": {"kv_cache_dtype": "auto"}})
+    with pytest.raises(ConfigError, match="'int8' and decode.kv_cache_dtype 'fp8_e4m3'"):
+        ClusterConfig.from_dict({"model": "m", "prefill": {"kv_cache_dtype": "int8"},
+                                 "decode": {"kv_cache_dtype": "fp8_e4m3"}})
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
+        ClusterConfig.from_dict({"model": "m", "decode": {"kv_cache_dtype": "int4"}})

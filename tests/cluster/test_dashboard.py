@@ -1,7 +1,8 @@
 """The operator dashboard in a real headless Chromium (Debian's chromium + chromedriver, driven by Selenium)
-against a live cluster: the page loads without console errors, shows the live workers, its charts receive
-data, a scaling action made on the page changes the pool, and the speculative decoding chart shows only while a
-worker reports speculation. Screenshots go to build/screenshots/."""
+against a live cluster (mixed precision: fp32 KV on prefill, int8 on decode): the page loads without console errors,
+shows the live workers and their KV dtypes and tokens held, its charts receive data, a scaling action made on the page
+changes the pool, and the speculative decoding chart shows only while a worker reports speculation. Screenshots go to
+build/screenshots/."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,8 @@ def cluster(cluster_factory, tiny_model):
     host_bytes = 512 * probe.runner.bytes_per_block  # a host KV tier twice the device tier (256 blocks)
     probe.close()
     return cluster_factory(**{"router.local_prefill_max_tokens": 0, "autoscaler.max_decode": 2,
-                              "engine.kv_host_bytes": host_bytes})
+                              "engine.kv_host_bytes": host_bytes,
+                              "decode.kv_cache_dtype": "int8"})  # mixed precision: the KV panel names both dtypes
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,17 @@ def test_dashboard_shows_the_live_cluster_and_scales_a_pool(cluster, loop_thread
         assert wait_for(lambda: tier_text() and tier_text()[0].endswith("/ 512"), timeout_s=10), tier_text()
         assert dom(browser, '[data-worker="decode-0"] .tier[data-tier="host"]')
         assert not dom(browser, '[data-worker="prefill-0"] .tier[data-tier="disk"]')  # it has no disk tier
+        # the KV cache: each worker's KV dtype and the tokens its blocks in use hold (blocks x 16), and per role
+        # under the KV chart; the prefill pool keeps fp32 KV (auto), the decode pool int8
+        kv = lambda css: browser.execute_script(  # noqa: E731 - read in one go (the page re-renders)
+            f"return [...document.querySelectorAll('{css}')].map(e => [e.dataset.dtype, e.innerText, e.title])")
+        assert wait_for(lambda: [d for d, *_ in kv("#chart-kv .kv-held span")] == ["float32", "int8"], timeout_s=10)
+        (p_dtype, p_text, _), = kv('[data-worker="prefill-0"] .kv')
+        (d_dtype, d_text, d_blocks), = kv('[data-worker="decode-0"] .kv')
+        assert (p_dtype, d_dtype) == ("float32", "int8") and p_text.startswith("KV float32 · ")
+        assert d_text.startswith("KV int8 · ") and d_text.endswith(" / 4.1k tokens") and d_blocks.endswith(" / 256 blocks")
+        held = kv("#chart-kv .kv-held span")[1][1]
+        assert held.startswith("decode KV int8 · ") and held.endswith(" / 4.1k tokens held")
         browser.save_screenshot(str(SHOTS / "dashboard-live.png"))
 
         assert enabled(browser, '#pool-decode button[data-action="plus"]')

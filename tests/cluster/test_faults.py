@@ -226,17 +226,22 @@ def test_kill_a_prefill_worker_mid_prefill(cluster, before, loop_thread, referen
     assert served, f"the replacement {replacement} never handed KV to a decode worker"
 
 
-def test_kill_a_decode_worker_mid_stream(cluster, before, loop_thread, reference):
-    prompts, params = workload(2, 16)
-
+def kill_a_decode_worker_streaming(cluster, min_inflight: int):
+    """``run_with_fault``'s inject: once ``min_inflight`` requests are placed on decode workers and tokens flow,
+    SIGKILL a busy decode worker."""
     async def inject(fault):
-        while sum(cluster.backend.inflight[r.worker_id] for r in cluster.registry.ready(Role.DECODE)) < 8:
+        while sum(cluster.backend.inflight[r.worker_id] for r in cluster.registry.ready(Role.DECODE)) < min_inflight:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # tokens are flowing
         victim = pick(cluster, Role.DECODE)
         fault.update(at=time.monotonic(), worker=victim.worker_id)
         os.kill(victim.pid, signal.SIGKILL)
+    return inject
 
+
+def test_kill_a_decode_worker_mid_stream(cluster, before, loop_thread, reference):
+    prompts, params = workload(2, 16)
+    inject = kill_a_decode_worker_streaming(cluster, 8)
     results, at = run_with_fault(loop_thread, cluster, prompts, params, inject, name="kill-decode-mid-stream")
     outcome = judge(results, reference(prompts, params), Outcome())
     figures = finish("kill-decode-mid-stream", cluster, loop_thread, reference, outcome, at, len(prompts), before)

@@ -2,7 +2,8 @@
 (4 Ray actors in two placement groups, gloo within each worker), every prompt prefilled on the prefill worker and
 each rank's KV heads pulled over NIXL by the decode worker's same-numbered rank — greedy, token for token with
 transformers; and the same between workers of different splits (a split reader: whole blocks staged, heads copied
-into place). Layouts that cannot exchange blocks at all are refused naming both."""
+into place; a quantized cache's heads with their scales). Layouts that cannot exchange blocks at all are refused
+naming both."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +13,14 @@ import sys
 
 import openai
 import pytest
+import torch
 
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
 from kvtransfer import KVCompat
 from kvtransfer.errors import KVCompatError
 from kvtransfer.layout import PAGE_SCALES
+from kvtransfer.split_reader import head_views
 from kvtransfer.tp_split import check_split_compatible, rank_heads, read_plan
 from tests.cluster.serve_process import serve_worker_stats, serving
 from tests.ports import free_port
@@ -76,10 +79,36 @@ def test_splits_exchange_blocks_other_layouts_are_refused_naming_both():
                                             r"\(block_size: 16 != 32\)"):
         check_split_compatible(one, other, "peer")
     int8 = [dataclasses.replace(c, dtype="int8", scale_layout=PAGE_SCALES) for c in (one, two)]
-    with pytest.raises(KVCompatError, match=r"tensor-parallel splits of a quantized KV cache \(int8, scales "
-                                            r"fp32_per_token_head_after_page\) is not implemented yet: ours \[m int8 "
-                                            r"\+ scales fp32_per_token_head_after_page"):
-        check_split_compatible(*int8, "peer")
+    check_split_compatible(*int8, "peer")  # a quantized cache splits too: each head with its scales
+    with pytest.raises(KVCompatError, match=r"ours \[m int8 \+ scales fp32_per_token_head_after_page .* theirs "
+                                            r"\[m float32 .* \(dtype: 'int8' != 'float32'; scale_layout"):
+        check_split_compatible(int8[0], two, "peer")
+
+
+def test_a_quantized_split_moves_each_head_with_its_scales():
+    """head_views cuts an int8 cache's pages into values and scales with the heads on one axis: copying head 1 of a
+    one-rank cache into the cache of the rank holding it gives that rank's layer views the head's values and scales."""
+    from kernels import kv_quant
+
+    one = KVCompat("m", "int8", "block_major", 4, 2, num_kv_heads=2, head_dim=8, scale_layout=PAGE_SCALES)
+    rank1 = dataclasses.replace(one, num_kv_heads=1, tp_size=2, total_kv_heads=2)
+    src = kv_quant.allocate(3, 2, 4, 2, 8, torch.int8, "cpu")
+    views = kv_quant.layer_views(src, 4, 2, 8)
+    for layer in views:
+        for t in (layer.key, layer.value):
+            t.copy_(torch.randint(-127, 128, t.shape, dtype=torch.int8))
+        for t in (layer.key_scales, layer.value_scales):
+            t.copy_(torch.rand(t.shape))
+    dst = kv_quant.allocate(3, 2, 4, 1, 8, torch.int8, "cpu")
+    for ours, theirs in zip(head_views(dst, rank1), head_views(src, one)):
+        ours[torch.tensor([2, 0])] = theirs[[0, 1], :, :, :, 1:2]
+    got = kv_quant.layer_views(dst, 4, 1, 8)
+    for a, b in zip(got, views):
+        assert torch.equal(a.key[[2, 0]], b.key[[0, 1], :, 1:2])
+        assert torch.equal(a.value[[2, 0]], b.value[[0, 1], :, 1:2])
+        assert torch.equal(a.key_scales[[2, 0]], b.key_scales[[0, 1], :, 1:2])
+        assert torch.equal(a.value_scales[[2, 0]], b.value_scales[[0, 1], :, 1:2])
+    assert not dst[1].any()
 
 
 @pytest.mark.parametrize("tp,src_tp,total,want", [

@@ -32,8 +32,9 @@ def copy_blocks(src: Engine, dst: Engine, plan):
         dst.runner.kv_cache[l].copy_(src.runner.kv_cache[r])
 
 
-def run_disagg(P: Engine, D: Engine, prompts, params_list):
-    """Prefill each prompt on P, hand off, decode on D. Returns token lists (first token included)."""
+def run_disagg(P: Engine, D: Engine, prompts, params_list, copy=copy_blocks):
+    """Prefill each prompt on P, hand off (``copy(P, D, plan)`` moves the blocks), decode on D. Returns token lists
+    (first token included)."""
     results = {}
     for i, (p, sp) in enumerate(zip(prompts, params_list)):
         P.add_request(f"r{i}", prompt_token_ids=p, params=sp, remote_decode=True)
@@ -43,7 +44,7 @@ def run_disagg(P: Engine, D: Engine, prompts, params_list):
             if out.handoff is not None:
                 plan = D.reserve_remote(out.handoff)
                 assert plan is not None
-                copy_blocks(P, D, plan)
+                copy(P, D, plan)
                 assert P.release_held(out.request_id)
                 assert D.commit_remote(out.request_id)
     while D.has_unfinished_requests():

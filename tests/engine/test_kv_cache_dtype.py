@@ -21,6 +21,7 @@ from engine.kv.cache_dtype import resolve_kv_cache_dtype
 from engine.kv.hashing import BlockHasher, kv_namespace
 from engine.models.kernel_backend import get_ops
 from engine.request import SamplingParams
+from kernels import kv_quant
 from tests.engine.speculative.test_engine_spec import NGRAM, prompts
 from tests.engine.speculative.test_engine_spec import make_engine as make_spec_engine
 from tests.engine.test_engine_handoff import run_disagg, workload
@@ -100,6 +101,45 @@ def test_a_handoff_by_block_bytes_equals_the_same_engine(model_dir, kernels, kv)
     assert run_disagg(P, D, prompts, params) == colocated
     assert run_disagg(P, D, prompts, params) == colocated  # warm: D's own int8 prefix hits too
     assert D.stats.num_remote_prefix_hit_blocks > 0
+
+
+def convert_blocks(P: Engine, D: Engine, plan) -> None:
+    """A mixed-precision handoff's move (prefill_worker/engine_facts.py ``block_store``): P's model-dtype blocks stored
+    into D's quantized blocks by D's own store kernel."""
+    src = P.runner.kv_cache[list(plan.remote_block_ids)]
+    kv_quant.store_blocks(D.runner.ops.store_kv, D.runner.kv_layers, src, plan.local_block_ids, D.runner.dtype)
+
+
+def held_blocks(e: Engine, prompt: list[int]) -> torch.Tensor:
+    """The cache blocks of ``prompt`` after its prefill on ``e`` (handed off, so they stay pinned)."""
+    e.add_request("held", prompt_token_ids=prompt, params=GREEDY, remote_decode=True)
+    while e.has_unfinished_requests():
+        e.step()
+    return e.runner.kv_cache[list(e.held["held"].block_ids)].clone()
+
+
+def test_a_mixed_precision_handoff_quantizes_the_fp32_prefill_and_decodes_on_int8(model_dir):
+    """P keeps fp32 KV, D int8 (converted on the pull). What holds exactly: the first token is P's (fp32's); layer 0
+    of every block D holds is byte for byte a colocated int8 engine's (its K/V come before any attention); D's blocks
+    are hashed in D's int8 namespace, and a warm run (D's own prefix hits on converted blocks) gives the cold run's
+    outputs. What differs from a colocated int8 run: the K/V of layers >= 1, which P computed attending over fp32 KV
+    and the int8 engine over int8 KV (so a later token may differ where two logits are close)."""
+    prompts, params = workload()
+    fp32 = [r["token_ids"] for r in engine(model_dir, "auto").generate(prompts, params)]
+    P, D = engine(model_dir, "auto"), engine(model_dir, "int8")
+    cold = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    assert [t[0] for t in cold] == [t[0] for t in fp32]
+    assert run_disagg(P, D, prompts, params, copy=convert_blocks) == cold
+    assert D.stats.num_remote_prefix_hit_blocks > 0
+    prompt = prompts[5]  # 45 tokens: 3 blocks, the last one partial
+    hashes = BlockHasher(16, 0, kv_namespace("", "int8"))(prompt)
+    assert len(D.pool.match_prefix(hashes, prompt, 16)) == 2  # D's blocks: int8 blocks, in int8's namespace
+    colocated = held_blocks(engine(model_dir, "int8"), prompt)
+    P2, D2 = engine(model_dir, "auto"), engine(model_dir, "int8")
+    run_disagg(P2, D2, [prompt], [GREEDY], copy=convert_blocks)
+    mixed = D2.runner.kv_cache[[b.block_id for b in D2.pool.match_prefix(hashes, prompt, 16)]]
+    assert torch.equal(mixed[:, 0], colocated[:2, 0])  # layer 0: the same bytes
+    assert not torch.equal(mixed[:, 1], colocated[:2, 1])  # layer 1: computed over fp32 KV vs int8 KV
 
 
 def test_speculative_decoding_with_int8_kv_equals_plain_int8(model_dir):

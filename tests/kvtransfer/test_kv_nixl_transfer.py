@@ -238,7 +238,8 @@ def test_handshake_refuses_incompatible_layout(owner, change, match):
 
 def test_handshake_refuses_a_peer_of_another_kv_dtype_naming_both(owner):
     """An int8 KV cache (kernels/kv_quant.py) meets the bf16 owner: refused at the handshake with both dtypes and
-    both scale layouts named (converting on the pull is a later slice)."""
+    both scale layouts named (a transport moves bytes; converting on the pull is a ConvertReader's, through its own
+    staging agent: tests/kvtransfer/test_kv_convert_reader.py)."""
     from kernels import kv_quant
 
     c = dataclasses.replace(TEST_COMPAT, dtype="int8", scale_layout=PAGE_SCALES)

@@ -213,6 +213,7 @@ function render() {
     { key: "target_decode", label: "target", color: COLORS.decode, dash: true, step: true }] });
   lineChart("chart-kv", { fmt: fmtPct, max: 1, series: [
     { key: "kv_prefill", label: "prefill", color: COLORS.prefill }, { key: "kv_decode", label: "decode", color: COLORS.decode }] });
+  renderKvHeld();
   lineChart("chart-prefix", { fmt: fmtPct, max: 1, series: [{ key: "prefix_hit", label: "hit rate", color: COLORS.p50 }] });
   lineChart("chart-xfer", { fmt: (v) => fmtNumber(v) + "B/s", axisFmt: (v) => fmtNumber(v, 1), series: [
     { key: "xfer_bytes_s", label: "bandwidth", color: COLORS.decode },
@@ -300,6 +301,35 @@ function renderPool(role, pool) {
   if (!workers.length) grid.appendChild(el("div", { class: "muted", text: "no workers" }));
 }
 
+// a worker's KV cache (stats.kv_cache): its dtype (auto: the model dtype it resolved to), and the tokens its device
+// blocks in use hold of all they can hold (blocks x block size)
+function kvDtype(w) {
+  const c = (w.stats || {}).kv_cache;
+  return c ? (c.cache_dtype === "auto" ? c.storage : c.cache_dtype) : null;
+}
+function kvTokens(w) {
+  const c = (w.stats || {}).kv_cache;
+  if (!c || !w.kv_blocks_total) return null;
+  return { held: (w.kv_blocks_used || 0) * c.block_size, total: w.kv_blocks_total * c.block_size };
+}
+
+// under the KV-cache chart: per role, the KV dtypes of its live workers and the tokens they hold
+function renderKvHeld() {
+  const fig = $("chart-kv");
+  let box = fig.querySelector(".kv-held");
+  if (!box) { box = el("div", { class: "kv-held" }); fig.appendChild(box); }
+  while (box.firstChild) box.removeChild(box.firstChild);
+  for (const role of ["prefill", "decode"]) {
+    const live = state.workers.filter((w) => w.role === role && (w.state === "ready" || w.state === "draining"));
+    const dtypes = [...new Set(live.map(kvDtype).filter((d) => d))];
+    const tokens = live.map(kvTokens).filter((t) => t);
+    const held = tokens.reduce((a, t) => a + t.held, 0), total = tokens.reduce((a, t) => a + t.total, 0);
+    box.appendChild(el("span", { "data-role": role, "data-dtype": dtypes.join(","),
+      text: role + " KV " + (dtypes.join(", ") || "–") + " · " + (total ? fmtNumber(held, 1) + " / " +
+        fmtNumber(total, 1) + " tokens held" : "–") }));
+  }
+}
+
 function workerCard(w, role) {
   const s = w.stats || {};
   const used = w.kv_blocks_used, total = w.kv_blocks_total;
@@ -314,7 +344,10 @@ function workerCard(w, role) {
     el("div", { class: "row" }, [el("span", { text: "running " + (w.running ?? "–") + " · waiting " + (w.waiting ?? "–") }),
                                  el("span", { text: w.uptime_s !== null ? "up " + fmtUptime(w.uptime_s) : "" })]),
     bar,
-    el("div", { class: "row" }, [el("span", { text: "KV " + (total ? used + " / " + total + " blocks" : "–") }),
+    el("div", { class: "row" }, [el("span", { class: "kv", "data-dtype": kvDtype(w) || "",
+      title: total ? used + " / " + total + " blocks" : "", text: "KV " + (kvDtype(w) ? kvDtype(w) + " · " : "") +
+        (kvTokens(w) ? fmtNumber(kvTokens(w).held, 1) + " / " + fmtNumber(kvTokens(w).total, 1) + " tokens"
+          : total ? used + " / " + total + " blocks" : "–") }),
                                  el("span", { text: w.pid ? "pid " + w.pid : "" })]),
     ...lowerTiers(w),
     el("div", { class: "row" }, [el("span", { text: w.state === "dead" || w.state === "draining" ? (w.reason || "") : health })]),

@@ -239,3 +239,27 @@ def test_weight_bytes_per_worker_kind_and_format():
                    ("decode-0", "lm_head", "Q8_0 packed"): 0}
     assert sum(got.values()) == summary.weight_bytes
     assert all(s.labels["role"] == "decode" and s.labels["model_name"] == "m" for s in family.samples)
+
+
+def test_cache_config_info_per_worker_under_vllms_labels():
+    """vllm:cache_config_info: an info gauge (value 1) per worker whose stats carry its KV cache's configuration, the
+    facts as vLLM's CacheConfig label names (string values): here a mixed-precision pair, an fp32 prefill worker with a
+    host tier and an int8 decode worker."""
+    reg = registry_with_workers()
+    reg.update_stats("prefill-0", {"kv_cache": {"cache_dtype": "auto", "storage": "float32", "block_size": 16,
+                                                "num_gpu_blocks": 100, "num_cpu_blocks": 400,
+                                                "enable_prefix_caching": True, "bytes_per_block": 8192}}, 2.0)
+    reg.update_stats("decode-0", {"kv_cache": {"cache_dtype": "int8", "storage": "int8", "block_size": 16,
+                                               "num_gpu_blocks": 320, "num_cpu_blocks": 0,
+                                               "enable_prefix_caching": True, "bytes_per_block": 2560}}, 2.0)
+    reg.add("decode-1", Role.DECODE, 0.0)  # starting: no stats, no series
+    metrics = RouterMetrics("m", 8192)
+    metrics.add_collector(ClusterCollector("m", reg))
+    family = scrape(metrics)["vllm:cache_config_info"]
+    assert family.type == "gauge" and family.documentation == "Information of the LLMEngine CacheConfig"
+    got = {s.labels["worker"]: s for s in family.samples}
+    assert sorted(got) == ["decode-0", "prefill-0"] and all(s.value == 1 for s in got.values())
+    assert got["decode-0"].labels == {"model_name": "m", "engine": "decode-0", "worker": "decode-0", "role": "decode",
+                                      "block_size": "16", "cache_dtype": "int8", "enable_prefix_caching": "True",
+                                      "num_cpu_blocks": "0", "num_gpu_blocks": "320"}
+    assert (got["prefill-0"].labels["cache_dtype"], got["prefill-0"].labels["num_cpu_blocks"]) == ("auto", "400")
