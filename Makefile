@@ -113,6 +113,7 @@ gpu-check:
 
 bench-kvtransfer: install
 	$(PY) -m bench.kv.transfer
+	$(PY) -m bench.kv.convert
 
 # speculative decoding (issue 28): SmolLM2, input-grounded and open-chat prompts, batch 1 / 4 / 16, output tok/s
 # without speculation vs ngram vs suffix in one run; last line: ratio: <best proposer's speedup, batch 1, grounded>
