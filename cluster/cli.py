@@ -67,7 +67,8 @@ def _add_quantized_args(p: argparse.ArgumentParser, serve: bool = False) -> None
                         "model) or int8 per 32-block (llama.cpp's scheme: faster, not token-exact)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"], default=None if serve else "auto",
                    help="what the KV cache stores: auto (the model dtype) or 1-byte values with an fp32 scale per token "
-                        "and KV head (int8: cpu and torch kernels; fp8_*: torch kernels); ~4x the tokens of fp32")
+                        "and KV head (every kernel backend; fp8_e4m3 on Triton needs compute capability >= 8.9); "
+                        "~4x the tokens of fp32")
 
 
 def engine_config_from_args(args: argparse.Namespace):

@@ -200,7 +200,7 @@ class EngineConfig:
     quantized_activations: str = "fp32"
     # what the KV cache stores (vLLM's names): "auto" (the model dtype), or "int8" / "fp8_e4m3" / "fp8_e5m2": 1-byte
     # values with an fp32 scale per token and KV head inside each block (engine/kv/cache_dtype.py; int8 on the cpu
-    # and torch kernels, fp8 on torch; other backends refuse it by name)
+    # torch and Triton kernels, fp8_e4m3 / fp8_e5m2 alike; e4m3 on Triton needs compute capability >= 8.9)
     kv_cache_dtype: str = "auto"
     # ranks the model is split over (engine/models/tensor_parallel.py); a worker of N ranks is N processes
     # (prefill_worker/tp_ranks.py), each with its own host / disk tier of its KV heads

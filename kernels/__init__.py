@@ -31,7 +31,7 @@ Pieces:
 - _triton_utils.py      launcher plumbing: can Triton run here, argument checks that name the argument
 - cpu_native.py         the CPU path's kernels in C, loaded with ctypes
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
-- cpu_kv_int8.py        the CPU path's store and attention kernels for an int8 KV cache (kernels/cpu/attention_int8.c)
+- cpu_kv_int8.py        the CPU path's store and attention kernels for an int8 KV cache (kernels/cpu/attention_kv8.c)
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
 - cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant*.c)

@@ -29,7 +29,7 @@ import torch  # noqa: F401  (first: its libgomp is the one the library binds to)
 # quant_k*.c: dequantizing is gguf-py's d * q + m, two roundings (its FMAs are explicit intrinsics); quant_g.c: its
 # scalar twin's sums stay one rounding per operation, as written
 _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
-    ("attention.c", []), ("attention_int8.c", []), ("elementwise.c", ["-ffp-contract=off"]),
+    ("attention.c", []), ("attention_kv8.c", []), ("elementwise.c", ["-ffp-contract=off"]),
     ("quant.c", ["-ffp-contract=off"]), ("quant_planes.c", ["-ffp-contract=off"]),
     ("quant_k.c", ["-ffp-contract=off"]), ("quant_k_int8.c", ["-ffp-contract=off"]),
     ("quant_k_planes.c", ["-ffp-contract=off"]),
@@ -109,17 +109,20 @@ def _run(cmd: list[str]) -> None:
 
 
 def _declare_int8_kv(lib: ctypes.CDLL) -> None:
-    """kernels/cpu/attention_int8.c (an int8 KV cache: kernels/cpu_kv_int8.py)."""
+    """kernels/cpu/attention_kv8.c (1-byte KV caches, int8 / fp8 e4m3 / fp8 e5m2: kernels/cpu_kv_int8.py)."""
     cache = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64]  # values + strides (block, token, head), scales + strides
-    lib.duet_decode_attention_i8.restype = _INT
-    lib.duet_decode_attention_i8.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                             _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
-    lib.duet_prefill_attention_i8.restype = _INT
-    lib.duet_prefill_attention_i8.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                                              _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
-    lib.duet_store_kv_i8.restype = None
-    lib.duet_store_kv_i8.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
-                                     _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT]
+    for sfx in ("i8", "e4m3", "e5m2"):
+        decode, prefill = getattr(lib, f"duet_decode_attention_{sfx}"), getattr(lib, f"duet_prefill_attention_{sfx}")
+        store = getattr(lib, f"duet_store_kv_{sfx}")
+        decode.restype = _INT
+        decode.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                           _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+        prefill.restype = _INT
+        prefill.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                            _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
+        store.restype = None
+        store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                          _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT, _INT]
 
 
 def load() -> ctypes.CDLL:

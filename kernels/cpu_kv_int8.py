@@ -1,5 +1,6 @@
-"""The CPU path's kernels for an int8 KV cache (kernels/cpu/attention_int8.c), with the signatures of the torch
-references (``key_scales`` / ``value_scales`` keyword arguments: kernels/kv_quant.py's layout).
+"""The CPU path's kernels for a 1-byte KV cache — int8, fp8 e4m3, fp8 e5m2 — (kernels/cpu/attention_kv8.c), with the
+signatures of the torch references (``key_scales`` / ``value_scales`` keyword arguments: kernels/kv_quant.py's
+layout); the cache's dtype picks the C instantiation (``_SUFFIX``).
 
 The store quantizes each new row (per token and KV head, amax / 127, round half to even: the same bytes as
 ``kv_quant.quantize_ref``); decode and prefill attention run the fp32 kernels' task loops on rows dequantized
@@ -19,6 +20,15 @@ from kernels.prefill_attention import prefill_attention_ref
 
 log = logging.getLogger(__name__)
 _warned: set[int] = set()
+# the cache's dtype -> the suffix of its C kernels (kernels/cpu/attention_kv8.c)
+_SUFFIX = {torch.int8: "i8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+DTYPES = tuple(_SUFFIX)
+
+
+def _suffix(cache: torch.Tensor) -> str:
+    if cache.dtype not in _SUFFIX:
+        raise ValueError(f"a 1-byte KV cache must be one of {', '.join(map(str, _SUFFIX))}, got {cache.dtype}")
+    return _SUFFIX[cache.dtype]
 
 
 def _check_scales(key_cache, key_scales, value_scales) -> None:
@@ -30,7 +40,8 @@ def _check_scales(key_cache, key_scales, value_scales) -> None:
 
 
 def _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens) -> None:
-    _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens, torch.int8)
+    _check_cache_args(q, key_cache, value_cache, block_tables, seq_lens, key_cache.dtype if key_cache.dtype in
+                      _SUFFIX else torch.int8)
     _check_scales(key_cache, key_scales, value_scales)
 
 
@@ -70,13 +81,14 @@ def paged_decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    rc = load().duet_decode_attention_i8(
+    fn = getattr(load(), f"duet_decode_attention_{_suffix(key_cache)}")
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), *_cache_args(key_cache, key_scales),
         *_cache_args(value_cache, value_scales), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), num_seqs, num_q_heads, key_cache.shape[2],
         head_dim, key_cache.shape[1], scale, sliding_window or 0, torch.get_num_threads())
     if rc != 0:
-        raise NativeKernelError(f"duet_decode_attention_i8 failed (code {rc})")
+        raise NativeKernelError(f"{fn.__name__} failed (code {rc})")
     return out
 
 
@@ -109,13 +121,14 @@ def prefill_attention(
     if num_tokens == 0:
         return out
     cu_t = cu_seqlens_q.to(torch.int32).contiguous()
-    rc = load().duet_prefill_attention_i8(
+    fn = getattr(load(), f"duet_prefill_attention_{_suffix(key_cache)}")
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), *_cache_args(key_cache, key_scales),
         *_cache_args(value_cache, value_scales), block_tables.data_ptr(), block_tables.stride(0), cu_t.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), len(lens), num_q_heads,
         key_cache.shape[2], head_dim, key_cache.shape[1], scale, sliding_window or 0, torch.get_num_threads())
     if rc != 0:
-        raise NativeKernelError(f"duet_prefill_attention_i8 failed (code {rc})")
+        raise NativeKernelError(f"{fn.__name__} failed (code {rc})")
     return out
 
 
@@ -130,8 +143,9 @@ def store_kv(
     value_scales: torch.Tensor,
 ) -> None:
     """The new tokens' K/V quantized into their cache slots (``store_kv_ref``'s contract with scales)."""
-    n = _check_store_args(key, value, key_cache, value_cache, slot_mapping, torch.int8)
+    n = _check_store_args(key, value, key_cache, value_cache, slot_mapping,
+                          key_cache.dtype if key_cache.dtype in _SUFFIX else torch.int8)
     _check_scales(key_cache, key_scales, value_scales)
-    load().duet_store_kv_i8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+    getattr(load(), f"duet_store_kv_{_suffix(key_cache)}")(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                             *_cache_args(key_cache, key_scales), *_cache_args(value_cache, value_scales),
                             slot_mapping.data_ptr(), n, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3])

@@ -13,7 +13,7 @@ kernel.
 Scales are symmetric, one per token and KV head: ``scale = amax_d |x| / qmax`` (qmax 127 for int8, 448 for
 e4m3, 57344 for e5m2); int8 stores ``round_half_even(x / scale)`` (at most ``scale / 2`` off per element), fp8
 the cast of ``x / scale`` (round to nearest even). A row of zeros gets scale 0 and values 0. The C store
-(kernels/cpu/attention_int8.c) computes the same fp32 quotient and rounding, so both write the same bytes.
+(kernels/cpu/attention_kv8.c) computes the same fp32 quotient and rounding, so both write the same bytes.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ environment overrides ``auto``.
 
 A quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py) needs store and attention kernels that read its
 pages (values + per-token, per-head scales): ``torch`` has int8 and both fp8s (the references), ``cpu`` int8
-(kernels/cpu_kv_int8.py), ``triton`` int8 and both fp8s (kernels/store_kv.py, kernels/_paged_kv.py)
+and both fp8s (kernels/cpu_kv_int8.py), ``triton`` int8 and both fp8s (kernels/store_kv.py, kernels/_paged_kv.py)
 (``KV_CACHE_DTYPES_BY_BACKEND``); ``get_ops`` refuses the others by name rather than run something else. On a GPU
 below compute capability 8.9 (A100: 8.0) Triton 3.9 has no e4m3 type ("type fp8e4nv not supported in this
 architecture", seen compiling the store for sm_80 with tests/kernels/sm90_compile.py's stand-in driver; int8 and
@@ -201,7 +201,7 @@ def _triton_quant_linear(x, packed, bias=None, out=None):
 
 
 # the quantized KV cache dtypes (EngineConfig.kv_cache_dtype) each backend's store and attention kernels read
-KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8",),
+KV_CACHE_DTYPES_BY_BACKEND = {"torch": ("int8", "fp8_e4m3", "fp8_e5m2"), "cpu": ("int8", "fp8_e4m3", "fp8_e5m2"),
                               "triton": ("int8", "fp8_e4m3", "fp8_e5m2")}
 
 
@@ -229,7 +229,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
 
         if not cpu_native.onednn_available():
             log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
-        int8_kv = kv_cache_dtype == "int8"  # the C kernels of an int8 cache (kernels/cpu/attention_int8.c)
+        int8_kv = kv_cache_dtype != "auto"  # the C kernels of a 1-byte cache (kernels/cpu/attention_kv8.c)
         return KernelOps(
             name="cpu",
             store_kv=cpu_kv_int8.store_kv if int8_kv else cpu_native.store_kv,

@@ -1,4 +1,4 @@
-// What duet's CPU attention kernels share (attention.c: fp32 caches; attention_int8.c: int8 caches): the vector
+// What duet's CPU attention kernels share (attention.c: fp32 caches; attention_kv8.c: int8 caches): the vector
 // helpers, the online-softmax step, the drivers' interfaces (da_decode, pf_prefill), and prefill's register tiles
 // and task loop, generic in where a tile's K/V rows come from (kv_rows_fn: row pointers straight into an fp32 cache,
 // or rows dequantized into a buffer; always_inline with the rows function a constant at each instantiation, so the

@@ -1,6 +1,6 @@
 """An engine with a quantized KV cache (``kv_cache_dtype``, engine/kv/cache_dtype.py, docs/ARCHITECTURE.md
 "Quantized KV cache"): the choice is checked and refused by name where a backend has no kernels for it; greedy decode
-with int8 KV is the same on the torch, cpu and triton kernels (fp8 on torch and triton); blocks moved by their bytes (a handoff's block copy, the host
+with int8 and fp8 KV is the same on the torch, cpu and triton kernels; blocks moved by their bytes (a handoff's block copy, the host
 and disk tiers, a prefix hit) carry their scales, so the output equals the same engine's own, and so does speculative
 decoding's (rejected drafts' rows are overwritten, scales and all); the prefix cache's
 namespace includes the KV dtype; the budget counts 1-byte values and their scales; and on a real model the next-token
@@ -39,14 +39,12 @@ def engine(model_dir, kv: str, kernels: str = "cpu", **kw) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), kernels=kernels, kv_cache_dtype=kv, **kw))
 
 
-def test_the_choice_is_checked_and_refused_by_name_where_no_kernel_reads_it(model_dir):
+def test_the_choice_is_checked_and_every_backend_reads_every_kv_dtype(model_dir):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
         EngineConfig(model=str(model_dir), kv_cache_dtype="int4")
-    for kv in ("fp8_e4m3", "fp8_e5m2"):
-        with pytest.raises(ConfigError, match=f"kv_cache_dtype {kv} is not implemented yet on the cpu kernels "
-                                              r"\(it runs on: torch, triton;"):
-            engine(model_dir, kv)
-    assert get_ops("triton", "cpu", kv_cache_dtype="fp8_e5m2").name == "triton"
+    for backend in ("cpu", "torch", "triton"):
+        for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            assert get_ops(backend, "cpu", kv_cache_dtype=kv).name == backend
 
 
 def test_e4m3_on_triton_is_refused_below_compute_capability_8_9(monkeypatch):
@@ -70,9 +68,17 @@ def test_int8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir):
     outs = {k: [r["token_ids"] for r in engine(model_dir, "int8", k).generate(prompts, GREEDY)]
             for k in ("torch", "cpu")}
     assert outs["torch"] == outs["cpu"]
-    fp8 = engine(model_dir, "fp8_e4m3", "torch")
-    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert all(len(r["token_ids"]) == 12 for r in fp8.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_greedy_decode_is_the_same_on_the_torch_and_cpu_kernels(model_dir, kv):
+    """The C kernels' fp8 instantiations (kernels/cpu/attention_kv8.c): the reference's bytes, attention in fp32."""
+    prompts, _ = workload(seed=1)
+    cpu = engine(model_dir, kv, "cpu")
+    assert cpu.runner.kv_cache.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    assert cpu.runner.ops.decode_attention.__module__ == "kernels.cpu_kv_int8"
+    want = [r["token_ids"] for r in engine(model_dir, kv, "torch").generate(prompts, GREEDY)]
+    assert [r["token_ids"] for r in cpu.generate(prompts, GREEDY)] == want
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])

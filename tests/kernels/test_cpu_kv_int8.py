@@ -1,9 +1,11 @@
-"""The CPU path's int8 KV kernels (kernels/cpu_kv_int8.py, kernels/cpu/attention_int8.c) against the torch
-references on the same int8 cache, and against attention over the fp32 cache within the bound derived in
-tests/kernels/kv_quant_cases.py.
+"""The CPU path's 1-byte KV kernels — int8, fp8 e4m3, fp8 e5m2 — (kernels/cpu_kv_int8.py, kernels/cpu/attention_kv8.c)
+against the torch references on the same cache, and against attention over the fp32 cache within the bound derived
+in tests/kernels/kv_quant_cases.py.
 
-The store writes the bytes the reference writes (the same fp32 quotient, rounded half to even). Attention reads the
-same dequantized values as the reference (int8 × scale, one fp32 product), so the two differ only by fp32 sums in
+The store writes the bytes the reference writes (the same fp32 quotient, rounded half to even; for fp8 every
+representable value and every midpoint between neighbours, subnormals included, in both signs). Attention reads the
+same dequantized values as the reference (value × scale, one fp32 product; an fp8 byte converted exactly), so the
+two differ only by fp32 sums in
 another order: the fp32 tolerance of the other kernel tests (tests/kernels/paged.py, 2e-5), taken relative to the
 largest value here (the rows are scaled by up to 10x so that their scales differ), while a wrong scale, row, block or
 head gives errors of order 1e-1. Cases as tests/kernels/test_cpu_native.py's: scattered tables, ragged
@@ -22,6 +24,9 @@ from kernels.store_kv import store_kv_ref
 from tests.kernels.kv_quant_cases import check_within_bound, paged_case, random_kv
 
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# every head shape on int8; the fp8 instantiations (the same template, another conversion) on three
+DECODE_CASES = [(torch.int8, *h) for h in HEADS] + [(dt, *h) for dt in FP8 for h in HEADS[:3]]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, values: torch.Tensor) -> None:
@@ -30,36 +35,62 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, values: torch.Tensor) -> 
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=tol)
 
 
-def _setup(head_dim, kv_heads, block_size, seq_lens, seed):
-    return paged_case(torch.int8, head_dim, kv_heads, block_size, seq_lens, seed)
+def _setup(head_dim, kv_heads, block_size, seq_lens, seed, dtype=torch.int8):
+    return paged_case(dtype, head_dim, kv_heads, block_size, seq_lens, seed)
 
 
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_store_rounds_every_value_and_tie_as_torch_casts(dtype):
+    """Rows whose largest |x| is the format's max (scale exactly 1, so x / scale is x): every positive finite value
+    of the format, every midpoint between neighbours (ties: half to even) and their negatives, then random values."""
+    qmax = kv_quant.QMAX[dtype]
+    grid = torch.arange(0, 128, dtype=torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid) & (grid <= qmax)].sort().values
+    vals = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    vals = torch.cat([vals, -vals, (torch.randn(1000, generator=torch.Generator().manual_seed(1)) * qmax / 3)
+                      .clamp(-qmax, qmax)])
+    n = -(-len(vals) // 63)
+    body = torch.zeros(n * 63)
+    body[:len(vals)] = vals
+    rows = torch.cat([torch.full((n, 1), qmax), body.reshape(n, 63)], dim=1).reshape(n, 1, 64)
+    mine, ref = (kv_quant.allocate(-(-n // 16), 1, 16, 1, 64, dtype, "cpu") for _ in range(2))
+    a, b = (kv_quant.layer_views(c, 16, 1, 64)[0] for c in (mine, ref))
+    cpu_kv_int8.store_kv(rows, rows, a.key, a.value, torch.arange(n), **a.scales)
+    store_kv_ref(rows, rows, b.key, b.value, torch.arange(n), **b.scales)
+    assert torch.equal(mine.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.all(a.key_scales.reshape(-1)[:n] == 1)
+    assert torch.equal(a.key.float().reshape(-1, 64)[:n, 1:].reshape(-1)[:len(grid)], grid)  # exact on the grid
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, *FP8])
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 3), (128, 2), (80, 1)])
-def test_store_writes_the_reference_bytes(head_dim, kv_heads):
+def test_store_writes_the_reference_bytes(head_dim, kv_heads, dtype):
     gen = torch.Generator().manual_seed(head_dim)
     k, v = random_kv(40, kv_heads, head_dim, gen), random_kv(40, kv_heads, head_dim, gen)
     k[3, 0] = 0.0  # a zero row: scale 0, zeros
     slots = torch.randperm(8 * 16, generator=gen)[:40]
     slots[7] = -1  # a padding token writes nothing
-    mine = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, torch.int8, "cpu")
-    ref = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, torch.int8, "cpu")
+    mine = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, dtype, "cpu")
+    ref = kv_quant.allocate(8, 2, 16, kv_heads, head_dim, dtype, "cpu")
     a, b = (kv_quant.layer_views(c, 16, kv_heads, head_dim)[1] for c in (mine, ref))
     cpu_kv_int8.store_kv(k, v, a.key, a.value, slots, **a.scales)
     store_kv_ref(k, v, b.key, b.value, slots, **b.scales)
-    assert torch.equal(mine, ref)
-    assert int(mine[:, 0].count_nonzero()) == 0  # layer 0 untouched
+    assert torch.equal(mine.view(torch.uint8), ref.view(torch.uint8))
+    assert int(mine[:, 0].view(torch.uint8).count_nonzero()) == 0  # layer 0 untouched
     block, offset = divmod(int(slots[3]), 16)
-    assert a.key_scales[block, offset, 0] == 0 and not a.key[block, offset, 0].any()
+    assert a.key_scales[block, offset, 0] == 0 and not a.key[block, offset, 0].view(torch.uint8).any()
     assert int(sum(int(s >= 0) for s in slots)) * kv_heads == int((a.key_scales > 0).sum()) + 1  # the rest stored
 
 
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", HEADS)
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", DECODE_CASES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("num_seqs", [1, 6])  # 2 threads: 6 sequences -> a task per sequence; 1 -> per KV head
-def test_decode_matches_the_reference(head_dim, q_heads, kv_heads, block_size, window, num_seqs, two_threads):
+def test_decode_matches_the_reference(dtype, head_dim, q_heads, kv_heads, block_size, window, num_seqs,
+                                      two_threads):
     seq_lens = [1, 7, 33, 100, 16, 257] if num_seqs == 6 else [295]  # 295 keys on 2 threads: split in chunks
-    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + block_size)
+    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + block_size,
+                                       dtype=dtype)
     qkv = torch.randn(len(seq_lens), (q_heads + 2 * kv_heads) * head_dim, generator=gen)  # q: a strided view
     q = qkv[:, : q_heads * head_dim].reshape(len(seq_lens), q_heads, head_dim)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -71,15 +102,17 @@ def test_decode_matches_the_reference(head_dim, q_heads, kv_heads, block_size, w
     check_within_bound(out, q, exact, dense, quant, tables, seq_lens, list(range(len(seq_lens) + 1)), scale, window)
 
 
-@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(64, 9, 3), (128, 8, 2), (80, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("dtype,head_dim,q_heads,kv_heads", [
+    (torch.int8, 64, 9, 3), (torch.int8, 128, 8, 2), (torch.int8, 80, 8, 2), (torch.int8, 32, 4, 4),
+    (torch.float8_e4m3fn, 64, 9, 3), (torch.float8_e5m2, 80, 8, 2)])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_matches_the_reference(head_dim, q_heads, kv_heads, window, block_size, two_threads):
+def test_prefill_matches_the_reference(dtype, head_dim, q_heads, kv_heads, window, block_size, two_threads):
     # (new tokens, context incl. them): fresh prompts, continuations of a cached prefix, past 64-token chunks and
     # 256-key tiles
     shapes = [(5, 5), (1, 9), (40, 100), (130, 300), (70, 400)]
     q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
-    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + 1)
+    gen, tables, dense, quant = _setup(head_dim, kv_heads, block_size, seq_lens, seed=head_dim + 1, dtype=dtype)
     q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
     cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
     cu_t, lens = torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
