@@ -37,10 +37,12 @@ static inline v8 load8_i8(const int8_t *p) {
 // << 20, e5m2: << 21) give the value times 2^-(127 - bias), subnormals included (as fp32 subnormals), so one
 // multiply by 2^(127 - bias) finishes it; the sign bit goes to bit 31. Neither format's NaN / inf byte is ever
 // stored (the store saturates at qmax).
-static inline v8 load8_fp8(const int8_t *p, int shift, float rebias) {
-    v8i b = __builtin_convertvector(*(const vb8u *)p, v8i);
-    v8i bits = ((b & 0x80) << 24) | ((b & 0x7f) << shift);
-    return (v8)bits * rebias;
+static inline v8 load8_fp8(const int8_t *p, int shift, float rebias) {  // intrinsics, as load8_i8 (one load)
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24),
+                                   _mm256_sll_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)),
+                                                    _mm_cvtsi32_si128(shift)));
+    return (v8)_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(rebias));
 }
 #else
 static inline v8 load8_i8(const int8_t *p) { return __builtin_convertvector(*(const vb8 *)p, v8); }
