@@ -57,6 +57,7 @@ class Cluster:
 
     @classmethod
     async def start(cls, config: ClusterConfig) -> Cluster:
+        config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: one commit for every worker
         started_ray = _init_ray(config)
         spawn = Spawner(config, WORKER_RESOURCE in ray.cluster_resources())
         names = [f"prefill-{i}" for i in range(config.prefill.num_workers)]

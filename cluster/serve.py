@@ -61,6 +61,7 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     from router.metrics.collector import AdmissionCollector
 
     cluster = None
+    config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: resolved and fetched once, here
     if colocated:
         from cluster.local_backend import LocalBackend
 
