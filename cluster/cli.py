@@ -98,12 +98,10 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine
+    from engine.hub.resolve import pin_engine_config
     from engine.request import SamplingParams
 
-    from engine.hub.resolve import pin_model
-
-    config = engine_config_from_args(args)
-    engine = Engine(config.replace(model=pin_model(config.model)))  # a Hub id: resolved and fetched once
+    engine = Engine(pin_engine_config(engine_config_from_args(args)))  # a Hub id: resolved and fetched once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     prompts = args.prompt or ["Hello"]

@@ -193,12 +193,13 @@ class ClusterConfig:
         return self.served_model_name or checkpoint_name(self.engine.model)
 
     def with_pinned_model(self) -> ClusterConfig:
-        """This config with a Hugging Face Hub id resolved once, fetched into the cache and pinned to its commit (and
-        GGUF file): what every worker then gets (engine/hub/resolve.py ``pin_model``). A local path: unchanged."""
-        from engine.hub.resolve import pin_model
+        """This config with a Hugging Face Hub id (the model, or a speculative draft model) resolved once, fetched
+        into the cache and pinned to its commit (and GGUF file): what every worker then gets (engine/hub/resolve.py
+        ``pin_engine_config``). Local paths: unchanged."""
+        from engine.hub.resolve import pin_engine_config
 
-        pinned = pin_model(self.engine.model)
-        return self if pinned == self.engine.model else dataclasses.replace(self, engine=self.engine.replace(model=pinned))
+        engine = pin_engine_config(self.engine)
+        return self if engine is self.engine else dataclasses.replace(self, engine=engine)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:

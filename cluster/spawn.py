@@ -80,8 +80,8 @@ class Spawner:
     def _runtime_env(self) -> dict:
         """A Hub model's workers get this process's ``HF_*`` variables (cache, endpoint, token, offline mode:
         engine/hub/resolve.py ``hub_env``): a worker on a Ray this process did not start would otherwise resolve
-        the pinned id with its node's settings, or none. Nothing for a local path."""
-        env = hub_env(self.config.engine.model)
+        the pinned id with its node's settings, or none. Nothing for local paths."""
+        env = hub_env(self.config.engine)
         return {"runtime_env": {"env_vars": env}} if env else {}
 
     def asks(self, role: Role) -> dict[str, float]:

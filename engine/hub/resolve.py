@@ -33,12 +33,14 @@ quantization that matches no file, or several.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.hub.cache import CachedSnapshot, cached_snapshot, is_complete, repo_folder, write_ref
 from engine.hub.files import INDEX, Selection, index_shards, select_files
@@ -90,12 +92,28 @@ class _Listing:
     from_cache: bool  # offline or the Hub unreachable: nothing can be fetched
 
 
-def hub_env(model: str | Path) -> dict[str, str]:
-    """The ``HF_*`` variables of this process, for the workers of a cluster serving ``model`` from the Hub
-    (none for a local path)."""
-    if not is_hub_id(model):
+def hub_env(config: EngineConfig) -> dict[str, str]:
+    """The ``HF_*`` variables of this process, for the workers of a cluster whose model (or draft model) is on the
+    Hub; none when both are local paths."""
+    spec = config.speculative_config
+    models = [config.model] + ([spec.model] if spec is not None and spec.needs_draft_model else [])
+    if not any(is_hub_id(m) for m in models):
         return {}
     return {k: v for k, v in os.environ.items() if k.startswith(HUB_ENV_PREFIX)}
+
+
+def pin_engine_config(config: EngineConfig, settings: HubSettings | None = None) -> EngineConfig:
+    """``config`` with its model, and a speculative draft model, pinned (``pin_model``); unchanged for local paths."""
+    changes: dict = {}
+    model = pin_model(config.model, settings)
+    if model != config.model:
+        changes["model"] = model
+    spec = config.speculative_config
+    if spec is not None and spec.needs_draft_model:
+        draft = pin_model(spec.model, settings)
+        if draft != spec.model:
+            changes["speculative_config"] = dataclasses.replace(spec, model=draft)
+    return config.replace(**changes) if changes else config
 
 
 def resolve_model(model: str | Path, settings: HubSettings | None = None) -> ResolvedModel | None:

@@ -9,9 +9,10 @@ import os
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.hub.ref import parse_hub_ref
-from engine.hub.resolve import hub_env, local_checkpoint, pin_model, resolve
+from engine.hub.resolve import hub_env, local_checkpoint, pin_engine_config, pin_model, resolve
 from tests.engine.hub.hub_repos import GATED, GGUF, LLAMA, PICKLES, PRIVATE, SHARDED, TOKEN
 from tests.ports import free_port
 
@@ -143,8 +144,19 @@ def test_repo_without_weights_duet_reads_lists_its_files(fake_hub, settings):
 def test_local_paths_are_untouched_and_workers_get_hf_env_only_for_hub_ids(tiny_model, monkeypatch):
     path = tiny_model("llama")
     assert pin_model(str(path)) == str(path) and local_checkpoint(str(path)) == path
+    local = EngineConfig(model=str(path))
+    assert pin_engine_config(local) is local
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_TOKEN", "hf_x")
-    assert hub_env(str(path)) == {}
-    env = hub_env(LLAMA)
+    assert hub_env(local) == {}
+    env = hub_env(EngineConfig(model=LLAMA))
     assert env["HF_HUB_OFFLINE"] == "1" and env["HF_TOKEN"] == "hf_x" and all(k.startswith("HF_") for k in env)
+
+
+def test_a_speculative_draft_model_on_the_hub_is_pinned_too(fake_hub, settings, tiny_model, monkeypatch):
+    config = EngineConfig(model=str(tiny_model("llama")), speculative_config={
+        "method": "draft_model", "model": f"{LLAMA}@v1", "num_speculative_tokens": 2})
+    pinned = pin_engine_config(config, settings)
+    assert pinned.model == config.model and pinned.speculative_config.model == f"{LLAMA}@{fake_hub.old}"
+    monkeypatch.setenv("HF_HUB_CACHE", "/data/hf")
+    assert hub_env(config)["HF_HUB_CACHE"] == "/data/hf"  # the draft's workers resolve it with these settings
