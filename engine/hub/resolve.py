@@ -187,6 +187,9 @@ def _list(ref: HubRef, settings: HubSettings, where: str) -> _Listing:
         log.warning("cannot reach %s (%s): serving %s from its cached snapshot %s, which the Hub could not confirm "
                     "is current", settings.endpoint, _reason(e), where, snap.commit)
         return _Listing(snap.commit, dict.fromkeys(snap.files), from_cache=True)
+    if not info.sha:
+        raise ModelLoadError(f"{settings.endpoint} listed {where} without its commit hash: not a Hub API answer "
+                             "(check HF_ENDPOINT)")
     return _Listing(info.sha, {s.rfilename: s.size for s in info.siblings or ()}, from_cache=False)
 
 

@@ -124,17 +124,19 @@ class FakeHub:
             return _error(401, "RepoNotFound", "Repository not found")
         return None
 
-    def _commit(self, repo_id: str, revision: str) -> str | None:
-        repo = self.repos[repo_id]
-        return revision if revision in repo.commits else repo.refs.get(revision)
-
-    def _model_info(self, repo_id: str, revision: str, auth: str | None):
+    def _commit(self, repo_id: str, revision: str, auth: str | None) -> tuple[str | None, tuple | None]:
+        """(the commit ``revision`` names, None) if the caller may read it; else (None, the error answer)."""
         denied = self._access(repo_id, auth)
         if denied:
-            return denied
-        commit = self._commit(repo_id, revision)
-        if commit is None:
-            return _error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None, denied
+        repo = self.repos[repo_id]
+        commit = revision if revision in repo.commits else repo.refs.get(revision)
+        return (commit, None) if commit else (None, _error(404, "RevisionNotFound", f"Invalid rev id: {revision}"))
+
+    def _model_info(self, repo_id: str, revision: str, auth: str | None):
+        commit, refused = self._commit(repo_id, revision, auth)
+        if refused:
+            return refused
         siblings = []
         for name, data in sorted(self.repos[repo_id].commits[commit].items()):
             entry = {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
@@ -146,12 +148,9 @@ class FakeHub:
         return 200, {"Content-Type": "application/json"}, body
 
     def _resolve(self, method: str, repo_id: str, revision: str, name: str, auth: str | None):
-        denied = self._access(repo_id, auth)
-        if denied:
-            return denied
-        commit = self._commit(repo_id, revision)
-        if commit is None:
-            return _error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        commit, refused = self._commit(repo_id, revision, auth)
+        if refused:
+            return refused
         data = self.repos[repo_id].commits[commit].get(name)
         if data is None:
             status, headers, body = _error(404, "EntryNotFound", f"{name} does not exist")
