@@ -40,7 +40,8 @@ install-runtime:
 $(TINY_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/duet make-tiny-model $(TINY_MODEL)
 
-# 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct (or MODEL=path: a HF directory or .gguf file);
+# 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct (or MODEL=path: a HF directory or .gguf file, or a
+# Hugging Face Hub id org/name[@revision][:QUANT]);
 # OpenAI API on 127.0.0.1:8000, gRPC on :50051. Every prompt goes prefill worker -> NIXL -> decode worker
 # (--local-prefill-max-tokens 0); SERVE_ARGS adds or overrides `duet serve` flags.
 SERVE_ARGS ?=

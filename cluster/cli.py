@@ -22,7 +22,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or GGUF file")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
@@ -41,6 +41,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", help=SPEC_HELP)
 
 
+MODEL_HELP = ("a Hugging Face checkpoint directory, a GGUF file, or a Hub id: org/name[@revision] (safetensors), "
+              "org/name[@revision]:QUANT or :file.gguf (a GGUF repository); fetched into the HF cache (HF_HOME, "
+              "HF_HUB_CACHE, HF_TOKEN; HF_HUB_OFFLINE=1: the cache only)")
 SPEC_HELP = ("speculative decoding, a JSON object with vLLM's keys: method (ngram | suffix | draft_model), "
              "num_speculative_tokens, prompt_lookup_min / prompt_lookup_max (ngram), suffix_decoding_* (suffix), "
              "model (draft_model: a checkpoint with the target's tokenizer); "
@@ -96,9 +99,10 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine
+    from engine.hub.resolve import pin_engine_config
     from engine.request import SamplingParams
 
-    engine = Engine(engine_config_from_args(args))
+    engine = Engine(pin_engine_config(engine_config_from_args(args)))  # a Hub id: resolved and fetched once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
     prompts = args.prompt or ["Hello"]
@@ -175,9 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="cluster YAML (flags override it)")
-    p.add_argument("--model", help="Hugging Face checkpoint directory or GGUF file")
-    p.add_argument("--served-model-name", help="the name clients use (default: the directory name, or the GGUF "
-                                               "file name without its quantization suffix)")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--served-model-name", help="the name clients use (default: the directory name, the GGUF file "
+                                               "name without its quantization suffix, or a Hub id's org/name)")
     p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (default 1)")

@@ -1,8 +1,8 @@
 """The cluster's configuration: one YAML file + CLI overrides, parsed once into frozen dataclasses.
 
-    model: /models/Qwen2-7B-Instruct
-    served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name, or the
-                                         # GGUF file's name without its quantization suffix)
+    model: /models/Qwen2-7B-Instruct     # or a Hub id: Qwen/Qwen2-7B-Instruct[@revision], org/name-GGUF:Q4_K_M
+    served_model_name: qwen2-7b          # what clients put in "model" (default: the directory name, the GGUF
+                                         # file's name without its quantization suffix, or a Hub id's org/name)
     engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
     prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
     decode:  {num_workers: 2, kv_cache_dtype: int8}   # a pool's own KV dtype (mixed precision: prefill auto,
@@ -199,12 +199,22 @@ class ClusterConfig:
     def model_name(self) -> str:
         return self.served_model_name or checkpoint_name(self.engine.model)
 
+    def with_pinned_model(self) -> ClusterConfig:
+        """This config with a Hugging Face Hub id (the model, or a speculative draft model) resolved once, fetched
+        into the cache and pinned to its commit (and GGUF file): what every worker then gets (engine/hub/resolve.py
+        ``pin_engine_config``). Local paths: unchanged."""
+        from engine.hub.resolve import pin_engine_config
+
+        engine = pin_engine_config(self.engine)
+        return self if engine is self.engine else dataclasses.replace(self, engine=engine)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
         raw = dict(raw)
         model = raw.pop("model", None)
         if not model:
-            raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory or a GGUF file)")
+            raise ConfigError("config needs 'model' (a Hugging Face checkpoint directory, a GGUF file, or a Hub id "
+                              "org/name[@revision][:QUANT])")
         engine = _build(EngineConfig, {"model": str(model), **(raw.pop("engine", None) or {})}, "engine")
         sections = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "transfer": TransferConfig,
                     "autoscaler": AutoscalerConfig, "lifecycle": LifecycleConfig}

@@ -4,6 +4,9 @@
     cluster.backend                            # router.dispatch.cluster_backend.ClusterBackend over the pools
     await cluster.stop()
 
+A Hugging Face Hub id is resolved once, here (or already by `duet serve`), to one commit that every worker loads:
+each gets the pinned id and this process's `HF_*` variables (engine/hub/resolve.py, cluster/spawn.py).
+
 Placement: a worker on a CUDA engine asks Ray for `num_gpus=1`; on CPU it asks for `num_cpus` and, on
 a Ray this process started, one unit of the custom resource `duet_worker` (declared at `ray.init`;
 on a KubeRay cluster declare it in the CPU worker group's rayStartParams). Workers start in parallel;
@@ -58,6 +61,7 @@ class Cluster:
 
     @classmethod
     async def start(cls, config: ClusterConfig) -> Cluster:
+        config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: one commit for every worker
         started_ray = _init_ray(config)
         spawn = Spawner(config, WORKER_RESOURCE in ray.cluster_resources())
         names = [f"prefill-{i}" for i in range(config.prefill.num_workers)]

@@ -1,9 +1,10 @@
 """`duet serve`: the cluster and its front doors in one process.
 
-    duet serve --model DIR [--prefill N] [--decode M] [--host H] [--port 8000] [--grpc-port 50051]
-               [--address RAY] [--config cluster.yaml] [--colocated]
+    duet serve --model DIR|FILE.gguf|org/name[@rev][:QUANT] [--prefill N] [--decode M] [--host H] [--port 8000]
+               [--grpc-port 50051] [--address RAY] [--config cluster.yaml] [--colocated]
 
-Starts (or attaches to) Ray, places the pools (cluster.launcher), and serves the OpenAI HTTP API
+A Hugging Face Hub id is resolved and fetched here, once, and pinned to its commit (engine/hub/resolve.py) before
+anything starts. Starts (or attaches to) Ray, places the pools (cluster.launcher), and serves the OpenAI HTTP API
 (router.http.app) and the gRPC API (router.grpc.server) on one asyncio loop. `--colocated` skips Ray and
 disaggregation: one in-process engine behind the same front doors (the baseline for comparisons).
 
@@ -61,6 +62,7 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     from router.metrics.collector import AdmissionCollector
 
     cluster = None
+    config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: resolved and fetched once, here
     if colocated:
         from cluster.local_backend import LocalBackend
 

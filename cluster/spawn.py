@@ -16,6 +16,7 @@ import ray
 from cluster.config import ClusterConfig, PoolConfig
 from decode_worker.role_worker import Worker
 from engine.config import EngineConfig
+from engine.hub.resolve import hub_env
 from prefill_worker.base import WorkerOptions
 from prefill_worker.tp_ranks import TPRank
 from router.routing.policy import Role
@@ -78,6 +79,13 @@ class Spawner:
         resources = {**({WORKER_RESOURCE: 1} if self.use_resource and not on_gpu else {}), **pool.resources}
         return dict(num_cpus=0 if on_gpu else pool.num_cpus, num_gpus=num_gpus, resources=resources)
 
+    def _runtime_env(self) -> dict:
+        """A Hub model's workers get this process's ``HF_*`` variables (cache, endpoint, token, offline mode:
+        engine/hub/resolve.py ``hub_env``): a worker on a Ray this process did not start would otherwise resolve
+        the pinned id with its node's settings, or none. Nothing for local paths."""
+        env = hub_env(self.config.engine)
+        return {"runtime_env": {"env_vars": env}} if env else {}
+
     def asks(self, role: Role) -> dict[str, float]:
         """What one ``role`` worker asks of Ray, all its ranks together (for a slow start's log line)."""
         ranks = pool_config(self.config, role).tensor_parallel_size
@@ -86,7 +94,7 @@ class Spawner:
     def __call__(self, role: Role, worker_id: str):
         pool = pool_config(self.config, role)
         options, engine_config = self.worker_args(role, worker_id)
-        place = self._place(role)
+        place = {**self._place(role), **self._runtime_env()}
         tag = uuid.uuid4().hex[:8]
         ranks = []
         if pool.tensor_parallel_size > 1:

@@ -14,6 +14,7 @@ Pieces (each module's docstring is its design note):
 - errors.py          the errors the engine raises on purpose
 - histogram.py       Histogram: latencies kept where they are measured, exported by the router's /metrics
 - text/              tokenizer, chat templates, stop conditions (torch-free; the router imports them)
+- hub/               models named by Hugging Face Hub id: resolved to one commit, fetched into the HF cache
 - loading/           checkpoints: HF directories and GGUF files → ModelConfig, Tokenizer, weights; tiny test models
 - models/            ModelConfig and the torch models: Llama family, attention, MoE, kernels, tensor parallel
 - kv/                KV bookkeeping: hashing, block pool, events, tiers, sizing, handoff (torch-free but mover.py)

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.kv.cache_dtype import resolve_kv_cache_dtype
 from engine.kv.sizing import cap_max_model_len, size_kv_cache
+from engine.loading.checkpoint import checkpoint_path
 from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
@@ -104,7 +105,8 @@ class ModelRunner:
         self.ops = get_ops(self.backend, cfg.device, cfg.quantized_activations, self.dtype, cfg.kv_cache_dtype)
         # what the cache stores (engine/kv/cache_dtype.py): the model dtype, or 1-byte values with their scales
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
-        self.model = load_model(cfg.model, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp,
+        checkpoint = checkpoint_path(cfg.model)  # a Hub id: its snapshot in the cache (engine/hub/)
+        self.model = load_model(checkpoint, model_cfg, self.ops, self.dtype, cfg.device, max_model_len, self.tp,
                                 keep_quantized=cfg.quantized_weights == "auto" and cfg.quantization != "w8a16",
                                 quantization=cfg.quantization)
         if cfg.quantization == "w8a16":
@@ -144,7 +146,7 @@ class ModelRunner:
         steps = f"eager ({eager})" if graphs is None else \
             f"{'CPU recordings of C kernel calls' if graphs.cpu else 'CUDA graphs'}, batch <= {graphs.max_batch}"
         # what this engine holds and runs (engine/loading/resident.py): the log, WorkerInfo, /v1/models, /metrics
-        self.weights = summarize_weights(self.model, self.ops, steps, checkpoint_tensor_bytes(cfg.model))
+        self.weights = summarize_weights(self.model, self.ops, steps, checkpoint_tensor_bytes(checkpoint))
         log.info("%s", self.weights.log_block(checkpoint_name(cfg.model)))
 
     def _set_up_decode_graphs(self, cfg: EngineConfig, kv_blocks: bool) -> str | None:

@@ -30,12 +30,13 @@ def wait_http(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float
 
 
 @contextmanager
-def serving(argv: list[str], log_path: Path, port: int, stop_signal: int = signal.SIGTERM):
-    """Run ``argv`` (in its own process group) until /health is up; on exit signal the whole group and wait.
-    Yields the process; ``proc.returncode`` is set after the block."""
+def serving(argv: list[str], log_path: Path, port: int, stop_signal: int = signal.SIGTERM,
+            env: dict[str, str] | None = None):
+    """Run ``argv`` (in its own process group, with this process's environment and ``env``) until /health is up;
+    on exit signal the whole group and wait. Yields the process; ``proc.returncode`` is set after the block."""
     log = open(log_path, "w+")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, log_path)
         yield proc
