@@ -239,13 +239,13 @@ def _prefill_logits(e: Engine, ids: list[int]) -> torch.Tensor:
 def test_next_token_distributions_on_real_text_stay_close_to_fp32_kv(smollm2_gguf):
     """SmolLM2-135M (Q4_1), 256 tokens of README.md prose in one prefill, int8 KV against fp32 KV on the cpu
     kernels: mean KL(fp32 || int8) of the next-token distributions <= 0.01 (the issue's goal; measured 0.0007), the
-    greedy token the same at >= 98 % of the positions (measured 99.6 %). fp8_e4m3 on torch (measured KL 0.0047,
-    94 %) is held to the same KL goal."""
+    greedy token the same at >= 98 % of the positions (measured 99.6 %). fp8_e4m3 (measured KL 0.0047, 94 % on
+    torch; 0.0049, 94.5 % on the C kernels) is held to the same KL goal on both."""
     text = open("README.md").read()[2000:8000]
     ref = Engine(EngineConfig(model=str(smollm2_gguf), kernels="cpu", num_blocks=20, cpu_graph_max_batch=0))
     ids = ref.tokenizer.encode(text)[:256]
     p = torch.log_softmax(_prefill_logits(ref, ids), -1)
-    for kernels, kv, agree_min in (("cpu", "int8", 0.98), ("torch", "fp8_e4m3", 0.9)):
+    for kernels, kv, agree_min in (("cpu", "int8", 0.98), ("torch", "fp8_e4m3", 0.9), ("cpu", "fp8_e4m3", 0.9)):
         e = Engine(EngineConfig(model=str(smollm2_gguf), kernels=kernels, kv_cache_dtype=kv, num_blocks=20,
                                 cpu_graph_max_batch=0))
         assert ref.runner.bytes_per_block / e.runner.bytes_per_block == pytest.approx(256 / 68)  # head_dim 64
