@@ -129,7 +129,8 @@ class ModelRunner:
         self.allocate_kv(self.kv_size.num_blocks if kv_blocks else 0)
         self.fallbacks: list[str] = [self.kernel_fallback] if self.kernel_fallback else []
         fp8 = model_cfg.quantization if getattr(model_cfg.quantization, "method", None) == "fp8" else None
-        if fp8 is not None and "FP8" not in self.ops.quant_formats:  # logged by the loader (quantized.py report)
+        if fp8 is not None and not any("FP8" in str(getattr(getattr(m, "quant", None), "fmt", ""))
+                                       for m in self.model.modules()):  # none kept (tensor parallelism, a CPU)
             self.fallbacks.append(f"fp8 weights ({fp8.origin}, {fp8.strategy} scales): dequantized to {self.dtype} "
                                   f"at load, the {self.backend} kernels have no FP8 GEMM")
         if model_cfg.gemma.attn_logit_softcapping and not self.ops.attention_softcap:
