@@ -131,8 +131,10 @@ class ModelRunner:
         fp8 = model_cfg.quantization if getattr(model_cfg.quantization, "method", None) == "fp8" else None
         if fp8 is not None and not any("FP8" in str(getattr(getattr(m, "quant", None), "fmt", ""))
                                        for m in self.model.modules()):  # none kept (tensor parallelism, a CPU)
+            why = (f"the {self.backend} kernels have no FP8 GEMM" if "FP8" not in self.ops.quant_formats else
+                   "tensor parallelism keeps no quantized weight packed")
             self.fallbacks.append(f"fp8 weights ({fp8.origin}, {fp8.strategy} scales): dequantized to {self.dtype} "
-                                  f"at load, the {self.backend} kernels have no FP8 GEMM")
+                                  f"at load, {why}")
         if model_cfg.gemma.attn_logit_softcapping and not self.ops.attention_softcap:
             reason = f"attention logit soft-capping (Gemma 2): the {self.backend} attention kernels take no cap"
             log.warning("attention runs the torch references: %s", reason)
