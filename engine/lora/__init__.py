@@ -1,0 +1,8 @@
+"""lora: LoRA adapters on one base model (issue 50). A PEFT adapter directory is read once into the base model's
+fused projections' terms; a fixed pool of slots holds the adapters a batch may use; each linear adds
+``scaling * (x @ A^T) @ B^T`` per token for the token's slot (-1: the base alone), its base GEMM untouched.
+
+Pieces:
+- adapter.py   read a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) → LoraAdapter;
+               everything duet does not implement refused by name
+"""
