@@ -120,6 +120,10 @@ class Engine(EmitMixin, RemoteKVMixin):
         ids = check_prompt(prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.max_model_len)
         params = admit_rope_factors(params, len(ids), self.model_config.longrope_original_len)  # kept if chosen
+        lora = self.runner.lora
+        if params.lora is not None and (lora is None or params.lora not in lora.slots.slot_of):
+            known = sorted(lora.slots.slot_of) if lora is not None else []
+            raise InvalidRequestError(f"unknown LoRA adapter {params.lora!r} (this engine serves {known or 'none'})")
         total = len(ids) + params.max_tokens
         if self.scheduler.blocks_needed(total) > self.pool.num_blocks:
             raise InvalidRequestError(

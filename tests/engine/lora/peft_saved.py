@@ -8,6 +8,8 @@ import peft  # a test dependency (pip install .[test])
 import torch
 import transformers
 
+from tests.engine.loading.hf_saved import hf_reference
+
 
 def save_peft_adapter(model_dir: Path, out_dir: Path, *, seed: int, r: int = 4, lora_alpha: float = 8,
                       target_modules=("q_proj", "v_proj", "down_proj"), use_rslora: bool = False,
@@ -25,7 +27,7 @@ def save_peft_adapter(model_dir: Path, out_dir: Path, *, seed: int, r: int = 4, 
     return Path(out_dir)
 
 
-def peft_reference(model_dir: Path, adapter_dir: Path):
-    """transformers + peft with the adapter (fp32, eval mode)."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+def peft_reference(model_dir: Path, adapter_dir: Path | None):
+    """transformers (eager attention, fp32) + peft with the adapter; None: the base model alone."""
+    base = hf_reference(model_dir)
+    return base if adapter_dir is None else peft.PeftModel.from_pretrained(base, adapter_dir).eval()

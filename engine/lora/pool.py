@@ -1,0 +1,108 @@
+"""LoraPool: the adapters' weights on the model's device, ``max_loras`` slots of rank up to ``max_lora_rank`` in
+every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the step's ``LoraBatch``.
+
+Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras, S*R, in] and ``b``
+[max_loras, out, S*R] for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an adapter has a
+smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
+adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
+touched. The model runner sets the step's token slots (``set_batch``) before the forward pass.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
+from engine.lora.ops import LoraBatch, lora_add_
+from engine.lora.slots import LoraSlots
+
+log = logging.getLogger(__name__)
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoraWeights:
+    """One linear's slots. ``add_(x, out)`` adds the step's adapters' deltas to the base output ``out``."""
+
+    def __init__(self, pool: LoraPool, in_features: int, shard_sizes: list[int], dtype, device) -> None:
+        self.pool = pool
+        self.shard_sizes = shard_sizes
+        n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
+        self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(n, out, len(shard_sizes) * r, dtype=dtype, device=device)
+
+    def write(self, slot: int, shards: dict) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        r_max, row0 = self.pool.max_lora_rank, 0
+        for s, size in enumerate(self.shard_sizes):
+            w = shards.get(s if len(self.shard_sizes) > 1 else None)
+            if w is not None:
+                if w.b.shape[0] != size or w.a.shape[1] != self.a.shape[2]:
+                    raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit "
+                                           f"a projection of {self.a.shape[2]} → {size}")
+                r = w.a.shape[0]
+                self.a[slot, s * r_max:s * r_max + r] = w.a
+                self.b[slot, row0:row0 + size, s * r_max:s * r_max + r] = w.b
+            row0 += size
+
+    def add_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        batch = self.pool.batch
+        if batch is None or batch.empty:
+            return out
+        return lora_add_(out, x, self.a, self.b, self.pool.scaling, batch)
+
+
+class LoraPool:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device) -> None:
+        if getattr(model, "tp", None) is not None and model.tp.enabled:
+            raise ValueError("LoRA with tensor parallelism is not implemented")
+        if model.cfg.moe.num_experts:
+            raise ValueError("LoRA on a mixture-of-experts model is not implemented")
+        self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.num_layers = len(model.layers)
+        self.scaling = [0.0] * max_loras
+        self.batch: LoraBatch | None = None
+        self.slots = LoraSlots(max_loras)
+        self.device = device
+        for layer in model.layers:
+            for name in LINEARS:
+                lin = layer.get_submodule(name)
+                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], dtype, device)
+        log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights)."""
+        if adapter.rank > self.max_lora_rank:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
+                                   f"{self.max_lora_rank}")
+        layers = {layer for layer, _ in adapter.weights}
+        if max(layers) >= self.num_layers:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {max(layers)}; the base has "
+                                   f"{self.num_layers}")
+        for i, layer in enumerate(self.model.layers):
+            for name in LINEARS:
+                layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
+        self.scaling[slot] = adapter.scaling
+
+    def token_slot(self, name: str | None) -> int:
+        """The slot of adapter ``name`` (None: -1, the base model alone)."""
+        return -1 if name is None else self.slots.slot_of[name]
+
+    def set_batch(self, token_slots: list[int] | None) -> None:
+        """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
+        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device)
+
+
+def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device) -> LoraPool:
+    """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) read and written into its own
+    slot, pinned there (``slots``): the start-up set of EngineConfig.lora_modules."""
+    pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device)
+    for name, path in lora_modules:
+        adapter = load_adapter(name, path, pool.num_layers)
+        slot, _, _ = pool.slots.acquire(name)
+        pool.slots.pin(name)
+        pool.write(slot, adapter)
+        log.info("LoRA adapter %r (rank %d, scaling %g, %d linears) in slot %d: %s", name, adapter.rank,
+                 adapter.scaling, len(adapter.weights), slot, path)
+    return pool
