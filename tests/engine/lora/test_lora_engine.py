@@ -19,8 +19,23 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model, tmp_path_factory):
-    model = tiny_model("llama")
+def adapters_for(tiny_model, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = _write_adapters(tiny_model(arch), tmp_path_factory)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def setup(adapters_for):
+    return adapters_for("llama")
+
+
+def _write_adapters(model, tmp_path_factory):
     adapters = {
         "every-proj": save_peft_adapter(model, tmp_path_factory.mktemp("a"), seed=1, r=4, lora_alpha=8,
                                         target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -55,14 +70,16 @@ def _reference(model, prompt, num_tokens):
     return gen, logits.log_softmax(-1).gather(1, torch.tensor(gen)[:, None])[:, 0].tolist()
 
 
-def test_mixed_batch_equals_transformers_and_peft(setup):
-    model, adapters = setup
+# qwen2: q/k/v biases, tied embeddings; kernels auto on a CPU: the C kernels on packed weights, torch: torch GEMMs
+@pytest.mark.parametrize("arch, kernels", [("llama", "auto"), ("qwen2", "auto"), ("llama", "torch")])
+def test_mixed_batch_equals_transformers_and_peft(adapters_for, arch, kernels):
+    model, adapters = adapters_for(arch)
     rng = random.Random(0)
     lens = (5, 17, 33, 9, 40, 2)
     loras = [None, "every-proj", "qv-rslora", "every-proj", "qv-rslora", None]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
     engine = Engine(EngineConfig(model=str(model), num_blocks=256, lora_modules={k: str(v) for k, v in
-                                 adapters.items()}, max_lora_rank=8, max_num_batched_tokens=64))
+                                 adapters.items()}, max_lora_rank=8, max_num_batched_tokens=64, kernels=kernels))
     ours, our_lps, _ = _run(engine, prompts, loras)
     assert engine.stats.num_steps < len(prompts) * NUM_TOKENS  # the requests really shared steps
     refs = {name: peft_reference(model, None if name is None else adapters[name]) for name in set(loras)}
