@@ -292,7 +292,7 @@ class EngineConfig:
         if modules and self.max_loras and self.max_loras < len(modules):
             raise ConfigError(f"max_loras {self.max_loras} < {len(modules)} lora_modules: every adapter is loaded at "
                               "start into its own slot (slot eviction is not built yet)")
-        if modules and self.speculative_config is not None:
+        if (modules or self.max_loras) and self.speculative_config is not None:
             raise ConfigError("LoRA adapters with speculative decoding are not implemented")
 
     def replace(self, **changes: Any) -> EngineConfig:

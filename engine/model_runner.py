@@ -118,8 +118,10 @@ class ModelRunner:
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
         # LoRA adapters (engine/lora/): their deltas added to the projections' outputs, per token
-        self.lora: LoraPool | None = None if not cfg.lora_modules or not kv_blocks else build_lora_pool(
-            self.model, cfg.lora_modules, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device)
+        self.lora: LoraPool | None = None
+        if (cfg.lora_modules or cfg.max_loras) and kv_blocks:
+            self.lora = build_lora_pool(self.model, cfg.lora_modules or (), cfg.max_loras, cfg.max_lora_rank,
+                                        self.dtype, self.device)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 CONFIG_FILE = "adapter_config.json"
@@ -53,6 +54,7 @@ class LoraAdapter:
     path: Path
     rank: int
     scaling: float
+    digest: str  # xxh3-128 of adapter_config.json and adapter_model.safetensors: the same name must mean these bytes
     # (layer index, duet linear e.g. "self_attn.qkv_proj") → {shard index or None: LoraShard}
     weights: dict[tuple[int, str], dict[int | None, LoraShard]] = field(default_factory=dict)
 
@@ -101,6 +103,9 @@ def load_adapter(name: str, path: str | Path, num_layers: int | None = None) -> 
         pickle = (path / "adapter_model.bin").exists()
         bin_note = " (adapter_model.bin is a pickle: duet never loads pickles)" if pickle else ""
         raise LoraAdapterError(f"{path}: no {WEIGHTS_FILE}{bin_note}")
+    h = xxhash.xxh3_128()
+    for f in (path / CONFIG_FILE, weights_path):
+        h.update(f.read_bytes())
     tensors = load_file(str(weights_path))
     rank, scaling = cfg["r"], scaling_of(cfg)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -113,7 +118,7 @@ def load_adapter(name: str, path: str | Path, num_layers: int | None = None) -> 
         if num_layers is not None and layer >= num_layers:
             raise LoraAdapterError(f"{weights_path}: tensor {key!r} names layer {layer}; the base has {num_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=scaling)
+    adapter = LoraAdapter(name=name, path=path, rank=rank, scaling=scaling, digest=h.hexdigest())
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoraAdapterError(f"{weights_path}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")

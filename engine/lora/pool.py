@@ -5,7 +5,9 @@ Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras,
 [max_loras, out, S*R] for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an adapter has a
 smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
 adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
-touched. The model runner sets the step's token slots (``set_batch``) before the forward pass.
+touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Adapters are loaded
+at start (pinned) or at run time (``load`` / ``unload``, between steps); a loaded adapter keeps its slot until it is
+unloaded: LRU eviction of idle adapters (engine/lora/slots.py has the bookkeeping) is not wired yet.
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ class LoraPool:
         self.scaling = [0.0] * max_loras
         self.batch: LoraBatch | None = None
         self.slots = LoraSlots(max_loras)
+        # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
+        # block-hash salt is the name) must never be reused by other weights loaded under that name later
+        self.digests: dict[str, str] = {}
         self.device = device
         for layer in model.layers:
             for name in LINEARS:
@@ -71,19 +76,54 @@ class LoraPool:
                 lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], dtype, device)
         log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
 
-    def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights)."""
+    def check(self, adapter: LoraAdapter) -> None:
+        """Refuse an adapter this pool cannot hold (its rank, or a layer the base lacks)."""
         if adapter.rank > self.max_lora_rank:
             raise LoraAdapterError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
                                    f"{self.max_lora_rank}")
-        layers = {layer for layer, _ in adapter.weights}
-        if max(layers) >= self.num_layers:
-            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {max(layers)}; the base has "
-                                   f"{self.num_layers}")
+        last = max(layer for layer, _ in adapter.weights)
+        if last >= self.num_layers:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {last}; the base has {self.num_layers}")
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights)."""
+        self.check(adapter)
         for i, layer in enumerate(self.model.layers):
             for name in LINEARS:
                 layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
         self.scaling[slot] = adapter.scaling
+
+    def load(self, name: str, path, pin: bool = False) -> int:
+        """Read the adapter at ``path`` and put it in a free slot as ``name``; returns the slot. A loaded adapter
+        keeps its slot until ``unload`` (no eviction yet); every slot taken: ``NoFreeLoraSlot``."""
+        if name in self.slots.slot_of:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (slot {self.slots.slot_of[name]})")
+        adapter = load_adapter(name, path, self.num_layers)
+        self.check(adapter)
+        if self.digests.setdefault(name, adapter.digest) != adapter.digest:
+            raise LoraAdapterError(f"LoRA adapter name {name!r} was served with other weights before: blocks cached "
+                                   f"under that name would be reused; load {path} under a new name")
+        slot, evicted, _ = self.slots.acquire(name)
+        assert evicted is None  # loaded adapters stay held until unloaded: nothing is idle to evict
+        if pin:
+            self.slots.pin(name)
+        self.write(slot, adapter)
+        log.info("LoRA adapter %r (rank %d, scaling %g, %d linears) in slot %d: %s", name, adapter.rank,
+                 adapter.scaling, len(adapter.weights), slot, path)
+        return slot
+
+    def unload(self, name: str) -> int:
+        """Free ``name``'s slot (the caller checks that no request still uses it); returns the slot."""
+        if name not in self.slots.slot_of:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
+        self.slots.release(name)
+        slot = self.slots.unload(name)
+        self.scaling[slot] = 0.0
+        log.info("LoRA adapter %r unloaded from slot %d", name, slot)
+        return slot
+
+    def names(self) -> list[str]:
+        return sorted(self.slots.slot_of)
 
     def token_slot(self, name: str | None) -> int:
         """The slot of adapter ``name`` (None: -1, the base model alone)."""
@@ -95,14 +135,9 @@ class LoraPool:
 
 
 def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device) -> LoraPool:
-    """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) read and written into its own
-    slot, pinned there (``slots``): the start-up set of EngineConfig.lora_modules."""
+    """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) in its own slot, pinned there:
+    the start-up set of EngineConfig.lora_modules (``max_loras`` 0: as many slots as adapters)."""
     pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device)
     for name, path in lora_modules:
-        adapter = load_adapter(name, path, pool.num_layers)
-        slot, _, _ = pool.slots.acquire(name)
-        pool.slots.pin(name)
-        pool.write(slot, adapter)
-        log.info("LoRA adapter %r (rank %d, scaling %g, %d linears) in slot %d: %s", name, adapter.rank,
-                 adapter.scaling, len(adapter.weights), slot, path)
+        pool.load(name, path, pin=True)
     return pool

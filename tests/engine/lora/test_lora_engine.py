@@ -11,6 +11,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
+from engine.lora.adapter import LoraAdapterError
+from engine.lora.slots import NoFreeLoraSlot
 from engine.request import SamplingParams
 from tests.engine.lora.peft_saved import peft_reference, save_peft_adapter
 
@@ -114,3 +116,34 @@ def test_unknown_adapter_and_bad_config_are_refused(setup):
     with pytest.raises(Exception, match="rank 8 > max_lora_rank 4"):
         Engine(EngineConfig(model=str(model), num_blocks=64, max_lora_rank=4,
                             lora_modules={"b": str(adapters["qv-rslora"])}))
+
+
+def test_load_and_unload_at_run_time(setup):
+    model, adapters = setup
+    prompt = list(range(20, 45))
+    pinned = Engine(EngineConfig(model=str(model), num_blocks=128, lora_modules={k: str(v) for k, v in
+                                 adapters.items()}, max_lora_rank=8))
+    want = {name: _run(pinned, [prompt], [name])[0][0] for name in adapters}
+    engine = Engine(EngineConfig(model=str(model), num_blocks=128, max_loras=1, max_lora_rank=8))
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'every-proj'"):
+        engine.add_request(prompt_token_ids=prompt, params=SamplingParams(lora="every-proj"))
+    assert engine.load_lora("every-proj", str(adapters["every-proj"])) == 0
+    with pytest.raises(LoraAdapterError, match="already loaded"):
+        engine.load_lora("every-proj", str(adapters["every-proj"]))
+    with pytest.raises(NoFreeLoraSlot):
+        engine.load_lora("qv-rslora", str(adapters["qv-rslora"]))
+    engine.add_request(request_id="r", prompt_token_ids=prompt, params=SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora="every-proj"))
+    engine.step()
+    with pytest.raises(InvalidRequestError, match="in use by 1 requests"):
+        engine.unload_lora("every-proj")
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == NUM_TOKENS - 1  # the first token came with the step above
+    assert engine.unload_lora("every-proj") == 0
+    with pytest.raises(LoraAdapterError, match="served with other weights before"):
+        engine.load_lora("every-proj", str(adapters["qv-rslora"]))
+    assert engine.load_lora("qv-rslora", str(adapters["qv-rslora"])) == 0  # the freed slot, overwritten
+    assert _run(engine, [prompt], ["qv-rslora"])[0][0] == want["qv-rslora"]
+    assert want["qv-rslora"] != want["every-proj"]
