@@ -1,9 +1,9 @@
 """LoraPool: the adapters' weights on the model's device, ``max_loras`` slots of rank up to ``max_lora_rank`` in
 every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the step's ``LoraBatch``.
 
-Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras, S*R, in] and ``b``
-[max_loras, out, S*R] for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an adapter has a
-smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
+Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras, S*R, in] and ``bt``
+[max_loras, S*R, out] (B transposed) for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an
+adapter has a smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
 adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
 touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Adapters are loaded
 at start (pinned) or at run time (``load`` / ``unload``, between steps); a loaded adapter keeps its slot until it is
@@ -31,11 +31,11 @@ class LoraWeights:
         self.shard_sizes = shard_sizes
         n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
         self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(n, out, len(shard_sizes) * r, dtype=dtype, device=device)
+        self.bt = torch.zeros(n, len(shard_sizes) * r, out, dtype=dtype, device=device)
 
     def write(self, slot: int, shards: dict) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         r_max, row0 = self.pool.max_lora_rank, 0
         for s, size in enumerate(self.shard_sizes):
             w = shards.get(s if len(self.shard_sizes) > 1 else None)
@@ -45,14 +45,15 @@ class LoraWeights:
                                            f"a projection of {self.a.shape[2]} → {size}")
                 r = w.a.shape[0]
                 self.a[slot, s * r_max:s * r_max + r] = w.a
-                self.b[slot, row0:row0 + size, s * r_max:s * r_max + r] = w.b
+                self.bt[slot, s * r_max:s * r_max + r, row0:row0 + size] = w.b.T
             row0 += size
 
     def add_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         batch = self.pool.batch
         if batch is None or batch.empty:
             return out
-        return lora_add_(out, x, self.a, self.b, self.pool.scaling, batch)
+        mask = None if batch.token_scale is None else self.pool.column_mask(batch, self.a.shape[1])
+        return lora_add_(out, x, self.a, self.bt, self.pool.scaling, batch, mask)
 
 
 class LoraPool:
@@ -63,8 +64,9 @@ class LoraPool:
             raise ValueError("LoRA on a mixture-of-experts model is not implemented")
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
         self.num_layers = len(model.layers)
-        self.scaling = [0.0] * max_loras
+        self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
         self.batch: LoraBatch | None = None
+        self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.slots = LoraSlots(max_loras)
         # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
         # block-hash salt is the name) must never be reused by other weights loaded under that name later
@@ -131,7 +133,15 @@ class LoraPool:
 
     def set_batch(self, token_slots: list[int] | None) -> None:
         """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
-        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device)
+        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device,
+                                                                                  self.scaling)
+        self._masks = {}
+
+    def column_mask(self, batch: LoraBatch, per_slot: int) -> torch.Tensor:
+        """The step's mask for linears of ``per_slot`` ranks per slot, built once per step for all of them."""
+        if per_slot not in self._masks:
+            self._masks[per_slot] = batch.column_mask(per_slot)
+        return self._masks[per_slot]
 
 
 def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device) -> LoraPool:

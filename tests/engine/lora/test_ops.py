@@ -8,16 +8,20 @@ from engine.lora.ops import LoraBatch, lora_add_
 from engine.lora.slots import LoraSlots, NoFreeLoraSlot
 
 
-def test_lora_add_equals_per_token_formula():
+@pytest.mark.parametrize("masked", [False, True])
+def test_lora_add_equals_per_token_formula(masked):
     g = torch.Generator().manual_seed(0)
     t, k, n, r, slots = 11, 24, 40, 6, 3
     x = torch.randn(t, k, generator=g)
     base = torch.randn(t, n, generator=g)
     a = torch.randn(slots, r, k, generator=g)
     b = torch.randn(slots, n, r, generator=g)
-    scaling = [0.5, 2.0, 0.25]
+    scaling = torch.tensor([0.5, 2.0, 0.25])
     token_slots = [-1, 0, 0, 2, -1, 1, 1, 1, 2, -1, 0]
-    out = lora_add_(base.clone(), x, a, b, scaling, LoraBatch.from_token_slots(token_slots, "cpu"))
+    batch = LoraBatch.from_token_slots(token_slots, "cpu", scaling if masked else None)
+    assert (batch.token_scale is not None) == masked
+    mask = batch.column_mask(r) if masked else None
+    out = lora_add_(base.clone(), x, a, b.transpose(1, 2).contiguous(), scaling, batch, mask)
     for i, s in enumerate(token_slots):
         want = base[i] if s < 0 else base[i] + scaling[s] * (b[s] @ (a[s] @ x[i]))
         torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
