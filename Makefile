@@ -9,7 +9,7 @@ TINY_MODEL := .cache/tiny-llama
 PYTEST_ARGS ?=
 SMALL ?=
 
-.PHONY: install install-runtime system-deps run run-tiny soak test test-fast lint bench-engine bench-decode bench-moe bench-spec bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-llamacpp bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
+.PHONY: install install-runtime system-deps run run-tiny soak test test-fast lint bench-engine bench-decode bench-moe bench-spec bench-lora bench-kernels bench-kvtransfer bench-routing bench-routing-trace bench-router-decision bench-router-decision-tiers bench-tiers bench-flip bench-autoscale bench-serve bench-llamacpp bench-sim bench-calibrate eval-compare bench-tools gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -120,6 +120,10 @@ bench-kvtransfer: install
 # without speculation vs ngram vs suffix in one run; last line: ratio: <best proposer's speedup, batch 1, grounded>
 bench-spec: install
 	$(HUGEPAGES) $(PY) -m bench.engine.speculative $(if $(SMALL),--small,)
+
+# LoRA (issue 50): output tok/s with 8 adapters mixed in one batch vs the base model alone; last line: ratio
+bench-lora: install
+	$(HUGEPAGES) $(PY) -m bench.engine.lora $(if $(TINY),--tiny,)
 
 # role flip (issue 24): a worker flipped between pools in place vs a new worker's cold start, on a real cluster
 # (SmolLM2; TINY=1: the tiny Llama); last line: ratio: <flip_s / cold_start_s>

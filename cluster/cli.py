@@ -158,6 +158,8 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.kv_cache_memory_fraction": args.kv_cache_memory_fraction, "engine.kv_host_bytes": args.kv_host_bytes,
         "engine.kv_disk_bytes": args.kv_disk_bytes, "engine.kv_disk_dir": args.kv_disk_dir,
         "engine.speculative_config": args.speculative_config,
+        "engine.lora_modules": dict(args.lora_modules) if args.lora_modules else None,
+        "engine.max_loras": args.max_loras, "engine.max_lora_rank": args.max_lora_rank,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -232,7 +234,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-bytes", type=int, help="disk KV tier per worker, under --kv-disk-dir (default 0: none)")
     p.add_argument("--kv-disk-dir", help="directory the disk KV tier writes its files to")
     p.add_argument("--speculative-config", help=SPEC_HELP)
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
+                   help="LoRA adapters (PEFT directories) served on the model; a request names one in \"model\"")
+    p.add_argument("--max-loras", type=int, help="LoRA slots per engine (default: one per --lora-modules adapter)")
+    p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank a slot holds (default 16)")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -164,7 +164,8 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
     model_config = load_model_config(config.engine.model)
     card = ModelCard(model_id=config.model_name, max_model_len=min(i.max_model_len for i in infos),
                      vocab_size=model_config.vocab_size, created=int(time.time()),
-                     longrope_original_len=model_config.longrope_original_len, weights=_card_weights(infos))
+                     longrope_original_len=model_config.longrope_original_len, weights=_card_weights(infos),
+                     lora_adapters=tuple(name for name, _ in config.engine.lora_modules or ()))
     for i in infos:  # each worker sized its KV cache (engine/kv/sizing.py; the reason is in its own log)
         log.info("worker %s: %d KV blocks of %d tokens, context %d tokens", i.worker_id, i.num_blocks, i.block_size,
                  i.max_model_len)

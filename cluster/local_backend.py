@@ -25,7 +25,8 @@ class LocalBackend(Backend):
         self.card = ModelCard(model_id=model_id or str(engine.config.model), max_model_len=engine.max_model_len,
                               vocab_size=engine.model_config.vocab_size, created=int(time.time()),
                               longrope_original_len=engine.model_config.longrope_original_len,
-                              weights=engine.runner.weights)
+                              weights=engine.runner.weights,
+                              lora_adapters=tuple(engine.runner.lora.names()) if engine.runner.lora else ())
 
     @classmethod
     def from_config(cls, config: EngineConfig, model_id: str | None = None) -> LocalBackend:

@@ -21,4 +21,5 @@ Pieces (each module's docstring is its design note):
 - sched/             the scheduler and the SchedulerOutput contract it hands the model runner (torch-free)
 - sampling/          the sampler and structured output (grammars)
 - speculative/       speculative decoding: proposers, draft model, verification, policy, decoder
+- lora/              LoRA adapters: PEFT directories read, a slot pool, the per-token shrink / expand
 """

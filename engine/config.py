@@ -214,6 +214,11 @@ class EngineConfig:
     # speculative decoding (engine/speculative/): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
     # --speculative-config takes it; None: off
     speculative_config: Any = None
+    # LoRA adapters (engine/lora/): name → PEFT adapter directory (a dict, kept as sorted pairs), each loaded at start
+    # into its own pinned slot of ``max_loras`` (0: as many as there are adapters), rank <= ``max_lora_rank``
+    lora_modules: Any = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
     hash_seed: int = 0
     hash_namespace: str = ""
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -224,6 +229,7 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.from_json(spec) if isinstance(spec, str) else SpeculativeConfig.from_dict(spec)
             object.__setattr__(self, "speculative_config", spec)
+        self._check_lora()
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -270,6 +276,24 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        if modules is not None:
+            if isinstance(modules, dict):
+                modules = tuple(sorted(modules.items()))
+            if not modules or not all(isinstance(n, str) and n and isinstance(p, str) and p for n, p in modules):
+                raise ConfigError(f"lora_modules must map adapter names to directories, got {self.lora_modules!r}")
+            object.__setattr__(self, "lora_modules", tuple(modules))
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (0 if name == "max_loras" else 1):
+                raise ConfigError(f"{name} must be an integer >= {0 if name == 'max_loras' else 1}, got {value!r}")
+        if modules and self.max_loras and self.max_loras < len(modules):
+            raise ConfigError(f"max_loras {self.max_loras} < {len(modules)} lora_modules: every adapter is loaded at "
+                              "start into its own slot (slot eviction is not built yet)")
+        if (modules or self.max_loras) and self.speculative_config is not None:
+            raise ConfigError("LoRA adapters with speculative decoding are not implemented")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -120,6 +120,10 @@ class Engine(EmitMixin, RemoteKVMixin):
         ids = check_prompt(prompt_token_ids, params, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.max_model_len)
         params = admit_rope_factors(params, len(ids), self.model_config.longrope_original_len)  # kept if chosen
+        lora = self.runner.lora
+        if params.lora is not None and (lora is None or params.lora not in lora.slots.slot_of):
+            known = lora.names() if lora is not None else []
+            raise InvalidRequestError(f"unknown LoRA adapter {params.lora!r} (this engine serves {known or 'none'})")
         total = len(ids) + params.max_tokens
         if self.scheduler.blocks_needed(total) > self.pool.num_blocks:
             raise InvalidRequestError(
@@ -211,6 +215,23 @@ class Engine(EmitMixin, RemoteKVMixin):
             self.scheduler.remove(request, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(request, [], "", 0))
         return outputs
+
+    # ---- LoRA adapters (engine/lora/), between steps -------------------------------------------------
+    def load_lora(self, name: str, path: str) -> int:
+        """Load the PEFT adapter at ``path`` as ``name`` into a free slot (max_loras > 0 at start); returns it."""
+        if self.runner.lora is None:
+            raise ConfigError("this engine was started without LoRA slots (set max_loras or lora_modules)")
+        return self.runner.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> int:
+        """Free adapter ``name``'s slot; refused while a request of this engine still uses it."""
+        if self.runner.lora is None:
+            raise ConfigError("this engine was started without LoRA slots (set max_loras or lora_modules)")
+        users = [r.request_id for group in (self.requests, self.held, self.remote_pending) for r in group.values()
+                 if r.params.lora == name]
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} requests ({users[:3]} ...)")
+        return self.runner.lora.unload(name)
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has work (requests waiting for remote KV do not count until committed)."""

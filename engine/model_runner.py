@@ -29,6 +29,7 @@ from engine.loading.checkpoint import checkpoint_path
 from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
+from engine.lora.pool import LoraPool, build_lora_pool
 from engine.models.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
@@ -116,6 +117,11 @@ class ModelRunner:
                             "0.86-0.87x of cuBLAS bf16 at decode shapes on an H200 (docs/benchmarks.md, GPU)")
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
+        # LoRA adapters (engine/lora/): their deltas added to the projections' outputs, per token
+        self.lora: LoraPool | None = None
+        if (cfg.lora_modules or cfg.max_loras) and kv_blocks:
+            self.lora = build_lora_pool(self.model, cfg.lora_modules or (), cfg.max_loras, cfg.max_lora_rank,
+                                        self.dtype, self.device)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)
@@ -155,7 +161,13 @@ class ModelRunner:
     def _set_up_decode_graphs(self, cfg: EngineConfig, kv_blocks: bool) -> str | None:
         """``decode_graphs`` where decode steps can replay; else None there and why they run eagerly returned."""
         model_cfg, reason = self.model_cfg, None
-        if (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
+        graphs_on = cfg.cuda_graph_max_batch if self.device.type == "cuda" else \
+            cfg.cpu_graph_max_batch and kv_blocks and self._cpu_graph_refusal() is None
+        if graphs_on and self.lora is not None:
+            reason = "LoRA adapters: the step's per-adapter token groups are built on the host (engine/lora/ops.py)"
+            log.warning("decode graphs off, decode runs eagerly: %s", reason)
+            self.fallbacks.append(f"decode graphs: {reason}")
+        elif (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
                 and self.ops.fused_moe is None):  # the Triton fused MoE reads nothing on the host: it replays
             reason = "mixture of experts: the grouped expert GEMMs size themselves on the host (engine/models/moe.py)"
             log.warning("CUDA graphs off, decode runs eagerly: %s", reason)
@@ -221,6 +233,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        token_slots: list[int] = []  # each token's LoRA slot (-1: the base model)
         rope = self.model.rope
         for s in ordered:
             r = s.request
@@ -231,6 +244,8 @@ class ModelRunner:
             block_ids = r.block_ids
             slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
             seq_lens.append(end)
+            if self.lora is not None:
+                token_slots.extend([self.lora.token_slot(r.params.lora)] * s.num_new_tokens)
             cu_q.append(cu_q[-1] + s.num_new_tokens)
             tables.append(block_ids)
             if s.completes_sequence:
@@ -238,6 +253,8 @@ class ModelRunner:
                 sampled.append(s)
         step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
         self.tp.send(("step", step))
+        if self.lora is not None:
+            self.lora.set_batch(token_slots)
         self.forward(*step)
         row = 0
         for s in ordered:

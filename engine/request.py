@@ -42,6 +42,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_CACHE_SALT_CHARS = 256
 ROPE_FACTOR_SETS = ("short", "long")  # LongRoPE's two sets (SamplingParams.rope_factors)
 LONG_ROPE_SALT = "longrope:long"  # the block-hash salt part of the long set
+LORA_SALT = "\x1flora="  # + the adapter's name: the block-hash salt part of a request served with a LoRA adapter
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # StructuredOutput.kind
 
 
@@ -115,6 +116,9 @@ class SamplingParams:
     # router or the engine, never by clients, and kept by every worker that touches the request; None for a
     # model without LongRoPE. The long set enters the block-hash salt (``hash_salt``).
     rope_factors: str | None = None
+    # the LoRA adapter this request runs with (engine/lora/; a name of EngineConfig.lora_modules); None: the base
+    # model. It enters the block-hash salt (``hash_salt``): no prefix sharing across adapters, sharing within one.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +135,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if self.lora is not None and not (isinstance(self.lora, str) and self.lora):
+            raise bad(f"lora must be a non-empty adapter name or null, got {self.lora!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -198,13 +204,15 @@ class SamplingParams:
     def hash_salt(self) -> tuple[str, ...]:
         """The salt of this request's block hashes (engine/kv/hashing.py ``salted_root``): () when unsalted,
         else (tenant salt, cache salt) with "" for the one that is absent; LongRoPE's long factor set adds a
-        third part (its blocks hold other K values for the same tokens), the short set none (so a model served
-        within its pre-training length hashes as it always did)."""
-        if self.rope_factors == "long":
-            return (self.tenant_salt or "", self.cache_salt or "", LONG_ROPE_SALT)
-        if self.tenant_salt is None and self.cache_salt is None:
+        part (its blocks hold other K values for the same tokens), the short set none (so a model served
+        within its pre-training length hashes as it always did); a LoRA adapter adds ``LORA_SALT`` + its name
+        (its K and V differ from the base's and from every other adapter's)."""
+        extra = (LONG_ROPE_SALT,) if self.rope_factors == "long" else ()
+        if self.lora is not None:
+            extra += (LORA_SALT + self.lora,)
+        if self.tenant_salt is None and self.cache_salt is None and not extra:
             return ()
-        return (self.tenant_salt or "", self.cache_salt or "")
+        return (self.tenant_salt or "", self.cache_salt or "", *extra)
 
 
 def admit_rope_factors(params: SamplingParams, num_prompt_tokens: int,

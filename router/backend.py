@@ -36,6 +36,8 @@ class ModelCard:
     created: int = 0  # unix seconds
     longrope_original_len: int | None = None  # LongRoPE's pre-training length (the factor-set boundary), or None
     weights: WeightsSummary | None = None  # what the engines hold and run (the ``duet`` object of /v1/models)
+    # LoRA adapters served on this model (engine/lora/): a request names one in "model" (vLLM's rule)
+    lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

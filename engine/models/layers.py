@@ -96,6 +96,7 @@ class Linear(nn.Module):
         # row-parallel, the group whose all-reduce sums the partial outputs before the bias is added
         self.tp_split: tuple[int, list] | None = None
         self.reduce = None
+        self.lora = None  # LoRA adapters' slots (engine/lora/pool.py LoraWeights): their deltas added to the output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None else None
@@ -109,6 +110,8 @@ class Linear(nn.Module):
             out = self.ops.w8a16_linear(x, self.qweight, self.scales, bias)
         else:
             out = self.ops.linear(x, self.weight, bias)
+        if self.lora is not None:
+            out = self.lora.add_(x, out)
         if self.reduce is None:
             return out
         out = self.reduce.all_reduce_(out)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -162,8 +163,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
         card = self.backend.card
-        return pb.ListModelsResponse(models=[pb.ModelInfo(
-            id=card.model_id, max_model_len=card.max_model_len, vocab_size=card.vocab_size, created=card.created)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(  # the base, then its LoRA adapters
+            id=name, max_model_len=card.max_model_len, vocab_size=card.vocab_size, created=card.created)
+            for name in (card.model_id, *card.lora_adapters)])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -199,12 +201,15 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         """Validate and tokenize (on a worker thread); raises InvalidRequestError. A chat is rendered and its
         output shaped as on the HTTP path (router/grpc/chat.py)."""
         card = self.backend.card
-        if request.model and request.model != card.model_id:
-            raise InvalidRequestError(f"unknown model {request.model!r}; this server serves {card.model_id!r}")
+        if request.model and request.model != card.model_id and request.model not in card.lora_adapters:
+            served = ", ".join(repr(n) for n in (card.model_id, *card.lora_adapters))
+            raise InvalidRequestError(f"unknown model {request.model!r}; this server serves {served}")
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         params = sampling_params_from_pb(request, tenant_salt)
+        if request.model in card.lora_adapters:  # a LoRA adapter's name: the request runs with it
+            params = dataclasses.replace(params, lora=request.model)
         turn = None
         if request.WhichOneof("prompt") == "chat" and ChatTurn.needed(request, self.chat_format):
             turn = ChatTurn.of(request, card.model_id, self.chat_format)

@@ -90,7 +90,7 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     app.add_api_route("/health", server.health, methods=["GET"])
     app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
     install_error_handlers(app)
-    document(app, server.model_names)
+    document(app, [*server.model_names, *server.lora_names])
     return app
 
 
@@ -103,7 +103,8 @@ class _OpenAIServer:
         self.salt_by_api_key = salt_by_api_key
         self.metrics = metrics
         self.model_names = list(served_model_names or [backend.card.model_id])
-        self._accepted_names = {backend.card.model_id, *self.model_names}
+        self.lora_names = list(backend.card.lora_adapters)  # their parent: the first served name
+        self._accepted_names = {backend.card.model_id, *self.model_names, *self.lora_names}
         self.tool_call_parser = tool_call_parser
         if tool_call_parser is not None:
             ChatFormat.check_parser(tool_call_parser)
@@ -145,7 +146,7 @@ class _OpenAIServer:
         return await serve_response(self, request, body)
 
     async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_entry(name) for name in self.model_names]}
+        return {"object": "list", "data": [self._model_entry(name) for name in (*self.model_names, *self.lora_names)]}
 
     async def get_model(self, model_id: str) -> dict[str, Any]:
         self.check_model(model_id)
@@ -177,6 +178,8 @@ class _OpenAIServer:
         # a batch is completions only, whose max_tokens does not depend on the prompt: one params list
         params = body.sampling_params(len(prompts[0]), self.backend.card.max_model_len, self.salt_for(request),
                                       tool_constraint, keep_special_tokens)
+        if body.model in self.lora_names:  # a LoRA adapter's name: the request runs with it
+            params = [dataclasses.replace(p, lora=body.model) for p in params]
         for ids in prompts:
             self.backend.check_request(ids, params[0])  # choices differ only in their seeds
         if echo:  # ids are known to be in the vocabulary now
@@ -210,6 +213,8 @@ class _OpenAIServer:
         card = self.backend.card
         entry = {"id": name, "object": "model", "created": card.created, "owned_by": "duet",
                  "root": card.model_id, "max_model_len": card.max_model_len}
+        if name in self.lora_names:  # vLLM's entry for an adapter: its base model as parent
+            entry["parent"] = self.model_names[0]
         if card.weights is not None:  # an extension field (OpenAI clients keep unknown fields as extras)
             entry["duet"] = card.weights.to_json()
         return entry

@@ -108,3 +108,16 @@ def test_serve_refuses_a_disk_tier_smaller_than_the_host_tier_before_starting_an
                "--kv-disk-dir", str(tmp_path), check=False)
     assert res.returncode == 2 and "kv_disk_bytes 1048576 is smaller than kv_host_bytes" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_lora_flags_reach_the_engine_config():
+    from cluster.cli import build_parser, serve_config_from_args
+
+    parse = build_parser().parse_args
+    config = serve_config_from_args(parse(["serve", "--model", "m", "--lora-modules", "a=/x/a", "b=/x/b",
+                                           "--max-loras", "4", "--max-lora-rank", "32"]))
+    engine = config.engine
+    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank) == ((("a", "/x/a"), ("b", "/x/b")), 4, 32)
+    assert serve_config_from_args(parse(["serve", "--model", "m"])).engine.lora_modules is None
+    with pytest.raises(SystemExit):
+        parse(["serve", "--model", "m", "--lora-modules", "no-path"])

@@ -1,0 +1,153 @@
+"""LoraPool: the adapters' weights on the model's device, ``max_loras`` slots of rank up to ``max_lora_rank`` in
+every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the step's ``LoraBatch``.
+
+Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras, S*R, in] and ``bt``
+[max_loras, S*R, out] (B transposed) for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an
+adapter has a smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
+adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
+touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Adapters are loaded
+at start (pinned) or at run time (``load`` / ``unload``, between steps); a loaded adapter keeps its slot until it is
+unloaded: LRU eviction of idle adapters (engine/lora/slots.py has the bookkeeping) is not wired yet.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
+from engine.lora.ops import LoraBatch, lora_add_
+from engine.lora.slots import LoraSlots
+
+log = logging.getLogger(__name__)
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoraWeights:
+    """One linear's slots. ``add_(x, out)`` adds the step's adapters' deltas to the base output ``out``."""
+
+    def __init__(self, pool: LoraPool, in_features: int, shard_sizes: list[int], dtype, device) -> None:
+        self.pool = pool
+        self.shard_sizes = shard_sizes
+        n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
+        self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
+        self.bt = torch.zeros(n, len(shard_sizes) * r, out, dtype=dtype, device=device)
+
+    def write(self, slot: int, shards: dict) -> None:
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        r_max, row0 = self.pool.max_lora_rank, 0
+        for s, size in enumerate(self.shard_sizes):
+            w = shards.get(s if len(self.shard_sizes) > 1 else None)
+            if w is not None:
+                if w.b.shape[0] != size or w.a.shape[1] != self.a.shape[2]:
+                    raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit "
+                                           f"a projection of {self.a.shape[2]} → {size}")
+                r = w.a.shape[0]
+                self.a[slot, s * r_max:s * r_max + r] = w.a
+                self.bt[slot, s * r_max:s * r_max + r, row0:row0 + size] = w.b.T
+            row0 += size
+
+    def add_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        batch = self.pool.batch
+        if batch is None or batch.empty:
+            return out
+        mask = None if batch.token_scale is None else self.pool.column_mask(batch, self.a.shape[1])
+        return lora_add_(out, x, self.a, self.bt, self.pool.scaling, batch, mask)
+
+
+class LoraPool:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device) -> None:
+        if getattr(model, "tp", None) is not None and model.tp.enabled:
+            raise ValueError("LoRA with tensor parallelism is not implemented")
+        if model.cfg.moe.num_experts:
+            raise ValueError("LoRA on a mixture-of-experts model is not implemented")
+        self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.num_layers = len(model.layers)
+        self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
+        self.batch: LoraBatch | None = None
+        self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
+        self.slots = LoraSlots(max_loras)
+        # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
+        # block-hash salt is the name) must never be reused by other weights loaded under that name later
+        self.digests: dict[str, str] = {}
+        self.device = device
+        for layer in model.layers:
+            for name in LINEARS:
+                lin = layer.get_submodule(name)
+                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], dtype, device)
+        log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """Refuse an adapter this pool cannot hold (its rank, or a layer the base lacks)."""
+        if adapter.rank > self.max_lora_rank:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank "
+                                   f"{self.max_lora_rank}")
+        last = max(layer for layer, _ in adapter.weights)
+        if last >= self.num_layers:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {last}; the base has {self.num_layers}")
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights)."""
+        self.check(adapter)
+        for i, layer in enumerate(self.model.layers):
+            for name in LINEARS:
+                layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
+        self.scaling[slot] = adapter.scaling
+
+    def load(self, name: str, path, pin: bool = False) -> int:
+        """Read the adapter at ``path`` and put it in a free slot as ``name``; returns the slot. A loaded adapter
+        keeps its slot until ``unload`` (no eviction yet); every slot taken: ``NoFreeLoraSlot``."""
+        if name in self.slots.slot_of:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (slot {self.slots.slot_of[name]})")
+        adapter = load_adapter(name, path, self.num_layers)
+        self.check(adapter)
+        if self.digests.setdefault(name, adapter.digest) != adapter.digest:
+            raise LoraAdapterError(f"LoRA adapter name {name!r} was served with other weights before: blocks cached "
+                                   f"under that name would be reused; load {path} under a new name")
+        slot, evicted, _ = self.slots.acquire(name)
+        assert evicted is None  # loaded adapters stay held until unloaded: nothing is idle to evict
+        if pin:
+            self.slots.pin(name)
+        self.write(slot, adapter)
+        log.info("LoRA adapter %r (rank %d, scaling %g, %d linears) in slot %d: %s", name, adapter.rank,
+                 adapter.scaling, len(adapter.weights), slot, path)
+        return slot
+
+    def unload(self, name: str) -> int:
+        """Free ``name``'s slot (the caller checks that no request still uses it); returns the slot."""
+        if name not in self.slots.slot_of:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
+        self.slots.release(name)
+        slot = self.slots.unload(name)
+        self.scaling[slot] = 0.0
+        log.info("LoRA adapter %r unloaded from slot %d", name, slot)
+        return slot
+
+    def names(self) -> list[str]:
+        return sorted(self.slots.slot_of)
+
+    def token_slot(self, name: str | None) -> int:
+        """The slot of adapter ``name`` (None: -1, the base model alone)."""
+        return -1 if name is None else self.slots.slot_of[name]
+
+    def set_batch(self, token_slots: list[int] | None) -> None:
+        """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
+        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device,
+                                                                                  self.scaling)
+        self._masks = {}
+
+    def column_mask(self, batch: LoraBatch, per_slot: int) -> torch.Tensor:
+        """The step's mask for linears of ``per_slot`` ranks per slot, built once per step for all of them."""
+        if per_slot not in self._masks:
+            self._masks[per_slot] = batch.column_mask(per_slot)
+        return self._masks[per_slot]
+
+
+def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device) -> LoraPool:
+    """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) in its own slot, pinned there:
+    the start-up set of EngineConfig.lora_modules (``max_loras`` 0: as many slots as adapters)."""
+    pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device)
+    for name, path in lora_modules:
+        pool.load(name, path, pin=True)
+    return pool
