@@ -39,6 +39,7 @@ class Fp8Packed:
     input_scale: torch.Tensor | None = None  # static-tensor: float32 []
     scale_ub: float | None = None  # dynamic-token: FBGEMM's cap on a row's amax
     dense: torch.Tensor | None = None  # ``as_dense``: the dequantized weight in the model dtype (weight then empty)
+    block_cols: torch.Tensor | None = None  # block scales per K block as _scaled_mm's column scales [K / bk, N]
     fmt: str = "FP8"
 
     @property
@@ -53,7 +54,8 @@ class Fp8Packed:
     def num_bytes(self) -> int:
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
-        return self.weight.numel() + self.scale.numel() * 4
+        cols = 0 if self.block_cols is None else self.block_cols.numel() * 4
+        return self.weight.numel() + self.scale.numel() * 4 + cols
 
 
 def pack(w, activations: str, group_size: int = 0, scale_ub: float | None = None,
@@ -67,9 +69,11 @@ def pack(w, activations: str, group_size: int = 0, scale_ub: float | None = None
         scale = w.scale
     else:
         scale = w.scale.reshape(-1, 1).expand(w.rows, 1).reshape(1, w.rows)
-    return Fp8Packed(w.weight.to(device), scale.to(device, torch.float32).contiguous(), w.block, activations,
+    scale = scale.to(device, torch.float32).contiguous()
+    cols = (scale.repeat_interleave(w.block[0], 0)[:w.rows].T.contiguous() if w.block is not None else None)
+    return Fp8Packed(w.weight.to(device), scale, w.block, activations,
                      w.block[1] if w.block is not None else group_size,
-                     None if w.input_scale is None else w.input_scale.to(device), scale_ub)
+                     None if w.input_scale is None else w.input_scale.to(device), scale_ub, block_cols=cols)
 
 
 def quantize_activations(x: torch.Tensor, p: Fp8Packed, cols: slice | None = None
@@ -87,10 +91,11 @@ def quantize_activations(x: torch.Tensor, p: Fp8Packed, cols: slice | None = Non
 
 
 def _k_blocks(p: Fp8Packed):
-    """(column slice of K, its per-column weight scale [1, N]) per K block of a block-scaled weight."""
-    bn, bk = p.block
+    """(column slice of K, its per-column weight scale [1, N]) per K block of a block-scaled weight (expanded once,
+    at ``pack``)."""
+    bk = p.block[1]
     for j, k0 in enumerate(range(0, p.cols, bk)):
-        yield slice(k0, min(k0 + bk, p.cols)), p.scale[:, j].repeat_interleave(bn)[:p.rows].reshape(1, -1)
+        yield slice(k0, min(k0 + bk, p.cols)), p.block_cols[j:j + 1]
 
 
 def linear(x: torch.Tensor, p: Fp8Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
@@ -108,7 +113,7 @@ def linear(x: torch.Tensor, p: Fp8Packed, bias: torch.Tensor | None = None, out:
         y = None
         for cols, scale_b in _k_blocks(p):
             xq, s = quantize_activations(x, p, cols)
-            part = torch._scaled_mm(xq, p.weight[:, cols].t(), scale_a=s, scale_b=scale_b.contiguous(),
+            part = torch._scaled_mm(xq, p.weight[:, cols].t(), scale_a=s, scale_b=scale_b,
                                     out_dtype=torch.float32)
             y = part if y is None else y.add_(part)
     if bias is not None:
