@@ -69,5 +69,16 @@ static inline int isa_level(int isa) {
     return isa < best ? (isa < 0 ? ISA_SCALAR : isa) : best;
 }
 
+// out[i] = in[i] rounded to bf16, nearest even (torch's Tensor.to(torch.bfloat16), NaN kept a NaN); the prefill
+// tiles of int8 activations for the bf16 GEMM (kernels/cpu_quant.py). A loop the compiler vectorizes.
+static inline void f32_to_bf16(const float *in, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, in + i, 4);
+        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        out[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
+    }
+}
+
 // avx2_supported(): this CPU takes the AVX2 + FMA + F16C paths
 static inline int avx2_supported(void) { return isa_supported() >= ISA_AVX2; }

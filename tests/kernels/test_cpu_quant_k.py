@@ -148,7 +148,9 @@ def test_linear_default_takes_both_activations_and_the_tiles(two_threads, monkey
     p = cpu_quant.pack(w)
     assert cpu_quant.gemm_rows("Q6_K", "fp32") == cpu_quant.GEMM_ROWS_FP32_K["Q6_K"] > cpu_quant.GEMM_ROWS_FP32
     assert cpu_quant.gemm_rows("Q4_1", "fp32") == cpu_quant.GEMM_ROWS_FP32
-    assert cpu_quant.gemm_rows("Q6_K", "int8") == cpu_quant.GEMM_ROWS
+    assert cpu_quant.gemm_rows("Q6_K", "int8") == (cpu_quant.GEMM_ROWS_BF16 if cpu_quant.bf16_prefill("int8")
+                                                   else cpu_quant.GEMM_ROWS)
+    assert cpu_quant.gemm_rows("Q6_K", "int8", "avx2") == cpu_quant.GEMM_ROWS  # no bf16 tiles below AVX-512
     x = torch.randn(cpu_quant.gemm_rows("Q6_K", "fp32"), 512)
     assert cpu_quant.ACTIVATIONS == "fp32"
     called = []
