@@ -222,6 +222,11 @@ class Engine(EmitMixin, RemoteKVMixin):
         for good); returns its digest. LoraAdapterError names what refused it."""
         return self._lora_manager().load(name, path, pinned).digest
 
+    def add_lora(self, adapter, pinned: bool = False) -> str:
+        """``load_lora`` of an adapter read already (engine/lora/adapter.py ``load_adapter``, off the engine thread,
+        so a large file does not stall the steps); returns its digest."""
+        return self._lora_manager().add(adapter, pinned).digest
+
     def unload_lora(self, name: str) -> None:
         """Forget adapter ``name``; refused (InvalidRequestError) while a request of this engine still runs or waits
         with it. A prefill worker's handed-off requests (``held``) do not count: their KV is computed."""

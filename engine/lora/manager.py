@@ -82,7 +82,13 @@ class LoraManager:
         """Read the adapter at ``path`` as ``name`` into host memory (and a free slot, or pinned into one)."""
         if name in self.adapters:
             raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (from {self.adapters[name].path})")
-        adapter = load_adapter(name, path, self.pool.num_layers)  # first: a path that is not there is a 404
+        return self.add(load_adapter(name, path, self.pool.num_layers), pinned)
+
+    def add(self, adapter: LoraAdapter, pinned: bool = False) -> LoraAdapter:
+        """``load`` of an adapter already read (``engine.lora.adapter.load_adapter``, e.g. off the engine thread)."""
+        name, path = adapter.name, adapter.path
+        if name in self.adapters:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (from {self.adapters[name].path})")
         if len(self.adapters) >= self.max_cpu_loras:
             raise LoraAdapterError(f"max_cpu_loras: {len(self.adapters)} LoRA adapters are loaded "
                                    f"({', '.join(self.names())}); unload one before loading {name!r}")
