@@ -118,22 +118,19 @@ def test_unload_waits_for_running_requests_and_refuses_new_ones(runtime):
                                                    json={"lora_name": name}, headers=headers)
     assert unload("rt1", {}).status_code == 401
     assert unload("nothing-here").status_code == 404
-    before = _complete(http, url, "rt1", max_tokens=160).json()["choices"][0]["text"]
+    before = _complete(http, url, "rt1", max_tokens=400).json()["choices"][0]["text"]
     events, done = [], {}
 
     def stream() -> None:
         with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                "model": "rt1", "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+                "model": "rt1", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
-        done["stream"] = time.monotonic()
 
     def unloading() -> None:
-        done["asked"] = time.monotonic()
         done["status"] = unload("rt1").status_code
-        done["unload"] = time.monotonic()
 
     streamer = threading.Thread(target=stream)
     streamer.start()
@@ -141,12 +138,12 @@ def test_unload_waits_for_running_requests_and_refuses_new_ones(runtime):
     unloader = threading.Thread(target=unloading)
     unloader.start()
     assert wait_until(lambda: "rt1" not in [m["id"] for m in http.get(url + "/v1/models").json()["data"]])
+    seen, pending = len(events), unloader.is_alive()  # the name is gone, the stream goes on, the unload waits
     r = _complete(http, url, "rt1")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     streamer.join(60)
     unloader.join(60)
-    assert done["asked"] < done["stream"] <= done["unload"], done  # asked mid-stream, answered after it ended
-    assert done["status"] == 200
+    assert pending and seen < len(events) and done["status"] == 200
     assert "".join(e["choices"][0]["text"] for e in events) == before  # nothing cut
     assert backend.engine.runner.lora.names() == ["rt0"]
     assert http.post(url + "/v1/load_lora_adapter", headers=ADMIN,  # the name again, other bytes: refused
