@@ -241,7 +241,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "--lora-modules adapter); idle slots are reused least recently used first")
     p.add_argument("--max-cpu-loras", type=int, help="LoRA adapters loaded at once, in host memory (default: "
                    "max(--max-loras, the --lora-modules count)); POST /v1/load_lora_adapter adds more up to this")
-    p.add_argument("--pinned-loras", nargs="+", metavar="NAME", help="--lora-modules adapters that keep a slot for good")
+    p.add_argument("--pinned-loras", nargs="+", metavar="NAME",
+                   help="--lora-modules adapters that keep a slot for good")
     p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank a slot holds (default 16)")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 

@@ -13,8 +13,9 @@ Loops (tasks on the router's event loop):
   router's latency samples of the interval), ``decide``, record every decision, apply new targets.
 - reconcile (after each of the above and after every target change): at most one action per role at a
   time. Below target: start a worker (``starting`` until it loaded its model, registered its NIXL agent, shook
-  hands with the other role and holds the LoRA adapters served now; then ``ready`` and routed to). Above target: drain the least-loaded
-  ready worker (``draining``: no new requests; it finishes its requests and its KV leases, then stops).
+  hands with the other role and holds the LoRA adapters served now; then ``ready`` and routed to). Above target:
+  drain the least-loaded ready worker (``draining``: no new requests; it finishes its requests and its KV leases,
+  then stops).
   No request fails because of a scale-down; a drain that outlives ``lifecycle.drain_timeout_s`` is stopped
   anyway and logged.
   One pool over its target while the other is under (a rebalance): flip a worker across in place instead,

@@ -25,7 +25,8 @@ Design notes:
   abort that frees the request's KV blocks. (An async-generator handler can be dropped while suspended at
   `yield`, leaving the close to the garbage collector.)
 - API keys: a server interceptor guards every method of duet.v1.Generate (`authorization: Bearer <key>`,
-  constant-time compare) but the LoRA RPCs, which apply the admin-key rule themselves (router/grpc/lora.py). Health and reflection stay open so load balancers and grpcurl work unkeyed.
+  constant-time compare) but the LoRA RPCs, which apply the admin-key rule themselves (router/grpc/lora.py).
+  Health and reflection stay open so load balancers and grpcurl work unkeyed.
   With ``salt_by_api_key`` the servicer salts each request's block hashes by its key (router/tenancy.py).
 - Health: grpc.health.v1 reports "" and "duet.v1.Generate"; a small task mirrors `backend.health().ok`
   into both every `health_interval_s`. `grpc.aio.server()` builds a plain Server we cannot subclass, so

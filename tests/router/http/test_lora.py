@@ -88,7 +88,10 @@ def _complete(http, url, model, max_tokens=N, **extra):
 
 def test_load_over_http_is_vllms_and_admin_only(runtime):
     url, http, backend, reference, paths = runtime
-    load = lambda body, headers=ADMIN: http.post(url + "/v1/load_lora_adapter", json=body, headers=headers)  # noqa: E731
+
+    def load(body, headers=ADMIN):
+        return http.post(url + "/v1/load_lora_adapter", json=body, headers=headers)
+
     body = {"lora_name": "rt0", "lora_path": paths["rt0"]}
     assert load(body, {}).status_code == 401
     assert load(body, {"Authorization": "Bearer nope"}).status_code == 403

@@ -28,7 +28,8 @@ def test_lora_requests_info_per_worker():
     assert got["decode-0"].labels == {"model_name": "m", "engine": "decode-0", "worker": "decode-0", "role": "decode",
                                       "max_lora": "2", "waiting_lora_adapters": "c", "running_lora_adapters": "a,b"}
     assert got["decode-0"].value == 1_700_000_123.5
-    assert (got["prefill-0"].labels["running_lora_adapters"], got["prefill-0"].labels["waiting_lora_adapters"]) == ("", "")
+    idle = got["prefill-0"].labels
+    assert (idle["running_lora_adapters"], idle["waiting_lora_adapters"]) == ("", "")
     assert {s.labels["worker"]: s.value for s in families["duet_lora_adapters_loaded"].samples} == {
         "decode-0": 3, "prefill-0": 3}
     assert [s.value for s in families["duet_lora_slot_evictions"].samples if s.name.endswith("_total")] == [3, 3]
