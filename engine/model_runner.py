@@ -29,7 +29,7 @@ from engine.loading.checkpoint import checkpoint_path
 from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
-from engine.lora.pool import LoraPool, build_lora_pool
+from engine.lora.manager import LoraManager
 from engine.models.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
@@ -118,10 +118,9 @@ class ModelRunner:
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
         # LoRA adapters (engine/lora/): their deltas added to the projections' outputs, per token
-        self.lora: LoraPool | None = None
-        if (cfg.lora_modules or cfg.max_loras) and kv_blocks:
-            self.lora = build_lora_pool(self.model, cfg.lora_modules or (), cfg.max_loras, cfg.max_lora_rank,
-                                        self.dtype, self.device)
+        self.lora: LoraManager | None = None
+        if cfg.lora_slots and kv_blocks:
+            self.lora = LoraManager.build(self.model, cfg, self.dtype, self.device)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)
@@ -254,7 +253,7 @@ class ModelRunner:
         step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
         self.tp.send(("step", step))
         if self.lora is not None:
-            self.lora.set_batch(token_slots)
+            self.lora.pool.set_batch(token_slots)
         self.forward(*step)
         row = 0
         for s in ordered:

@@ -1,8 +1,9 @@
 """What a worker states about its engine: the KV compatibility its peers must share (and how a peer's model-dtype
-blocks are stored into a quantized cache), and the figures of its stats() that come from the engine's prefix cache
-and tiers."""
+blocks are stored into a quantized cache), and the figures of its stats() that come from the engine's prefix cache,
+tiers, speculation and LoRA adapters."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -83,3 +84,16 @@ def spec_stats(engine: Engine) -> dict[str, Any]:
     return {"spec_decode": {"method": spec.config.method, "num_drafts": st.num_drafts,
                             "num_draft_tokens": st.num_draft_tokens, "num_accepted_tokens": st.num_accepted_tokens,
                             "num_accepted_tokens_per_pos": list(st.accepted_per_pos)}}
+
+
+def lora_stats(engine: Engine) -> dict[str, Any]:
+    """The LoRA adapters for stats() (``lora``: Engine.lora_stats, with the wall-clock time it was taken, which is
+    ``vllm:lora_requests_info``'s value: router/metrics/lora.py); empty without LoRA."""
+    info = engine.lora_stats()
+    return {} if info is None else {"lora": {**info, "updated_unix_s": time.time()}}
+
+
+def engine_sections(engine: Engine) -> dict[str, Any]:
+    """stats()' sections about the engine's parts: ``kv_cache`` always; ``kv_tiers``, ``spec_decode``, ``lora`` when
+    the engine has them."""
+    return {**tier_stats(engine), **spec_stats(engine), **cache_config(engine), **lora_stats(engine)}

@@ -8,8 +8,8 @@ projection names map onto duet's fused parameters as the checkpoint loader maps 
 tests/engine/lora/test_adapter.py keeps the two in step). Only what duet implements is accepted: plain LoRA
 (``peft_type`` LORA) on the attention and MLP projections of the dense decoder layers, ``bias`` "none". DoRA,
 ``modules_to_save``, embedding or LM-head targets, per-module rank / alpha patterns, ``fan_in_fan_out``, LoRA biases,
-layer replication and the other PEFT variants are refused with an error that names the field; so is a tensor the
-table does not place.
+layer replication and the other PEFT variants are refused with an error (``engine.errors.LoraAdapterError``) that
+names the field; so is a tensor the table does not place. No directory at the path: ``LoraAdapterNotFoundError``.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import xxhash
 from safetensors.torch import load_file
+
+from engine.errors import LoraAdapterError, LoraAdapterNotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,10 +38,6 @@ _KEY = re.compile(r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|m
 _REFUSED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "lora_bias",
             "layer_replication", "target_parameters", "trainable_token_indices", "use_qalora", "use_bdlora",
             "alora_invocation_tokens", "arrow_config", "megatron_config", "exclude_modules")
-
-
-class LoraAdapterError(ValueError):
-    """An adapter directory duet cannot serve; the message names the file and the field or tensor."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,8 @@ class LoraAdapter:
 
 
 def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise LoraAdapterNotFoundError(f"no LoRA adapter directory at {path}")
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise LoraAdapterError(f"{path}: no {CONFIG_FILE} (not a PEFT adapter directory)")

@@ -29,6 +29,8 @@ continued elsewhere from where the client is (router/dispatch/migration.py: the 
 engine resuming exactly), at most ``MAX_MIGRATIONS`` times; then it ends with ``finish_reason="error"``.
 A live worker's failure is an error output, never retried blindly.
 Bad input raises InvalidRequestError before anything runs.
+LoRA adapters (router/lora_adapters.py, ``lora``): every worker holds the served set, so any worker can take any
+request; a request's adapter is counted from admission to its end, which is what an unload waits for.
 
 Pools of two KV dtypes (mixed precision: a prefill pool at the model dtype, a quantized decode pool) hash in two
 namespaces (engine/kv/hashing.py ``kv_namespace``): ``hasher`` is the decode pool's, ``prefill_hasher`` the prefill
@@ -55,6 +57,7 @@ from engine.text.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
 from router.dispatch.faults import WorkerFaults, _Lost, _quietly
 from router.dispatch.migration import MAX_MIGRATIONS, SentSoFar, with_seed
+from router.lora_adapters import LoraAdapters, ServedAdapter
 from router.metrics.collector import RequestTiming, RouterMetrics
 from router.routing.demand import DecodeDemand
 from router.routing.index import PrefixIndex
@@ -86,6 +89,7 @@ class ClusterBackend(WorkerFaults, Backend):
         local_prefill_max_tokens: int = 0,
         metrics: RouterMetrics | None = None,
         prefill_hasher: BlockHasher | None = None,
+        lora_modules: Sequence[ServedAdapter] = (),
     ) -> None:
         self.card = card
         self.tokenizer = tokenizer
@@ -105,6 +109,7 @@ class ClusterBackend(WorkerFaults, Backend):
         self.prefill_tokens_routed = 0  # uncached prompt tokens of requests that needed a prefill (cumulative)
         self.demand = DecodeDemand(hasher.block_size)  # what the requests ask of decode (cumulative)
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
+        self.lora = LoraAdapters(self._lora_targets, lora_modules)  # the same adapters on every worker
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
             self.activate(client)
@@ -133,6 +138,10 @@ class ClusterBackend(WorkerFaults, Backend):
                               f"the model is served with {self.card.max_model_len}: give it a larger KV cache")
         self.tracker.add_worker(client.worker_id)
         self.registry.mark_ready(client.worker_id, time.monotonic(), client=client, pid=pid, node=node)
+
+    def _lora_targets(self) -> list[WorkerClient]:
+        """Where a LoRA adapter is loaded or unloaded: every worker that runs or finishes requests."""
+        return [r.client for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
 
     def hasher_of(self, role: Role) -> BlockHasher:
         """How the workers of ``role``'s pool hash their blocks."""
@@ -163,6 +172,7 @@ class ClusterBackend(WorkerFaults, Backend):
         self.demand.placed(len(prompt_token_ids), params.max_tokens)
         placements = migrations = 0
         ended = None  # the finish reason the client got
+        self.lora.begin(params.lora)  # an unload waits for the requests of its adapter admitted before it
         try:
             for attempt in itertools.count():
                 n_prior = len(sent.token_ids)
@@ -206,6 +216,7 @@ class ClusterBackend(WorkerFaults, Backend):
             yield self._timed(timing, None, self._error_output(request_id, None, RuntimeError(
                 f"workers kept failing ({placements} placements, {migrations} migrations)")))
         finally:
+            self.lora.end(params.lora)
             if ended in ("stop", "length"):  # how long its output ran, of what it asked (the autoscaler's forecast)
                 self.demand.finished(len(sent.token_ids), params.max_tokens)
             if timing is not None:

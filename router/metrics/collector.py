@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
 from router.metrics.cache_config import cache_config_family
+from router.metrics.lora import lora_families
 from router.metrics.speculative import spec_families
 from router.metrics.tiers import tier_families
 from router.metrics.weights import weight_family
@@ -266,6 +267,7 @@ class ClusterCollector:
         yield cache_config_family(live, self._labels, WORKER_LABELS)
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         yield from spec_families(live, self._labels, WORKER_LABELS)
+        yield from lora_families(live, self._labels, WORKER_LABELS)
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))
         for (role, state), n in sorted(self.workers.counts().items()):
             pools.add_metric((role.value, state.value), n)

@@ -115,9 +115,11 @@ def test_lora_flags_reach_the_engine_config():
 
     parse = build_parser().parse_args
     config = serve_config_from_args(parse(["serve", "--model", "m", "--lora-modules", "a=/x/a", "b=/x/b",
-                                           "--max-loras", "4", "--max-lora-rank", "32"]))
+                                           "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "9",
+                                           "--pinned-loras", "b"]))
     engine = config.engine
     assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank) == ((("a", "/x/a"), ("b", "/x/b")), 4, 32)
+    assert (engine.max_cpu_loras, engine.pinned_loras, engine.lora_slots, engine.lora_cpu_slots) == (9, ("b",), 4, 9)
     assert serve_config_from_args(parse(["serve", "--model", "m"])).engine.lora_modules is None
     with pytest.raises(SystemExit):
         parse(["serve", "--model", "m", "--lora-modules", "no-path"])
