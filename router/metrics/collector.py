@@ -72,6 +72,10 @@ class RouterMetrics:
         self.routing = Counter("duet_routing_decisions", "Routing decisions by role, policy and outcome "
                                "(disaggregated, local_prefill, placed_again, no_workers).",
                                ("role", "policy", "outcome"), registry=r)
+        self.lora_placements = Counter("duet_lora_placements", "Requests for a LoRA adapter placed in a pool, by role "
+                                       "and outcome: ready (routed among the workers whose slots can run the adapter "
+                                       "now), all_busy (no worker could: routed among all, it waits for a slot).",
+                                       ("role", "outcome"), registry=r)
         self.migrations = Counter("duet_migrations", "Requests continued on another worker after theirs died "
                                   "mid-stream, by the role of the worker that died.", ("role",), registry=r)
         self.ttft_parts = Histogram("duet_ttft_part_seconds", "Time to first token split into its parts: the "
