@@ -24,6 +24,7 @@ what a request may name in ``model``. A target is anything with the worker's thr
 - Joining (scale-up, a replacement, a role flip's new id): ``joining(worker)`` gives it the served set (loads what it
   lacks, drops what is not served) and holds the set still until the block returns, inside which the caller makes
   it routable: a load can never miss a worker that is becoming ready.
+A ``lora_path`` that reads as a Hub id is pinned to its commit here, before any worker is asked (``pin_hub_adapter``).
 Per name, loads and unloads are serialized (vLLM's per-name lock); the worker calls of all of them and joins
 are serialized by one lock. Torch-free (router process).
 """
@@ -60,6 +61,23 @@ class ServedAdapter:
     path: str
     pinned: bool = False
     digest: str | None = None  # the bytes every worker holds (None: not yet seen, the start-up set until a sync)
+
+
+async def pin_hub_adapter(path: str) -> str:
+    """``path`` as it is, or, a Hub id (``org/name[@revision]``, no such local path), resolved once here and pinned to
+    its commit (engine/hub/resolve.py ``pin_adapter``, off the event loop: it may fetch), so that every worker, and
+    every worker that joins later, reads the same bytes; what the Hub refuses is a ``LoraAdapterError``."""
+    from engine.hub.ref import is_hub_id
+
+    if not is_hub_id(path):
+        return path
+    from engine.errors import ModelLoadError
+    from engine.hub.resolve import pin_adapter
+
+    try:
+        return await asyncio.to_thread(pin_adapter, path)
+    except ModelLoadError as e:
+        raise LoraAdapterError(f"LoRA adapter {path}: {e}") from None
 
 
 class LoraAdapters:
@@ -103,6 +121,7 @@ class LoraAdapters:
     async def load(self, name: str, path: str, pinned: bool = False) -> ServedAdapter:
         if not name or not path:
             raise LoraAdapterError("both 'lora_name' and 'lora_path' must be given")
+        path = await pin_hub_adapter(path)
         async with self._names[name]:
             if name in self.served:
                 raise LoraAdapterError(f"the LoRA adapter {name!r} has already been loaded")
