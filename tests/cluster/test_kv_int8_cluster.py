@@ -4,7 +4,8 @@ one byte range, so the disaggregated output equals a colocated int8 engine's (wi
 with cold caches and with warm ones (the decode worker's own int8 prefix hits), drafts verified and rolled back over
 the int8 cache (requests one at a time, so the cost model verifies some), and the router hashes in the workers' int8
 namespace. Then mixed precision: an fp32 prefill pool feeding an int8 decode pool (converted on the pull), equal to a
-colocated int8 engine for one-chunk prompts. The rest
+colocated int8 engine for one-chunk prompts, and the other way round (an int8 prefill pool, an fp32 decode pool that
+dequantizes what it pulls). The rest
 of the int8 matrix (tiers, peer reads, migration, tensor parallelism): tests/cluster/test_kv_int8_matrix.py."""
 from __future__ import annotations
 
@@ -120,3 +121,43 @@ def test_mixed_precision_fp32_prefill_int8_decode(mixed_disagg, loop_thread, tin
         family = families.get("vllm:cache_config_info")
         return {s.labels["worker"]: s.labels["cache_dtype"] for s in family.samples if s.value == 1} if family else {}
     assert wait_for(lambda: cache_dtypes() == {"prefill-0": "auto", "decode-0": "int8"}), cache_dtypes()
+
+
+@pytest.fixture(scope="module")
+def reverse_disagg(cluster_factory):
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "engine.kv_cache_dtype": "int8",
+                              "decode.kv_cache_dtype": "auto"})
+
+
+def test_mixed_precision_int8_prefill_fp32_decode(reverse_disagg, loop_thread, tiny_model):
+    """The other direction: the prefill pool stores int8 (its prefix cache holds ~3x the tokens), the decode pool
+    keeps fp32 and dequantizes the int8 pages it pulls (each value times its scale: what P's attention read). Int8
+    pages on the wire. Each output equals the same two engine configs run in process (P int8 -> D's dequantization ->
+    D fp32 decode), cold and warm (P's own int8 prefix hits, D's fp32 ones); the first token is a colocated int8
+    engine's. Later tokens are neither engine's colocated: the prompt's K/V are int8's, the generated ones fp32."""
+    from tests.engine.test_kv_cache_dtype import convert_blocks
+
+    prompts = prompts_for(12)
+    params = [params_for(i) for i in range(len(prompts))]
+    model = str(tiny_model())
+    int8 = [r["token_ids"] for r in Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype="int8"))
+            .generate(prompts, params)]
+    P, D = (Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype=kv)) for kv in ("int8", "auto"))
+    want_cold = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    want_warm = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    backend = reverse_disagg.backend
+    assert backend.hasher.namespace == "" and backend.prefill_hasher.namespace == kv_namespace("", "int8")
+    cold = run_all(loop_thread, backend, "cold", prompts, params)
+    assert [g["token_ids"] for g in cold] == want_cold
+    assert [g["token_ids"][0] for g in cold] == [t[0] for t in int8]
+    s = stats(loop_thread, reverse_disagg)
+    int8_block_bytes = 2 * 2 * 16 * 2 * (16 + 4)  # layers x K,V x tokens x KV heads x (16 int8 + an fp32 scale)
+    assert s["decode-0"]["transfers_ok"] == len(prompts)
+    assert s["decode-0"]["transfer_bytes"] == sum(-(-len(p) // 16) for p in prompts) * int8_block_bytes
+    assert s["decode-0"]["kv_cache"]["cache_dtype"] == "auto" and s["prefill-0"]["kv_cache"]["cache_dtype"] == "int8"
+    for worker, hasher in (("decode-0", backend.hasher), ("prefill-0", backend.prefill_hasher)):
+        assert wait_for(lambda: all(backend.index.match(hasher(ids)).get(worker, NO_MATCH).total == len(ids) // 16
+                                    for ids in prompts))
+    warm = run_all(loop_thread, backend, "warm", prompts, params)
+    assert [g["token_ids"] for g in warm] == want_warm
+    assert stats(loop_thread, reverse_disagg)["decode-0"]["num_remote_prefix_hit_blocks"] > 0

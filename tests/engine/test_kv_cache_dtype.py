@@ -23,6 +23,7 @@ from engine.models.attention import fresh_sequences
 from engine.models.kernel_backend import get_ops
 from engine.request import SamplingParams
 from kernels import kv_quant
+from prefill_worker.engine_facts import block_store
 from tests.engine.speculative.test_engine_spec import NGRAM, prompts
 from tests.engine.speculative.test_engine_spec import make_engine as make_spec_engine
 from tests.engine.test_engine_handoff import run_disagg, workload
@@ -117,10 +118,10 @@ def test_a_handoff_by_block_bytes_equals_the_same_engine(model_dir, kernels, kv)
 
 
 def convert_blocks(P: Engine, D: Engine, plan) -> None:
-    """A mixed-precision handoff's move (prefill_worker/engine_facts.py ``block_store``): P's model-dtype blocks stored
-    into D's quantized blocks by D's own store kernel."""
-    src = P.runner.kv_cache[list(plan.remote_block_ids)]
-    kv_quant.store_blocks(D.runner.ops.store_kv, D.runner.kv_layers, src, plan.local_block_ids, D.runner.dtype)
+    """A mixed-precision handoff's move (prefill_worker/engine_facts.py ``block_store``, what a decode worker's pull
+    runs on the staged blocks): P's model-dtype blocks stored into D's quantized blocks by D's own store kernel, or P's
+    quantized blocks dequantized into D's model-dtype blocks."""
+    block_store(D.runner)(P.runner.kv_cache[list(plan.remote_block_ids)], plan.local_block_ids)
 
 
 def held_blocks(e: Engine, prompt: list[int]) -> torch.Tensor:
@@ -156,6 +157,27 @@ def test_a_mixed_precision_handoff_equals_a_colocated_int8_engine(model_dir, ker
     run_disagg(P2, D2, [prompt], [GREEDY], copy=convert_blocks)
     mixed = D2.runner.kv_cache[[b.block_id for b in D2.pool.match_prefix(hashes, prompt, 16)]]
     assert torch.equal(mixed, colocated[:2])  # every layer: the same bytes, scales included
+
+
+def test_a_handoff_from_int8_into_fp32_dequantizes_the_blocks(model_dir):
+    """The other direction: P int8, D fp32 (a quantized prefill pool's prefix cache holds ~3x the tokens; the decode
+    pool keeps the tokens it generates at full precision). D's blocks are P's values times their scales in fp32, byte
+    for byte what P's attention reads; the first token is P's, a colocated int8 engine's. Later tokens are neither a
+    colocated int8 engine's nor an fp32 one's (the prompt's K/V are int8's, the generated ones fp32): the in-process
+    pair is what a cluster must equal (tests/cluster/test_kv_int8_cluster.py)."""
+    prompts, params = workload()
+    int8 = [r["token_ids"] for r in engine(model_dir, "int8").generate(prompts, params)]
+    P, D = engine(model_dir, "int8"), engine(model_dir, "auto")
+    cold = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    assert [t[0] for t in cold] == [t[0] for t in int8]
+    prompt = prompts[5]  # 45 tokens: 3 blocks, the last one partial
+    held = held_blocks(engine(model_dir, "int8"), prompt)
+    P2, D2 = engine(model_dir, "int8"), engine(model_dir, "auto")
+    run_disagg(P2, D2, [prompt], [GREEDY], copy=convert_blocks)
+    hashes = BlockHasher(16, 0, kv_namespace("", "auto"))(prompt)  # D hashes in its own (fp32) namespace
+    got = D2.runner.kv_cache[[b.block_id for b in D2.pool.match_prefix(hashes, prompt, 16)]]
+    assert got.dtype == torch.float32 and torch.equal(got, kv_quant.dequantize_blocks(held[:2], 16, 2, 16,
+                                                                                       torch.float32))
 
 
 def test_fresh_kv_reads_a_prompt_chunk_as_computed_and_generated_tokens_as_stored(model_dir):
