@@ -191,7 +191,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (default 1)")
     p.add_argument("--decode-kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="the decode pool's own KV dtype (default: --kv-cache-dtype); int8 / fp8_* under a prefill pool "
-                        "at auto: mixed precision, the decode workers quantize the blocks they pull")
+                        "at auto, or auto under a quantized one: mixed precision, the decode workers convert the "
+                        "blocks they pull")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")

@@ -30,7 +30,7 @@ from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
 from engine.lora.manager import LoraManager
-from engine.models.attention import AttentionMetadata
+from engine.models.attention import AttentionMetadata, fresh_sequences
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
 from engine.models.tensor_parallel import TensorParallel
@@ -232,6 +232,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt_ends = [s.request.num_prompt_tokens - s.request.num_prior_output_tokens for s in prefills]
         token_slots: list[int] = []  # each token's LoRA slot (-1: the base model)
         rope = self.model.rope
         for s in ordered:
@@ -250,7 +251,7 @@ class ModelRunner:
             if s.completes_sequence:
                 sample_rows.extend(range(cu_q[-1] - 1 - s.num_draft_tokens, cu_q[-1]))
                 sampled.append(s)
-        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
+        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills), prompt_ends)
         self.tp.send(("step", step))
         if self.lora is not None:
             self.lora.pool.set_batch(token_slots)
@@ -265,14 +266,23 @@ class ModelRunner:
         return self.logits(sample_rows).cpu(), sampled
 
     def forward(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
-                tables: list[list[int]], seq_lens: list[int], n_p: int) -> torch.Tensor:
+                tables: list[list[int]], seq_lens: list[int], n_p: int,
+                prompt_ends: list[int] | None = None) -> torch.Tensor:
         """One forward over a step's tokens (the first ``n_p`` sequences prefill chunks, the rest decodes):
-        hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``."""
+        hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``. ``prompt_ends``: each prefill
+        chunk's original prompt end (a quantized cache's chunks read their prompt tokens' K/V fresh up to it:
+        engine/models/attention.py; None: every prefill token is a prompt token)."""
         dev = self.device
         graphs = self.decode_graphs
         hidden = None
+        fresh = None
         if not n_p and graphs is not None and len(seq_lens) <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
+        elif n_p and self.kv_dtype.quantized:
+            ends = prompt_ends if prompt_ends is not None else seq_lens[:n_p]
+            cu_p, tables_p, lens_p, fresh = fresh_sequences(cu_q[:n_p + 1], tables[:n_p], seq_lens[:n_p], ends)
+            cu_q, tables, seq_lens = cu_p + cu_q[n_p + 1:], tables_p + tables[n_p:], lens_p + seq_lens[n_p:]
+            n_p = len(lens_p)
         if hidden is None:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
@@ -285,6 +295,7 @@ class ModelRunner:
                 prefill_seq_lens=lens[:n_p],
                 decode_block_tables=table[n_p:],
                 decode_seq_lens=lens[n_p:],
+                prefill_fresh_seqs=None if fresh is None else torch.tensor(fresh, dtype=torch.int32, device=dev),
             )
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
