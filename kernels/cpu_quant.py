@@ -8,7 +8,8 @@ group's padding rows (``num_bytes``); ``unpack`` gives the file's bytes back exa
 is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 
 ``linear(x, p, bias, activations=)`` picks by activations (default ``ACTIVATIONS``, "fp32") and M (rows of x):
-- "fp32", M < ``GEMM_ROWS_FP32`` (the default; token-exact): the C GEMV on fp32 x. Each packed byte read from
+- "fp32", M < ``GEMM_ROWS_FP32`` (``GEMM_ROWS_PLANES`` where the digit planes below run; the default; token-exact):
+  the C GEMV on fp32 x. Each packed byte read from
   memory once per call for the whole batch; per block, the 32 weights of a group's 8 rows widened in registers
   (byte -> int32 -> float, Q5 with its high bit, Q4_0 / Q5_0 their offset taken off in the bytes: exact),
   FMAed against x in fp32, the block's sum times its fp16 scale (F16C), plus for *_1 min * sum(x) (per-block
@@ -32,7 +33,8 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
   ``quant_linear_ref``: 8-bit activations, ~5e-3 of the output's RMS (576x576 Q4_1 and Q8_0, Gaussian x; the
   tests bound it at 1e-2). Faster, but on SmolLM2-135M Q4_1 greedy tokens drift from the dense model's: 8
   prompts x 64 tokens stayed identical for 1 to 52 tokens.
-- "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
+- "fp32" at M >= ``gemm_rows`` (``GEMM_ROWS_FP32``, ``GEMM_ROWS_PLANES`` or the k-quants' own), int8 at M >=
+  ``GEMM_ROWS`` without AMX-BF16: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
 - "int8" at M >= ``GEMM_ROWS_BF16`` on a CPU with AMX-BF16 (``bf16_prefill``): tiles dequantized straight into bf16
   (C: the exact weights rounded to nearest even, through a per-thread fp32 scratch of 8 rows) and torch's bf16 GEMM
@@ -93,6 +95,11 @@ ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's sc
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
 GEMM_ROWS_BF16 = 48  # the same for int8 activations where the tiles go to the bf16 GEMM (AMX; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
+# ... and for the 32-weight formats' digit-plane kernel (AVX512-VNNI): ms per call, 2 threads, planes GEMV / fp32 tiles
+# + GEMM (/tmp script, bench lock held, 2026-11-28), SmolLM2 Q4_1 576x576 M=24 0.128 / 0.138, M=32 0.169 / 0.143;
+# 1536x576 M=32 0.330 / 0.416, M=48 0.509 / 0.510; 576x1536 M=32 0.352 / 0.560, M=48 0.532 / 0.565; Q8_0 1536x576
+# M=32 0.367 / 0.425, M=48 0.515 / 0.487: the wide projections cross at 40-48, the 576-square at ~28
+GEMM_ROWS_PLANES = 40
 # the k-quants' own (fp32): their weights are larger and the tiles dequantize 4-5x the bytes; measured with the
 # weights from memory (64 copies of 8192x2048 Q4_K, 44 of 2048x8192 Q6_K: past the 480 MiB L3), 2 threads, ms per
 # call GEMV / tiles + GEMM: Q4_K M=24 4.9 / 7.6, 32 6.4 / 8.1, 48 9.3 / 10.2, 64 13.1 / 13.2; Q6_K M=24 8.2 / 8.8,
@@ -256,7 +263,9 @@ def gemm_rows(fmt: str, activations: str, isa: str | None = None) -> int:
     """M from which ``linear`` dequantizes tiles for torch's GEMM instead of running the GEMV (measured, above)."""
     if activations == "int8":
         return GEMM_ROWS_BF16 if bf16_prefill(activations, isa) else GEMM_ROWS
-    return GEMM_ROWS_FP32_K.get(fmt, GEMM_ROWS_FP32)
+    if fmt in GEMM_ROWS_FP32_K:
+        return GEMM_ROWS_FP32_K[fmt]
+    return GEMM_ROWS_PLANES if isa_level(isa) >= PLANES_LEVEL else GEMM_ROWS_FP32
 
 
 def _tile_buffer(numel: int) -> torch.Tensor:
