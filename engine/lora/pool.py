@@ -16,7 +16,7 @@ import logging
 import torch
 
 from engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
-from engine.lora.ops import LoraBatch, lora_add_
+from engine.lora.ops import LoraBatch, lora_add_, lora_kernel
 from engine.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ class LoraWeights:
         n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
         self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(n, len(shard_sizes) * r, out, dtype=dtype, device=device)
+        # the shards' column offsets in the output, for the kernels (they read bt's diagonal blocks only)
+        self.shard_cols = torch.tensor([sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)], dtype=torch.int64,
+                                       device=device)
 
     def write(self, slot: int, shards: dict) -> None:
         self.a[slot].zero_()
@@ -52,6 +55,8 @@ class LoraWeights:
         batch = self.pool.batch
         if batch is None or batch.empty:
             return out
+        if batch.token_slots is not None:  # the kernel backend's (engine/lora/ops.py)
+            return self.pool.kernel(out, x, self.a, self.bt, self.pool.scaling, batch.token_slots, self.shard_cols)
         mask = None if batch.token_scale is None else self.pool.column_mask(batch, self.a.shape[1])
         return lora_add_(out, x, self.a, self.bt, self.pool.scaling, batch, mask)
 
@@ -66,6 +71,7 @@ class LoraPool:
         self.num_layers = len(model.layers)
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
         self.batch: LoraBatch | None = None
+        self.kernel = lora_kernel(model)  # KernelOps.lora_add, or None: the torch forms
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.slots = LoraSlots(max_loras)
         # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
@@ -133,8 +139,8 @@ class LoraPool:
 
     def set_batch(self, token_slots: list[int] | None) -> None:
         """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
-        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device,
-                                                                                  self.scaling)
+        self.batch = None if token_slots is None else LoraBatch.from_token_slots(
+            token_slots, self.device, self.scaling, kernel=self.kernel is not None)
         self._masks = {}
 
     def column_mask(self, batch: LoraBatch, per_slot: int) -> torch.Tensor:

@@ -72,8 +72,10 @@ def _reference(model, prompt, num_tokens):
     return gen, logits.log_softmax(-1).gather(1, torch.tensor(gen)[:, None])[:, 0].tolist()
 
 
-# qwen2: q/k/v biases, tied embeddings; kernels auto on a CPU: the C kernels on packed weights, torch: torch GEMMs
-@pytest.mark.parametrize("arch, kernels", [("llama", "auto"), ("qwen2", "auto"), ("llama", "torch")])
+# qwen2: q/k/v biases, tied embeddings; kernels auto on a CPU: the C kernels on packed weights (LoRA: kernels/cpu/
+# lora.c), torch: torch GEMMs (LoRA: engine/lora/ops.py's torch forms), triton: the interpreter (LoRA: kernels/lora.py)
+@pytest.mark.parametrize("arch, kernels", [("llama", "auto"), ("qwen2", "auto"), ("llama", "torch"),
+                                           pytest.param("llama", "triton", marks=pytest.mark.slow)])
 def test_mixed_batch_equals_transformers_and_peft(adapters_for, arch, kernels):
     model, adapters = adapters_for(arch)
     rng = random.Random(0)
