@@ -121,7 +121,7 @@ class ModelRunner:
         self.lora: LoraPool | None = None
         if (cfg.lora_modules or cfg.max_loras) and kv_blocks:
             self.lora = build_lora_pool(self.model, cfg.lora_modules or (), cfg.max_loras, cfg.max_lora_rank,
-                                        self.dtype, self.device)
+                                        self.dtype, self.device, cfg.lora_dtype)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)

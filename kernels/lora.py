@@ -101,7 +101,7 @@ def check_lora_args(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: tor
     try:
         t, k = x.shape
         n_slots, sr, _ = a.shape
-        ok = (dt in dtypes and x.dtype == dt and a.dtype == dt and bt.dtype == dt
+        ok = (dt in dtypes and x.dtype == dt and a.dtype in tu.FLOAT_DTYPES and bt.dtype == a.dtype
               and scaling.dtype in (torch.float32, dt) and token_slots.dtype == i64 and shard_cols.dtype == i64
               and out.dim() == 2 and out.shape[0] == t and a.shape[2] == k
               and bt.shape == (n_slots, sr, out.shape[1]) and scaling.shape == (n_slots,)
@@ -119,8 +119,8 @@ def _explain_lora_args(out, x, a, bt, scaling, token_slots, shard_cols, dtypes) 
     """The error naming the first argument ``check_lora_args`` refused."""
     tu.check_tensor("out", out, 2, dtypes)
     tu.check_tensor("x", x, 2, (out.dtype,))
-    tu.check_tensor("a", a, 3, (out.dtype,))
-    tu.check_tensor("bt", bt, 3, (out.dtype,))
+    tu.check_tensor("a", a, 3, tu.FLOAT_DTYPES)
+    tu.check_tensor("bt", bt, 3, (a.dtype,))
     tu.check_tensor("scaling", scaling, 1, (torch.float32, out.dtype))
     tu.check_tensor("token_slots", token_slots, 1, (torch.int64,))
     tu.check_tensor("shard_cols", shard_cols, 1, (torch.int64,))
@@ -154,9 +154,9 @@ def check_lora_values(out: torch.Tensor, a: torch.Tensor, token_slots: torch.Ten
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scaling: torch.Tensor,
              token_slots: torch.Tensor, shard_cols: torch.Tensor) -> torch.Tensor:
-    """``out`` [T, N] += each token's adapter delta (module docstring), in place; returns ``out``. x [T, K], a [slots,
-    S*R, K], bt [slots, S*R, N] in out's dtype; scaling [slots] fp32 or out's dtype; token_slots [T] int64;
-    shard_cols [S + 1] int64 (on the device)."""
+    """``out`` [T, N] += each token's adapter delta (module docstring), in place; returns ``out``. x [T, K] in out's
+    dtype; a [slots, S*R, K], bt [slots, S*R, N] in one float dtype (the LoRA weights' storage: ``lora_dtype``);
+    scaling [slots] fp32 or out's dtype; token_slots [T] int64; shard_cols [S + 1] int64 (on the device)."""
     check_lora_args(out, x, a, bt, scaling, token_slots, shard_cols, tu.FLOAT_DTYPES)
     device = tu.check_device(out=out, x=x, a=a, bt=bt, scaling=scaling, token_slots=token_slots,
                              shard_cols=shard_cols)
@@ -183,9 +183,9 @@ def add_groups_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.T
                 groups) -> torch.Tensor:
     """The reference's arithmetic, in torch: for each (slot, rows of its tokens) of ``groups``, two GEMMs on those
     rows (shrink to the S*R ranks, times the slot's scaling; expand over the whole ``bt``), added at the rows."""
-    for slot, rows in groups:
-        h = (x.index_select(0, rows) @ a[slot].T) * scaling[slot]
-        out.index_add_(0, rows, h @ bt[slot])
+    for slot, rows in groups:  # weights stored in another dtype than x's (lora_dtype) are widened to it first
+        h = (x.index_select(0, rows) @ a[slot].to(x.dtype).T) * scaling[slot]
+        out.index_add_(0, rows, h @ bt[slot].to(x.dtype))
     return out
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ConfigError
 from kernels.lora import add_groups_
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,18 @@ def lora_kernel(model) -> Callable | None:
     if kernel is None:
         log.info("LoRA shrink / expand: the torch forms (the %s kernel backend has no LoRA kernel)", model.ops.name)
     return kernel
+
+
+def weight_dtype(lora_dtype: str, model_dtype: torch.dtype, kernel: Callable | None) -> torch.dtype:
+    """The slots' storage dtype for EngineConfig.lora_dtype: "auto" the model's; another one needs a kernel (they
+    widen the weights on load; the torch forms multiply in the model's dtype)."""
+    if lora_dtype == "auto":
+        return model_dtype
+    dtype = getattr(torch, lora_dtype)
+    if dtype != model_dtype and kernel is None:
+        raise ConfigError(f"lora_dtype {lora_dtype} on a {str(model_dtype).removeprefix('torch.')} model needs a "
+                          "LoRA kernel (the cpu or triton kernel backend), not the torch forms")
+    return dtype
 
 
 def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scaling,

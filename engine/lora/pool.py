@@ -16,7 +16,7 @@ import logging
 import torch
 
 from engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
-from engine.lora.ops import LoraBatch, lora_add_, lora_kernel
+from engine.lora.ops import LoraBatch, lora_add_, lora_kernel, weight_dtype
 from engine.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class LoraWeights:
 
 
 class LoraPool:
-    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device,
+                 lora_dtype: str = "auto") -> None:
         if getattr(model, "tp", None) is not None and model.tp.enabled:
             raise ValueError("LoRA with tensor parallelism is not implemented")
         if model.cfg.moe.num_experts:
@@ -72,6 +73,7 @@ class LoraPool:
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
         self.batch: LoraBatch | None = None
         self.kernel = lora_kernel(model)  # KernelOps.lora_add, or None: the torch forms
+        weights = weight_dtype(lora_dtype, dtype, self.kernel)  # the slots' storage (EngineConfig.lora_dtype)
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.slots = LoraSlots(max_loras)
         # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
@@ -81,7 +83,7 @@ class LoraPool:
         for layer in model.layers:
             for name in LINEARS:
                 lin = layer.get_submodule(name)
-                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], dtype, device)
+                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], weights, device)
         log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
 
     def check(self, adapter: LoraAdapter) -> None:
@@ -150,10 +152,11 @@ class LoraPool:
         return self._masks[per_slot]
 
 
-def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device) -> LoraPool:
+def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device,
+                    lora_dtype: str = "auto") -> LoraPool:
     """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) in its own slot, pinned there:
     the start-up set of EngineConfig.lora_modules (``max_loras`` 0: as many slots as adapters)."""
-    pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device)
+    pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device, lora_dtype)
     for name, path in lora_modules:
         pool.load(name, path, pin=True)
     return pool

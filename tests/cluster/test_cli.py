@@ -115,9 +115,11 @@ def test_lora_flags_reach_the_engine_config():
 
     parse = build_parser().parse_args
     config = serve_config_from_args(parse(["serve", "--model", "m", "--lora-modules", "a=/x/a", "b=/x/b",
-                                           "--max-loras", "4", "--max-lora-rank", "32"]))
+                                           "--max-loras", "4", "--max-lora-rank", "32", "--lora-dtype", "bfloat16"]))
     engine = config.engine
-    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank) == ((("a", "/x/a"), ("b", "/x/b")), 4, 32)
-    assert serve_config_from_args(parse(["serve", "--model", "m"])).engine.lora_modules is None
+    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank, engine.lora_dtype) == (
+        (("a", "/x/a"), ("b", "/x/b")), 4, 32, "bfloat16")
+    plain = serve_config_from_args(parse(["serve", "--model", "m"])).engine
+    assert plain.lora_modules is None and plain.lora_dtype == "auto"
     with pytest.raises(SystemExit):
         parse(["serve", "--model", "m", "--lora-modules", "no-path"])

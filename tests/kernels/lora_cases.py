@@ -21,9 +21,9 @@ CASES = [
 ]
 
 
-def make_case(tokens, k, shards, max_rank, ranks, pattern, dtype=torch.float32, seed=0):
+def make_case(tokens, k, shards, max_rank, ranks, pattern, dtype=torch.float32, weight_dtype=None, seed=0):
     """(out, x, LoraWeights, scaling [slots] fp32, token_slots [T] int64): slot i holds a random adapter of rank
-    ``ranks[i]`` on every shard."""
+    ``ranks[i]`` on every shard; x and out in ``dtype``, the weights stored in ``weight_dtype`` (default: dtype)."""
     g = torch.Generator().manual_seed(seed)
     pool = SimpleNamespace(max_loras=len(ranks), max_lora_rank=max_rank)
     w = LoraWeights(pool, k, list(shards), torch.float32, "cpu")
@@ -32,7 +32,7 @@ def make_case(tokens, k, shards, max_rank, ranks, pattern, dtype=torch.float32, 
                                                            b=torch.randn(size, r, generator=g))
                  for i, size in enumerate(shards)}
         w.write(slot, parts)
-    w.a, w.bt = w.a.to(dtype), w.bt.to(dtype)
+    w.a, w.bt = w.a.to(weight_dtype or dtype), w.bt.to(weight_dtype or dtype)
     scaling = torch.rand(len(ranks), generator=g) + 0.5
     token_slots = torch.tensor([pattern[i % len(pattern)] for i in range(tokens)], dtype=torch.int64)
     x = torch.randn(tokens, k, generator=g).to(dtype)

@@ -1,7 +1,8 @@
-"""The CPU path's batched LoRA (kernels/cpu/lora.c) at every instruction set this CPU takes, against the torch forms
-of engine/lora/ops.py (grouped and masked) and kernels/lora.py's reference: mixed slots with -1 tokens, fused
-projections whose B is block-diagonal over uneven shards, ranks below the pool's, K and N off the vector width,
-more than one work item per slot. A token's result is the same bits whatever batch it is in and however many
+"""The CPU path's batched LoRA (kernels/cpu/lora.c) at every instruction set this CPU takes and for weights stored
+in fp32, bf16 and fp16, against the torch forms of engine/lora/ops.py (grouped and masked, in fp32 on the same
+stored values) and kernels/lora.py's reference: mixed slots with -1 tokens, fused projections whose B is
+block-diagonal over uneven shards, ranks below the pool's, K and N off the vector width, more than one work item
+per slot. A token's result is the same bits whatever batch it is in and however many
 threads run (what a recorded decode step relies on); bad slots and shard offsets are refused."""
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def run(out, x, w, scaling, token_slots, isa):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-K{c[1]}-{len(c[2])}shards" for c in CASES])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("isa", ISAS)
-def test_equals_the_torch_forms(case, isa, two_threads):
+def test_equals_the_torch_forms(case, weights, isa, two_threads):
     need(isa)
-    out, x, w, scaling, token_slots = make_case(*case)
+    out, x, w, scaling, token_slots = make_case(*case, weight_dtype=weights)
     got = run(out, x, w, scaling, token_slots, isa)
     for masked in (False, True):
         torch.testing.assert_close(got, reference(out, x, w, scaling, token_slots, masked), rtol=1e-5, atol=1e-5)
@@ -40,10 +42,11 @@ def test_equals_the_torch_forms(case, isa, two_threads):
         assert not torch.equal(got[~base], out[~base])
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_token_gets_the_same_bits_in_any_batch_and_thread_count(isa):
+def test_a_token_gets_the_same_bits_in_any_batch_and_thread_count(isa, weights):
     need(isa)
-    out, x, w, scaling, token_slots = make_case(*CASES[2])
+    out, x, w, scaling, token_slots = make_case(*CASES[2], weight_dtype=weights)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -79,6 +82,10 @@ def test_bad_input_is_refused_by_name():
         cpu_lora.lora_add(out.clone(), x, w.a, w.bt, scaling, token_slots, bad_cols)
     with pytest.raises(TypeError, match="x has dtype torch.float64"):
         cpu_lora.lora_add(out.clone(), x.double(), w.a, w.bt, scaling, token_slots, w.shard_cols)
+    with pytest.raises(TypeError, match="bt has dtype torch.bfloat16"):  # a and bt: one storage type
+        cpu_lora.lora_add(out.clone(), x, w.a, w.bt.bfloat16(), scaling, token_slots, w.shard_cols)
+    with pytest.raises(TypeError, match="out has dtype torch.bfloat16"):  # activations: fp32 only
+        cpu_lora.lora_add(out.bfloat16(), x.bfloat16(), w.a, w.bt, scaling, token_slots, w.shard_cols)
     with pytest.raises(ValueError, match="bt has shape"):
         cpu_lora.lora_add(out.clone(), x, w.a, w.bt[:, :, :-1], scaling, token_slots, w.shard_cols)
     with pytest.raises(ValueError, match="token_slots has shape"):

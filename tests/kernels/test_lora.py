@@ -1,6 +1,7 @@
 """The Triton batched LoRA (kernels/lora.py) against the torch forms of engine/lora/ops.py, in the interpreter on a
 CPU (compiled on a GPU): fp32, and bf16 / fp16 models whose math runs in fp32 from the loads on (the output rounded
-once; the interpreter's bf16 arithmetic would be wrong, so none is done in bf16). Mixed slots with -1 tokens,
+once; the interpreter's bf16 arithmetic would be wrong, so none is done in bf16), and an fp32 model whose adapters are
+stored in bf16 (``lora_dtype``). Mixed slots with -1 tokens,
 block-diagonal fused projections, ranks below the pool's; the reference ``lora_add_ref`` agrees with the engine's
 forms; bad slots are refused where the values are checked (CPU tensors)."""
 from __future__ import annotations
@@ -23,9 +24,10 @@ def on(device, *tensors):
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=[f"T{c[0]}-K{c[1]}-{len(c[2])}shards" for c in CASES[:3]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_equals_the_torch_forms(case, dtype):
-    out, x, w, scaling, token_slots = make_case(*case, dtype=dtype)
+@pytest.mark.parametrize("dtype, weights", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                            (torch.float32, torch.bfloat16)])
+def test_equals_the_torch_forms(case, dtype, weights):
+    out, x, w, scaling, token_slots = make_case(*case, dtype=dtype, weight_dtype=weights)
     d_out, d_x, a, bt, d_scaling, d_slots, cols = on(DEVICE, out, x, w.a, w.bt, scaling, token_slots, w.shard_cols)
     got = lora_add(d_out, d_x, a, bt, d_scaling, d_slots, cols).cpu()
     assert got.dtype == dtype
