@@ -123,7 +123,7 @@ bench-spec: install
 
 # LoRA (issue 50): output tok/s with 8 adapters mixed in one batch vs the base model alone; last line: ratio
 bench-lora: install
-	$(HUGEPAGES) $(PY) -m bench.engine.lora $(if $(TINY),--tiny,)
+	$(HUGEPAGES) $(PY) -m bench.engine.lora $(if $(TINY),--tiny,) $(if $(LORA_DTYPE),--lora-dtype $(LORA_DTYPE),)
 
 # role flip (issue 24): a worker flipped between pools in place vs a new worker's cold start, on a real cluster
 # (SmolLM2; TINY=1: the tiny Llama); last line: ratio: <flip_s / cold_start_s>

@@ -161,6 +161,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.lora_modules": dict(args.lora_modules) if args.lora_modules else None,
         "engine.max_loras": args.max_loras, "engine.max_lora_rank": args.max_lora_rank,
         "engine.max_cpu_loras": args.max_cpu_loras, "engine.pinned_loras": args.pinned_loras,
+        "engine.lora_dtype": args.lora_dtype,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -245,6 +246,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pinned-loras", nargs="+", metavar="NAME",
                    help="--lora-modules adapters that keep a slot for good")
     p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank a slot holds (default 16)")
+    p.add_argument("--lora-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the adapters' weights as stored in the slots (default auto: the model's dtype; bfloat16 / "
+                        "float16 halve the bytes the LoRA kernels read)")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 

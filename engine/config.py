@@ -155,6 +155,7 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # engine/kv/cache_dtype.py says what each stores
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.lora_dtype
 QUANTIZATIONS = (None, "w8a16", "int8", "int4")  # EngineConfig.quantization
 
 
@@ -223,6 +224,9 @@ class EngineConfig:
     max_cpu_loras: int = 0
     pinned_loras: Any = None
     max_lora_rank: int = 16
+    # the slots' storage of the adapters' weights: "auto" the model's dtype; "bfloat16" / "float16" halve the bytes the
+    # LoRA kernels read per step (an fp32 adapter rounded once at load; a bf16 / fp16 file is kept exactly)
+    lora_dtype: str = "auto"
     hash_seed: int = 0
     hash_namespace: str = ""
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -309,6 +313,8 @@ class EngineConfig:
             if len(self.pinned_loras) > slots or (len(self.pinned_loras) == slots < len(names)):
                 raise ConfigError(f"{len(self.pinned_loras)} pinned_loras leave no slot of max_loras {slots} for the "
                                   "other adapters")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if (modules or self.max_loras) and self.speculative_config is not None:
             raise ConfigError("LoRA adapters with speculative decoding are not implemented")
 

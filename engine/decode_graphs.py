@@ -9,6 +9,11 @@ docs/benchmarks.md). A CPU recording replays only C calls: a model whose decode 
 other than allocations and views (dense GEMMs in torch, MoE experts, Gemma's embedding scale, tensor parallel
 collectives) is refused at its first recording, logged once, and decodes eagerly; so is every batch size whose
 projections take the dequantized-tiles GEMM path (kernels/cpu_quant.py ``GEMM_ROWS_FP32``).
+
+LoRA adapters (engine/lora/): each token's adapter slot is one more static input (``lora_slots``, -1 on padding
+rows), handed to every projection's LoRA kernel as the step's ``LoraBatch.of_buffer``, so a recorded step applies
+whatever adapters its batch holds; on a CPU the C kernel checks the slots at every replay. CUDA graphs with LoRA are
+not wired (engine/model_runner.py keeps them off).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.lora.ops import LoraBatch
 from engine.models.attention import AttentionMetadata
 from engine.models.moe import SparseMoE
 
@@ -63,6 +69,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.real_rows = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # 1: a sequence, 0: padding
+        self.lora = runner.lora  # LoRA adapters' pool (engine/lora/pool.py), or None
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)  # each row's adapter slot
         self.moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]  # counts: real rows only
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph or None, static output)
         self.pool = None
@@ -87,10 +95,10 @@ class DecodeGraphs:
         return len(new)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
+            seq_lens: list[int], lora_slots: list[int] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only batch of n <= max_batch sequences (a view of the graph's
         static output: valid until the next step); None on a CPU whose model records no C calls (the caller runs
-        the step itself)."""
+        the step itself). ``lora_slots``: each sequence's LoRA adapter slot (-1: the base; None: all -1)."""
         n = len(seq_lens)
         b = self.bucket(n)
         self._check_cache()
@@ -101,8 +109,8 @@ class DecodeGraphs:
         if graph is None and self.cpu and self.capture:
             return None  # not recordable: the caller runs the step eagerly, unpadded
         if graph is not None and self.cpu:
-            self._check_inputs(input_ids, positions, slots, tables, seq_lens)
-        self._fill(b, input_ids, positions, slots, tables, seq_lens)
+            self._check_inputs(input_ids, positions, slots, tables, seq_lens, lora_slots)
+        self._fill(b, input_ids, positions, slots, tables, seq_lens, lora_slots)
         if graph is None:
             out = self._forward(b)
         else:
@@ -118,7 +126,7 @@ class DecodeGraphs:
             self._kv_ptr = ptr
 
     def _check_inputs(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-                      seq_lens: list[int]) -> None:
+                      seq_lens: list[int], lora_slots: list[int] | None = None) -> None:
         """What the C kernels trust and the recorded wrappers did not check: token ids, RoPE rows, slots, block ids
         and lengths in range (before anything is written; a recorded C call checks tables and lengths again)."""
         r = self.runner
@@ -128,11 +136,12 @@ class DecodeGraphs:
                                  f"{length} >= 1")
         for name, values, lo, hi in (("token ids", input_ids, 0, r.model_cfg.vocab_size),
                                      ("positions", positions, 0, r.model.rope.cos.shape[0]),
-                                     ("slots", slots, -1, r.kv_cache.shape[0] * r.block_size)):
+                                     ("slots", slots, -1, r.kv_cache.shape[0] * r.block_size),
+                                     ("LoRA slots", lora_slots, -1, self.lora.max_loras if self.lora else 0)):
             if values and (min(values) < lo or max(values) >= hi):
                 raise ValueError(f"{name} must be in [{lo}, {hi}), got {min(values)}..{max(values)}")
 
-    def _fill(self, b, input_ids, positions, slots, tables, seq_lens) -> None:
+    def _fill(self, b, input_ids, positions, slots, tables, seq_lens, lora_slots=None) -> None:
         """Copy a batch into the first ``b`` rows of the static buffers, the rows after it as padding."""
         n = len(seq_lens)
         pad = b - n
@@ -148,6 +157,9 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         if self.moe_layers:  # read only by MoE layers' counts
             self.real_rows[:b].copy_(torch.tensor([1] * n + [0] * pad, dtype=torch.int64), non_blocking=True)
+        if self.lora is not None:
+            rows = list(lora_slots) if lora_slots is not None else [-1] * n
+            self.lora_slots[:b].copy_(torch.tensor(rows + [-1] * pad, dtype=torch.int64), non_blocking=True)
 
     def _meta(self, b: int) -> AttentionMetadata:
         dev = self.runner.device
@@ -161,11 +173,16 @@ class DecodeGraphs:
         meta = meta or self._meta(b)
         for m in self.moe_layers:
             m.count_rows = self.real_rows[:b]
+        step_batch = None
+        if self.lora is not None:  # the adapters read their slots from the static buffer, whatever the batch
+            step_batch, self.lora.batch = self.lora.batch, LoraBatch.of_buffer(self.lora_slots[:b])
         try:
             return self.runner.model(self.input_ids[:b], self.positions[:b], self.runner.kv_layers, meta)
         finally:
             for m in self.moe_layers:
                 m.count_rows = None
+            if self.lora is not None:
+                self.lora.batch = step_batch
 
     def _capture(self, b: int) -> tuple[object, torch.Tensor]:
         if self.cpu:

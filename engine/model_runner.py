@@ -162,8 +162,10 @@ class ModelRunner:
         model_cfg, reason = self.model_cfg, None
         graphs_on = cfg.cuda_graph_max_batch if self.device.type == "cuda" else \
             cfg.cpu_graph_max_batch and kv_blocks and self._cpu_graph_refusal() is None
-        if graphs_on and self.lora is not None:
-            reason = "LoRA adapters: the step's per-adapter token groups are built on the host (engine/lora/ops.py)"
+        if graphs_on and self.lora is not None and (self.device.type == "cuda" or self.lora.kernel is None):
+            reason = ("LoRA adapters: CUDA graphs do not feed the Triton LoRA kernels their slots yet (CPU recordings "
+                      "do)" if self.device.type == "cuda" else "LoRA adapters on the torch forms: the step's token "
+                      "groups are built on the host (engine/lora/ops.py)")
             log.warning("decode graphs off, decode runs eagerly: %s", reason)
             self.fallbacks.append(f"decode graphs: {reason}")
         elif (self.device.type == "cuda" and cfg.cuda_graph_max_batch and model_cfg.moe.num_experts
@@ -255,7 +257,7 @@ class ModelRunner:
         self.tp.send(("step", step))
         if self.lora is not None:
             self.lora.pool.set_batch(token_slots)
-        self.forward(*step)
+        self.forward(*step, lora_slots=token_slots if self.lora is not None else None)
         row = 0
         for s in ordered:
             if s.request.needs_prompt_logprobs:
@@ -267,17 +269,18 @@ class ModelRunner:
 
     def forward(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
                 tables: list[list[int]], seq_lens: list[int], n_p: int,
-                prompt_ends: list[int] | None = None) -> torch.Tensor:
+                prompt_ends: list[int] | None = None, lora_slots: list[int] | None = None) -> torch.Tensor:
         """One forward over a step's tokens (the first ``n_p`` sequences prefill chunks, the rest decodes):
         hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``. ``prompt_ends``: each prefill
         chunk's original prompt end (a quantized cache's chunks read their prompt tokens' K/V fresh up to it:
-        engine/models/attention.py; None: every prefill token is a prompt token)."""
+        engine/models/attention.py; None: every prefill token is a prompt token). ``lora_slots``: each token's
+        LoRA adapter slot (already set in the pool's batch; a replayed decode step copies them into its buffer)."""
         dev = self.device
         graphs = self.decode_graphs
         hidden = None
         fresh = None
         if not n_p and graphs is not None and len(seq_lens) <= graphs.max_batch:
-            hidden = graphs.run(input_ids, positions, slots, tables, seq_lens)
+            hidden = graphs.run(input_ids, positions, slots, tables, seq_lens, lora_slots)
         elif n_p and self.kv_dtype.quantized:
             ends = prompt_ends if prompt_ends is not None else seq_lens[:n_p]
             cu_p, tables_p, lens_p, fresh = fresh_sequences(cu_q[:n_p + 1], tables[:n_p], seq_lens[:n_p], ends)

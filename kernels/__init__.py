@@ -28,11 +28,13 @@ Pieces:
 - fused.py              fused per-token ops: RMSNorm (+ residual add), in-place RoPE, SwiGLU
 - fused_moe.py          fused_moe: every token through its top-k experts
 - gemm.py               gemm: y = x @ weight.T (+ bias), bf16 and int8 weight-only
+- lora.py               lora_add: LoRA adapters' deltas added per token by slot (shrink / expand, SGMV), its reference
 - _triton_utils.py      launcher plumbing: can Triton run here, argument checks that name the argument
 - cpu_native.py         the CPU path's kernels in C, loaded with ctypes
 - cpu_build.py          building and loading those C kernels (kernels/cpu/*.c)
 - cpu_kv_int8.py        the CPU path's store and attention kernels for an int8 KV cache (kernels/cpu/attention_kv8.c)
 - cpu_graph.py          a step's C kernel calls recorded once and replayed (engine/decode_graphs.py)
+- cpu_lora.py           the CPU path's LoRA shrink / expand in C (kernels/cpu/lora.c), kernels/lora.py's signature
 - quant.py              QuantWeight (GGUF block formats as stored) and its torch references
 - cpu_quant.py          GGUF-quantized linears and embeddings kept packed, C kernels (kernels/cpu/quant*.c)
 - cpu_quant_k.py        the k-quants' (Q4_K, Q5_K, Q6_K) 8-row layout and C calls (kernels/cpu/quant_k*.c)

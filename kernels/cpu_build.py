@@ -33,7 +33,7 @@ _SOURCES = {Path(__file__).parent / "cpu" / name: flags for name, flags in (
     ("quant.c", ["-ffp-contract=off"]), ("quant_planes.c", ["-ffp-contract=off"]),
     ("quant_k.c", ["-ffp-contract=off"]), ("quant_k_int8.c", ["-ffp-contract=off"]),
     ("quant_k_planes.c", ["-ffp-contract=off"]),
-    ("quant_g.c", ["-ffp-contract=off"]))}
+    ("quant_g.c", ["-ffp-contract=off"]), ("lora.c", []))}
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-std=gnu11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

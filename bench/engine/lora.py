@@ -23,8 +23,10 @@ rank 16, max_lora_rank 16), with the torch shrink / expand of engine/lora/ops.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ADAPTER_DIR = Path(".cache/bench/lora-adapters")
@@ -53,24 +55,64 @@ def ensure_adapters(model: Path, n: int, rank: int) -> dict[str, str]:
     return out
 
 
-def measure(model: Path, prompts, loras, lora_modules, max_tokens: int, rank: int) -> float:
+def measure(model: Path, prompts, loras, lora_modules, args) -> tuple[float, dict[str, float] | None]:
+    """The median output tok/s over ``args.waves`` waves after a warm-up one; with ``args.profile`` also the last
+    wave's seconds by part (``profile_parts``)."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model), max_num_seqs=len(prompts), lora_modules=lora_modules,
-                                 max_lora_rank=rank))
+                                 max_lora_rank=args.rank, lora_dtype=args.lora_dtype))
 
-    def wave() -> tuple[int, float]:
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, lora=lo) for lo in loras]
+    def wave() -> float:
+        params = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, lora=lo) for lo in loras]
         t0 = time.perf_counter()
         res = engine.generate(prompts, params)
-        return sum(len(r["token_ids"]) for r in res), time.perf_counter() - t0
+        return sum(len(r["token_ids"]) for r in res) / (time.perf_counter() - t0)
 
     wave()  # warm-up
-    tokens, seconds = wave()
+    rates = sorted(wave() for _ in range(args.waves))
+    parts = None
+    if args.profile:
+        with profile_parts(engine) as parts:
+            wave()
     engine.close()
-    return tokens / seconds
+    return rates[len(rates) // 2], parts
+
+
+@contextlib.contextmanager
+def profile_parts(engine):
+    """Seconds of one wave by part: each step's forward (``runner.execute``: prefill steps and decode-only steps
+    apart), the projections' forwards within it (``Linear.forward``: the base GEMM, and the adapters' delta), and the
+    adapters' delta alone (``LoraWeights.add_``); the decode steps' recordings, if any, replace the Python (and these
+    hooks) by their C calls."""
+    from engine.lora.pool import LoraWeights
+    from engine.models.layers import Linear
+
+    parts: dict[str, float] = defaultdict(float)
+    kind = ["prefill"]
+    runner, execute, linear, add = engine.runner, engine.runner.execute, Linear.forward, LoraWeights.add_
+
+    def timed(name, fn):
+        def wrapper(*a):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                parts[f"{kind[0]} {name}"] += time.perf_counter() - t0
+        return wrapper
+
+    def timed_execute(out):
+        kind[0] = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
+        return timed("forward", execute)(out)
+
+    runner.execute, Linear.forward, LoraWeights.add_ = timed_execute, timed("projections", linear), timed("LoRA", add)
+    try:
+        yield parts
+    finally:
+        runner.execute, Linear.forward, LoraWeights.add_ = execute, linear, add
+        parts["decode recordings"] = float(runner.decode_graphs is not None)
 
 
 def main() -> None:
@@ -80,6 +122,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--lora-dtype", default="auto", help="EngineConfig.lora_dtype (auto: the model's, fp32)")
+    ap.add_argument("--waves", type=int, default=3, help="measured waves per engine (the median is reported)")
+    ap.add_argument("--profile", action="store_true", help="one more wave per engine, timed by part")
     args = ap.parse_args()
     if args.tiny:
         from engine.loading.tiny import make_tiny_model
@@ -91,10 +136,15 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(32)] for _ in range(args.batch)]
     names = sorted(adapters)
-    base = measure(model, prompts, [None] * args.batch, None, args.max_tokens, args.rank)
-    lora = measure(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args.max_tokens, args.rank)
+    base, base_parts = measure(model, prompts, [None] * args.batch, None, args)
+    lora, lora_parts = measure(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
     print(f"model {model.name}, batch {args.batch}, {args.max_tokens} tokens each, {len(names)} adapters of rank "
-          f"{args.rank}")
+          f"{args.rank}, lora_dtype {args.lora_dtype}, median of {args.waves} waves")
+    for name, parts in (("base", base_parts), ("lora", lora_parts)):
+        if parts is not None:
+            recorded = "on" if parts.pop("decode recordings") else "off"
+            print(f"{name} profile (s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items()))
+                  + f"; decode recordings {recorded}")
     print(f"base: {base:.1f} output tok/s")
     print(f"lora: {lora:.1f} output tok/s")
     print(f"ratio: {lora / base:.3f}")

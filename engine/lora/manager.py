@@ -40,10 +40,10 @@ log = logging.getLogger(__name__)
 
 class LoraManager:
     def __init__(self, model, max_loras: int, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device) -> None:
+                 device, lora_dtype: str = "auto") -> None:
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras {max_cpu_loras} < max_loras {max_loras}")
-        self.pool = LoraPool(model, max_loras, max_lora_rank, dtype, device)
+        self.pool = LoraPool(model, max_loras, max_lora_rank, dtype, device, lora_dtype)
         self.slots = LoraSlots(max_loras)
         self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self.adapters: dict[str, LoraAdapter] = {}  # loaded: name -> its weights in host memory
@@ -53,7 +53,8 @@ class LoraManager:
     def build(cls, model, config, dtype: torch.dtype, device) -> LoraManager:
         """The engine's manager with ``config.lora_modules`` loaded (``config.pinned_loras`` pinned), as
         engine/config.py resolves the sizes (``lora_slots`` / ``lora_cpu_slots``)."""
-        manager = cls(model, config.lora_slots, config.lora_cpu_slots, config.max_lora_rank, dtype, device)
+        manager = cls(model, config.lora_slots, config.lora_cpu_slots, config.max_lora_rank, dtype, device,
+                      config.lora_dtype)
         pinned = set(config.pinned_loras or ())
         for name, path in config.lora_modules or ():
             manager.load(name, path, pinned=name in pinned)

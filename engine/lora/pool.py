@@ -16,7 +16,7 @@ import torch
 
 from engine.errors import LoraAdapterError
 from engine.lora.adapter import LoraAdapter
-from engine.lora.ops import LoraBatch, lora_add_
+from engine.lora.ops import LoraBatch, lora_add_, lora_kernel, weight_dtype
 
 log = logging.getLogger(__name__)
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -31,6 +31,9 @@ class LoraWeights:
         n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
         self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(n, len(shard_sizes) * r, out, dtype=dtype, device=device)
+        # the shards' column offsets in the output, for the kernels (they read bt's diagonal blocks only)
+        self.shard_cols = torch.tensor([sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)], dtype=torch.int64,
+                                       device=device)
 
     def write(self, slot: int, shards: dict) -> None:
         self.a[slot].zero_()
@@ -51,12 +54,15 @@ class LoraWeights:
         batch = self.pool.batch
         if batch is None or batch.empty:
             return out
+        if batch.token_slots is not None:  # the kernel backend's (engine/lora/ops.py)
+            return self.pool.kernel(out, x, self.a, self.bt, self.pool.scaling, batch.token_slots, self.shard_cols)
         mask = None if batch.token_scale is None else self.pool.column_mask(batch, self.a.shape[1])
         return lora_add_(out, x, self.a, self.bt, self.pool.scaling, batch, mask)
 
 
 class LoraPool:
-    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device,
+                 lora_dtype: str = "auto") -> None:
         if getattr(model, "tp", None) is not None and model.tp.enabled:
             raise ValueError("LoRA with tensor parallelism is not implemented")
         if model.cfg.moe.num_experts:
@@ -65,12 +71,14 @@ class LoraPool:
         self.num_layers = len(model.layers)
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
         self.batch: LoraBatch | None = None
+        self.kernel = lora_kernel(model)  # KernelOps.lora_add, or None: the torch forms
+        weights = weight_dtype(lora_dtype, dtype, self.kernel)  # the slots' storage (EngineConfig.lora_dtype)
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.device = device
         for layer in model.layers:
             for name in LINEARS:
                 lin = layer.get_submodule(name)
-                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], dtype, device)
+                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], weights, device)
         log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
 
     def check(self, adapter: LoraAdapter) -> None:
@@ -97,8 +105,8 @@ class LoraPool:
 
     def set_batch(self, token_slots: list[int] | None) -> None:
         """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
-        self.batch = None if token_slots is None else LoraBatch.from_token_slots(token_slots, self.device,
-                                                                                  self.scaling)
+        self.batch = None if token_slots is None else LoraBatch.from_token_slots(
+            token_slots, self.device, self.scaling, kernel=self.kernel is not None)
         self._masks = {}
 
     def column_mask(self, batch: LoraBatch, per_slot: int) -> torch.Tensor:

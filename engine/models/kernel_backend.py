@@ -77,6 +77,9 @@ class KernelOps:
     # the attention launchers take ``softcap=`` (Gemma 2's attention logit cap); False: engine/models/attention.py runs
     # the torch references for capped models (the runner counts it as a kernel fallback)
     attention_softcap: bool = False
+    # ``lora_add(out, x, a, bt, scaling, token_slots, shard_cols)``: LoRA adapters' deltas added per token
+    # (kernels/cpu_lora.py in C, kernels/lora.py in Triton); None: engine/lora/ops.py's torch forms
+    lora_add: Callable | None = None
 
 
 def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
@@ -225,7 +228,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
         _check_e4m3_gpu(device)
 
     if backend == "cpu":
-        from kernels import cpu_kv_int8, cpu_native, cpu_quant
+        from kernels import cpu_kv_int8, cpu_lora, cpu_native, cpu_quant
 
         if not cpu_native.onednn_available():
             log.warning("kernels: this torch build has no oneDNN: the CPU path's GEMMs run on dense weights (MKL)")
@@ -246,6 +249,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
             pack_quant=_cpu_pack_quant, quant_rows=cpu_quant.rows,
             quant_linear=_cpu_quant_linear(quantized_activations), quantized_activations=quantized_activations,
+            lora_add=cpu_lora.lora_add,
         )
     if backend == "torch":
         from kernels import quant, quant_group
@@ -264,7 +268,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             w8a16_linear=gemm.w8a16_gemm_ref,
             attention_softcap=True,
         )
-    from kernels import fused, fused_moe, quant_rows
+    from kernels import fused, fused_moe, lora, quant_rows
 
     return KernelOps(
         name="triton",
@@ -283,4 +287,5 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
         silu_mul=fused.silu_mul,
         fused_moe=fused_moe.fused_moe,
         attention_softcap=True,
+        lora_add=lora.lora_add,
     )

@@ -88,6 +88,7 @@ def _cases(full: bool):
     from kernels import fused as fu
     from kernels import fused_moe as fm
     from kernels import gemm
+    from kernels import lora as lo
     from kernels import prefill_attention as pa
     from kernels import store_kv as sk
 
@@ -141,6 +142,11 @@ def _cases(full: bool):
         qkv, table = torch.zeros(8, 48 * 128, dtype=dtype), torch.zeros(4096, 128)
         yield f"rotary {dtype}", lambda: fu.rotary_(qkv, 40, 128, torch.zeros(8, dtype=torch.long), table, table)
         yield f"silu_mul {dtype}", lambda: fu.silu_mul(torch.zeros(8, 2 * 11008, dtype=dtype))
+    for dtype, t in ((bf16, 16), (bf16, 256), (fp32, 16)):  # LoRA on a fused q/k/v (8 slots of rank 16)
+        x, out = torch.zeros(t, 4096, dtype=dtype), torch.zeros(t, 6144, dtype=dtype)
+        a, bt = torch.zeros(8, 48, 4096, dtype=dtype), torch.zeros(8, 48, 6144, dtype=dtype)
+        slots, cols = torch.arange(t) % 9 - 1, torch.tensor([0, 4096, 5120, 6144])
+        yield f"lora {dtype} T={t}", lambda: lo.lora_add(out, x, a, bt, torch.ones(8), slots, cols)
     yield from _kv_quant_cases(full, paged)
     yield from _quant_cases(full)
     for dtype, m, groups in gemms:

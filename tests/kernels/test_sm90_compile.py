@@ -25,11 +25,13 @@ def test_every_kernel_compiles_for_h100_without_spills():
     kernels = {r["kernel"] for r in rows if "kernel" in r}
     assert kernels == {"_store_kv_kernel", "_decode_partition_kernel", "_decode_reduce_kernel",
                        "_prefill_attention_kernel", "_gemm_kernel", "_rms_norm_kernel", "_rotary_kernel",
-                       "_silu_mul_kernel", "_moe_gemm_kernel", "_quant_gemm_kernel", "_quant_rows_kernel"}
+                       "_silu_mul_kernel", "_moe_gemm_kernel", "_quant_gemm_kernel", "_quant_rows_kernel",
+                       "_lora_shrink_kernel", "_lora_expand_kernel"}
     cases = {r["case"] for r in rows if "kernel" in r}
     assert {"decode softcap bf16", "prefill softcap bf16", "fused_moe bf16 T=1", "rotary partial bf16",
             "quant_gemm Q4_0 torch.bfloat16 M=1", "quant_gemm Q6_K torch.float16 M=200",
-            "quant_gemm G4 act-order torch.bfloat16 M=16", "quant_rows Q4_K bf16", "decode softcap int8 bf16"} <= cases
+            "quant_gemm G4 act-order torch.bfloat16 M=16", "quant_rows Q4_K bf16", "decode softcap int8 bf16",
+            "lora torch.bfloat16 T=16", "lora torch.bfloat16 T=256"} <= cases
     # a quantized KV cache: the store and both attention kernels for each value dtype
     for kv, dtype in (("int8", "bfloat16"), ("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float16"), ("int8", "float32")):
         for kernel in ("decode split", "decode single", "prefill", "prefill fresh", "store_kv"):

@@ -70,8 +70,10 @@ def _reference(model, prompt, num_tokens):
     return gen, logits.log_softmax(-1).gather(1, torch.tensor(gen)[:, None])[:, 0].tolist()
 
 
-# qwen2: q/k/v biases, tied embeddings; kernels auto on a CPU: the C kernels on packed weights, torch: torch GEMMs
-@pytest.mark.parametrize("arch, kernels", [("llama", "auto"), ("qwen2", "auto"), ("llama", "torch")])
+# qwen2: q/k/v biases, tied embeddings; kernels auto on a CPU: the C kernels on packed weights (LoRA: kernels/cpu/
+# lora.c), torch: torch GEMMs (LoRA: engine/lora/ops.py's torch forms), triton: the interpreter (LoRA: kernels/lora.py)
+@pytest.mark.parametrize("arch, kernels", [("llama", "auto"), ("qwen2", "auto"), ("llama", "torch"),
+                                           pytest.param("llama", "triton", marks=pytest.mark.slow)])
 def test_mixed_batch_equals_transformers_and_peft(adapters_for, arch, kernels):
     model, adapters = adapters_for(arch)
     rng = random.Random(0)
@@ -93,6 +95,34 @@ def test_mixed_batch_equals_transformers_and_peft(adapters_for, arch, kernels):
     base_only, _ = _reference(refs[None], prompts[1], NUM_TOKENS)
     assert base_only != ours[1]
     assert _reference(refs[None], prompts[2], NUM_TOKENS)[0] != ours[2]
+
+
+def test_bf16_slots_equal_peft_on_the_rounded_weights(setup):
+    """lora_dtype bfloat16 on an fp32 model: the adapters' weights are rounded once to bf16 in the slots, the math stays
+    fp32 (the kernels widen them exactly): tokens and log-probs are transformers + peft's with its LoRA weights rounded
+    the same way."""
+    model, adapters = setup
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 21, 12)]
+    loras = ["every-proj", "qv-rslora", "every-proj"]
+    engine = Engine(EngineConfig(model=str(model), num_blocks=256, lora_modules={k: str(v) for k, v in
+                                 adapters.items()}, max_lora_rank=8, lora_dtype="bfloat16"))
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.lora.a.dtype == torch.bfloat16
+    ours, our_lps, _ = _run(engine, prompts, loras)
+    for p, lora, toks, lps in zip(prompts, loras, ours, our_lps):
+        ref = peft_reference(model, adapters[lora])
+        with torch.no_grad():
+            for name, w in ref.named_parameters():
+                if "lora_" in name:
+                    w.copy_(w.bfloat16().float())
+        want, want_lps = _reference(ref, p, NUM_TOKENS)
+        assert toks == want, lora
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < LOGPROB_ATOL
+    with pytest.raises(ConfigError, match="lora_dtype bfloat16 on a float32 model needs a LoRA kernel"):
+        Engine(EngineConfig(model=str(model), num_blocks=64, kernels="torch", lora_dtype="bfloat16",
+                            lora_modules={"a": str(adapters["every-proj"])}))
+    with pytest.raises(ConfigError, match="lora_dtype must be one of"):
+        EngineConfig(model=str(model), lora_dtype="int8")
 
 
 def test_adapters_never_share_cached_blocks(setup):

@@ -31,7 +31,18 @@ def test_lora_add_equals_per_token_formula(masked):
 def test_batch_groups_tokens_by_slot():
     batch = LoraBatch.from_token_slots([2, -1, 0, 2], "cpu")
     assert [(s, rows.tolist()) for s, rows in batch.groups] == [(0, [2]), (2, [0, 3])]
+    assert batch.token_slots is None
     assert LoraBatch.from_token_slots([-1, -1], "cpu").empty
+
+
+def test_kernel_batch_is_the_slots_tensor():
+    """The kernels group the tokens themselves: their batch is the step's slots, nothing built per slot on the host;
+    a static buffer's batch (a recorded step) is never empty, whatever its values."""
+    batch = LoraBatch.from_token_slots([2, -1, 0, 2], "cpu", torch.ones(3), kernel=True)
+    assert batch.groups == () and batch.token_scale is None and batch.token_slots.tolist() == [2, -1, 0, 2]
+    assert not batch.empty
+    assert LoraBatch.from_token_slots([-1, -1], "cpu", kernel=True).empty
+    assert not LoraBatch.of_buffer(torch.full((4,), -1)).empty
 
 
 def test_slots_hold_evict_lru_and_pin():
