@@ -162,7 +162,7 @@ class ModelRunner:
         model_cfg, reason = self.model_cfg, None
         graphs_on = cfg.cuda_graph_max_batch if self.device.type == "cuda" else \
             cfg.cpu_graph_max_batch and kv_blocks and self._cpu_graph_refusal() is None
-        if graphs_on and self.lora is not None and (self.device.type == "cuda" or self.lora.kernel is None):
+        if graphs_on and self.lora is not None and (self.device.type == "cuda" or self.lora.pool.kernel is None):
             reason = ("LoRA adapters: CUDA graphs do not feed the Triton LoRA kernels their slots yet (CPU recordings "
                       "do)" if self.device.type == "cuda" else "LoRA adapters on the torch forms: the step's token "
                       "groups are built on the host (engine/lora/ops.py)")
