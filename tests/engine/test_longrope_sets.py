@@ -92,8 +92,8 @@ def test_a_batch_mixing_both_sets_equals_transformers(phi3_dir, kernels):
     assert engine.runner.ops.name == kernels and engine.max_model_len == 4 * ORIGINAL
     rows_per_step = []
     forward = engine.runner.forward
-    engine.runner.forward = lambda ids, positions, *rest: (rows_per_step.append(list(positions)),
-                                                           forward(ids, positions, *rest))[1]
+    engine.runner.forward = lambda ids, positions, *rest, **kw: (rows_per_step.append(list(positions)),
+                                                                 forward(ids, positions, *rest, **kw))[1]
     got = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
     ours = [r["token_ids"] for r in got]
     # one step rotated rows of both tables: [0, L0) the short set's, [L0, ...) the long set's

@@ -50,8 +50,8 @@ async def test_model_names_the_adapter():
 
 
 class FakeWorker:
-    """A worker's LoRA verbs in memory (router/lora_adapters.py's target): a path "missing/..." is not there, a path
-    "bad/..." is an adapter duet cannot serve; the digest is the path's."""
+    """A worker's LoRA verbs in memory (router/lora_adapters.py's target): a path "/missing/..." is not there, a path
+    "/bad/..." is an adapter duet cannot serve; the digest is the path's. Absolute paths: ``org/name`` would be a Hub id (pinned by the router first)."""
 
     worker_id = "w0"
 
@@ -59,9 +59,9 @@ class FakeWorker:
         self.held: dict[str, str] = {}
 
     async def load_lora(self, name, path, pinned=False):
-        if path.startswith("missing/"):
+        if path.startswith("/missing/"):
             raise LoraAdapterNotFoundError(f"no LoRA adapter directory at {path}")
-        if path.startswith("bad/"):
+        if path.startswith("/bad/"):
             raise LoraAdapterError(f"{path}/adapter_config.json: use_dora=True is not supported by duet's LoRA")
         self.held[name] = "digest-" + path
         return self.held[name]
@@ -85,7 +85,7 @@ async def _call(stub, method, request, key=None):
 @pytest.mark.parametrize("api_keys", [(), ("user-key",)])
 async def test_load_and_unload_over_grpc_need_the_admin_key(api_keys):
     backend, worker = RecordingBackend(), FakeWorker()
-    backend.lora = LoraAdapters(lambda: [worker], [ServedAdapter("ad1", "p/ad1"), ServedAdapter("ad2", "p/ad2")])
+    backend.lora = LoraAdapters(lambda: [worker], [ServedAdapter("ad1", "/p/ad1"), ServedAdapter("ad2", "/p/ad2")])
     server = await start_grpc_server(backend, "127.0.0.1", 0, api_keys=api_keys, admin_key="adm")
     load = lambda name, path, key="adm": _call(stub, "LoadLoraAdapter",  # noqa: E731
                                                pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), key)
@@ -94,19 +94,19 @@ async def test_load_and_unload_over_grpc_need_the_admin_key(api_keys):
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = pb_grpc.GenerateStub(ch)
-            assert (await load("x", "p/x", None))[0] == "UNAUTHENTICATED"
-            assert (await load("x", "p/x", "user-key"))[0] == "PERMISSION_DENIED"
+            assert (await load("x", "/p/x", None))[0] == "UNAUTHENTICATED"
+            assert (await load("x", "/p/x", "user-key"))[0] == "PERMISSION_DENIED"
             assert await load("x", "") == ("INVALID_ARGUMENT", "both lora_name and lora_path must be provided")
-            assert (await load("x", "missing/x"))[0] == "NOT_FOUND"
-            code, message = await load("x", "bad/x")
-            assert code == "INVALID_ARGUMENT" and message.startswith("worker w0: bad/x/adapter_config.json: use_dora")
-            assert await load("ad3", "p/ad3") == ("OK", "Success: LoRA adapter 'ad3' added successfully.")
-            assert (await load("ad3", "p/ad3"))[0] == "INVALID_ARGUMENT"  # already loaded
+            assert (await load("x", "/missing/x"))[0] == "NOT_FOUND"
+            code, message = await load("x", "/bad/x")
+            assert code == "INVALID_ARGUMENT" and message.startswith("worker w0: /bad/x/adapter_config.json: use_dora")
+            assert await load("ad3", "/p/ad3") == ("OK", "Success: LoRA adapter 'ad3' added successfully.")
+            assert (await load("ad3", "/p/ad3"))[0] == "INVALID_ARGUMENT"  # already loaded
             reader = (("authorization", f"Bearer {api_keys[0]}"),) if api_keys else ()  # reads: the API key
             models = await stub.ListModels(pb.ListModelsRequest(), metadata=reader)
             assert [(m.id, m.parent) for m in models.models] == [("base", ""), ("ad1", "base"), ("ad2", "base"),
                                                                  ("ad3", "base")]
-            assert worker.held == {"ad3": "digest-p/ad3"}
+            assert worker.held == {"ad3": "digest-/p/ad3"}
             assert await unload("ad1") == ("OK", "Success: LoRA adapter 'ad1' removed successfully.")
             assert (await unload("ad1"))[0] == "NOT_FOUND"
             assert backend.lora.names() == ("ad2", "ad3")
@@ -123,7 +123,7 @@ async def test_lora_rpcs_on_a_server_without_admin_key():
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
                 code, _ = await _call(pb_grpc.GenerateStub(ch), "LoadLoraAdapter",
-                                      pb.LoadLoraAdapterRequest(lora_name=f"n-{host}", lora_path="p/n"))
+                                      pb.LoadLoraAdapterRequest(lora_name=f"n-{host}", lora_path="/p/n"))
                 assert code == want, host
         finally:
             await server.stop(None)
