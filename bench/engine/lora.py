@@ -64,6 +64,8 @@ def measure(model: Path, prompts, loras, lora_modules, args) -> tuple[float, dic
 
     engine = Engine(EngineConfig(model=str(model), max_num_seqs=len(prompts), lora_modules=lora_modules,
                                  max_lora_rank=args.rank, lora_dtype=args.lora_dtype))
+    if args.lora_ops == "torch" and engine.runner.lora is not None:  # the torch forms, as before the kernels
+        engine.runner.lora.kernel = None
 
     def wave() -> float:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, lora=lo) for lo in loras]
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--lora-dtype", default="auto", help="EngineConfig.lora_dtype (auto: the model's, fp32)")
+    ap.add_argument("--lora-ops", choices=("kernel", "torch"), default="kernel",
+                    help="the adapters' delta by the kernel backend's lora_add, or engine/lora/ops.py's torch forms")
     ap.add_argument("--waves", type=int, default=3, help="measured waves per engine (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="one more wave per engine, timed by part")
     args = ap.parse_args()
@@ -139,7 +143,7 @@ def main() -> None:
     base, base_parts = measure(model, prompts, [None] * args.batch, None, args)
     lora, lora_parts = measure(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
     print(f"model {model.name}, batch {args.batch}, {args.max_tokens} tokens each, {len(names)} adapters of rank "
-          f"{args.rank}, lora_dtype {args.lora_dtype}, median of {args.waves} waves")
+          f"{args.rank}, lora_dtype {args.lora_dtype}, LoRA ops {args.lora_ops}, median of {args.waves} waves")
     for name, parts in (("base", base_parts), ("lora", lora_parts)):
         if parts is not None:
             recorded = "on" if parts.pop("decode recordings") else "off"
