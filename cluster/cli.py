@@ -160,6 +160,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.speculative_config": args.speculative_config,
         "engine.lora_modules": dict(args.lora_modules) if args.lora_modules else None,
         "engine.max_loras": args.max_loras, "engine.max_lora_rank": args.max_lora_rank,
+        "engine.max_cpu_loras": args.max_cpu_loras, "engine.pinned_loras": args.pinned_loras,
         "engine.lora_dtype": args.lora_dtype,
     }
     return ClusterConfig.load(args.config, overrides)
@@ -191,7 +192,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (default 1)")
     p.add_argument("--decode-kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="the decode pool's own KV dtype (default: --kv-cache-dtype); int8 / fp8_* under a prefill pool "
-                        "at auto: mixed precision, the decode workers quantize the blocks they pull")
+                        "at auto, or auto under a quantized one: mixed precision, the decode workers convert the "
+                        "blocks they pull")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
@@ -237,7 +239,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", help=SPEC_HELP)
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
                    help="LoRA adapters (PEFT directories) served on the model; a request names one in \"model\"")
-    p.add_argument("--max-loras", type=int, help="LoRA slots per engine (default: one per --lora-modules adapter)")
+    p.add_argument("--max-loras", type=int, help="LoRA slots per engine: adapters in one batch (default: one per "
+                   "--lora-modules adapter); idle slots are reused least recently used first")
+    p.add_argument("--max-cpu-loras", type=int, help="LoRA adapters loaded at once, in host memory (default: "
+                   "max(--max-loras, the --lora-modules count)); POST /v1/load_lora_adapter adds more up to this")
+    p.add_argument("--pinned-loras", nargs="+", metavar="NAME",
+                   help="--lora-modules adapters that keep a slot for good")
     p.add_argument("--max-lora-rank", type=int, help="the largest LoRA rank a slot holds (default 16)")
     p.add_argument("--lora-dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the adapters' weights as stored in the slots (default auto: the model's dtype; bfloat16 / "

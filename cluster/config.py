@@ -5,8 +5,8 @@
                                          # file's name without its quantization suffix, or a Hub id's org/name)
     engine: {block_size: 16, kv_cache_bytes: 8589934592, dtype: bfloat16, device: cuda}
     prefill: {num_workers: 2, num_blocks: 4096}  # GPU: num_gpus 1 each; CPU: num_cpus + a "duet_worker" resource
-    decode:  {num_workers: 2, kv_cache_dtype: int8}   # a pool's own KV dtype (mixed precision: prefill auto,
-                                                      # decode int8 / fp8_*, converted on the pull)
+    decode:  {num_workers: 2, kv_cache_dtype: int8}   # a pool's own KV dtype (mixed precision: one pool auto, the
+                                                      # other int8 / fp8_*, converted on the decode pool's pull)
     router:  {host: 0.0.0.0, port: 8000, grpc_port: 50051, prefill_policy: cache_aware,
               decode_policy: cache_aware, local_prefill_max_tokens: 256, api_keys: [], index: memory,
               salt_by_api_key: false,       # true: each API key is its own prefix-cache domain
@@ -54,8 +54,8 @@ class PoolConfig:
     # extra Ray custom resources each worker of this pool asks for: pins a pool to a KubeRay worker group
     # that declares them (e.g. {"duet_prefill": 1} on the compute-heavy GPU group)
     resources: dict[str, float] = field(default_factory=dict)
-    # the KV cache dtype of this pool's engines (None: the engine section's); a prefill pool at the model dtype
-    # ("auto") feeding a quantized decode pool converts on the pull (kvtransfer/convert_reader.py)
+    # the KV cache dtype of this pool's engines (None: the engine section's); pools of the model dtype ("auto") and a
+    # quantized one exchange blocks converted on the decode pool's pull (kvtransfer/convert_reader.py)
     kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
@@ -255,14 +255,15 @@ class ClusterConfig:
 
 
 def _check_kv_pairing(engine_kv: str, prefill: PoolConfig, decode: PoolConfig) -> None:
-    """Pools of two KV dtypes exchange blocks only when the prefill pool keeps the model dtype and the decode pool
-    quantizes on the pull (kvtransfer/convert_reader.py); any other pairing is refused here, naming both."""
+    """Pools of two KV dtypes exchange blocks only when one keeps the model dtype and the other is quantized: the
+    decode pool converts on the pull (kvtransfer/convert_reader.py), quantizing a model-dtype prefill pool's blocks
+    or dequantizing a quantized one's; any other pairing (two quantized dtypes) is refused here, naming both."""
     p = prefill.kv_cache_dtype or engine_kv
     d = decode.kv_cache_dtype or engine_kv
-    if p != d and p != "auto":
+    if p != d and "auto" not in (p, d):
         raise ConfigError(f"prefill.kv_cache_dtype {p!r} and decode.kv_cache_dtype {d!r}: pools of two KV dtypes "
-                          "need the prefill pool at the model dtype ('auto'), the decode pool quantized (its pull "
-                          "converts); nothing converts the other way")
+                          "need one of them at the model dtype ('auto'), the other quantized (the decode pool's pull "
+                          "converts); nothing converts between two quantized dtypes")
 
 
 def _build(cls, values: dict[str, Any], section: str):

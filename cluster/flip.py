@@ -254,7 +254,8 @@ class RoleFlips:
         client = RayWorkerClient(handle, info)
         async with self._handshake:
             await shake_hands(self.registry, client)
-            self.backend.activate(client, pid=info.pid, node=info.node)
+            async with self.backend.lora.joining(client):  # it kept its adapters; a load during the flip missed it
+                self.backend.activate(client, pid=info.pid, node=info.node)
         if self._start_feed is not None:
             self.feeds[new_id] = self._start_feed(client)
 

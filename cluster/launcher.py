@@ -12,7 +12,9 @@ a Ray this process started, one unit of the custom resource `duet_worker` (decla
 on a KubeRay cluster declare it in the CPU worker group's rayStartParams). Workers start in parallel;
 `start` waits until every one answers `info()` (model loaded, NIXL agent registered), then hands every
 decode worker the prefill workers' NIXL metadata (handshake: version + compatibility hash, refused
-with KVCompatError on a mismatch), then checks that every worker hashes blocks like the router.
+with KVCompatError on a mismatch), then checks that every worker hashes blocks like the router, and that every
+worker read the same bytes for each `--lora-modules` adapter (router/lora_adapters.py; a worker started later gets
+the adapters served then, loaded at run time included, before it is routed to).
 
 KV events reach the router by one of two feeds: `memory` (a task per worker long-polls its in-memory
 event log over Ray) or a Redis stream shared by router replicas (`router.index: redis://...`).
@@ -39,6 +41,7 @@ from engine.loading.weights_summary import WeightsSummary
 from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
+from router.lora_adapters import ServedAdapter
 from router.metrics.collector import ClusterCollector, RouterMetrics
 from router.routing.feed import IndexFeed
 from router.routing.policy import Role, make_policy
@@ -85,6 +88,9 @@ class Cluster:
                                for p in prefill if len(prefill) > 1))
         metrics = RouterMetrics(config.model_name, min(i.max_model_len for i in infos))
         backend = _make_backend(config, prefill, decode, infos, metrics)
+        for c in clients:  # each loaded the --lora-modules at start: the router records their digests (the same)
+            async with backend.lora.joining(c):
+                pass
         for c in clients:
             rec = backend.registry.get(c.worker_id)
             rec.pid, rec.node = c.info.pid, c.info.node
@@ -178,7 +184,9 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
         prefill_hasher=None if p_hasher.fingerprint == d_hasher.fingerprint else p_hasher,  # pools of two KV dtypes
         prefill_policy=make_policy(config.router.prefill_policy, B, tier_weights=config.router.weights),
         decode_policy=make_policy(config.router.decode_policy, B, tier_weights=config.router.weights),
-        local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics)
+        local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics,
+        lora_modules=[ServedAdapter(name, path, name in (config.engine.pinned_loras or ()))
+                      for name, path in config.engine.lora_modules or ()])
 
 
 def _pool_hasher(engine: EngineConfig) -> BlockHasher:

@@ -1,7 +1,8 @@
 """LocalBackend: the front-door `Backend` over one in-process engine (no Ray, no disaggregation).
 
 Used by the front-door tests and by `duet serve --colocated`. The engine runs on its own thread
-(`AsyncEngine`); closing a stream aborts the request there, which frees its blocks.
+(`AsyncEngine`); closing a stream aborts the request there, which frees its blocks. LoRA adapters load and unload at
+run time as on a cluster (router/lora_adapters.py), the engine its one target.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import Backend, Health, ModelCard
+from router.lora_adapters import LoraAdapters, ServedAdapter
 
 
 class LocalBackend(Backend):
@@ -27,6 +29,10 @@ class LocalBackend(Backend):
                               longrope_original_len=engine.model_config.longrope_original_len,
                               weights=engine.runner.weights,
                               lora_adapters=tuple(engine.runner.lora.names()) if engine.runner.lora else ())
+        pinned = set(engine.config.pinned_loras or ())
+        self.lora = LoraAdapters(lambda: [_EngineTarget(self.async_engine)], [
+            ServedAdapter(name, path, name in pinned, engine.runner.lora.digest(name))
+            for name, path in engine.config.lora_modules or ()])
 
     @classmethod
     def from_config(cls, config: EngineConfig, model_id: str | None = None) -> LocalBackend:
@@ -35,9 +41,13 @@ class LocalBackend(Backend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_token_ids, params)
-        async for out in self.async_engine.generate(prompt_token_ids=list(prompt_token_ids), params=params,
-                                                    request_id=request_id):
-            yield out
+        self.lora.begin(params.lora)
+        try:
+            async for out in self.async_engine.generate(prompt_token_ids=list(prompt_token_ids), params=params,
+                                                        request_id=request_id):
+                yield out
+        finally:
+            self.lora.end(params.lora)
 
     def health(self) -> Health:
         alive = self.async_engine._thread.is_alive()
@@ -46,3 +56,15 @@ class LocalBackend(Backend):
 
     async def aclose(self) -> None:
         self.async_engine.shutdown()
+
+
+
+class _EngineTarget:
+    """The in-process engine as router/lora_adapters.py's target (a worker's LoRA verbs, without Ray)."""
+
+    worker_id = "local"
+
+    def __init__(self, async_engine: AsyncEngine) -> None:
+        self.load_lora = async_engine.load_lora
+        self.unload_lora = async_engine.unload_lora
+        self.lora_adapters = async_engine.lora_adapters

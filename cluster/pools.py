@@ -12,9 +12,10 @@ Loops (tasks on the router's event loop):
 - autoscaler, every ``autoscaler.interval_s`` when enabled: observe (warm/cold workers, loads, the
   router's latency samples of the interval), ``decide``, record every decision, apply new targets.
 - reconcile (after each of the above and after every target change): at most one action per role at a
-  time. Below target: start a worker (``starting`` until it loaded its model, registered its NIXL agent and
-  shook hands with the other role; then ``ready`` and routed to). Above target: drain the least-loaded
-  ready worker (``draining``: no new requests; it finishes its requests and its KV leases, then stops).
+  time. Below target: start a worker (``starting`` until it loaded its model, registered its NIXL agent, shook
+  hands with the other role and holds the LoRA adapters served now; then ``ready`` and routed to). Above target:
+  drain the least-loaded ready worker (``draining``: no new requests; it finishes its requests and its KV leases,
+  then stops).
   No request fails because of a scale-down; a drain that outlives ``lifecycle.drain_timeout_s`` is stopped
   anyway and logged.
   One pool over its target while the other is under (a rebalance): flip a worker across in place instead,
@@ -179,7 +180,8 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
             client = RayWorkerClient(handle, info)
             async with self._handshake:
                 await shake_hands(self.registry, client)
-                self.backend.activate(client, pid=info.pid, node=info.node)
+                async with self.backend.lora.joining(client):  # the LoRA adapters served now, before it is routed to
+                    self.backend.activate(client, pid=info.pid, node=info.node)
             if self._start_feed is not None:
                 self.feeds[worker_id] = self._start_feed(client)
             self.counters["started"] += 1

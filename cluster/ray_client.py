@@ -78,6 +78,21 @@ class RayWorkerClient(WorkerClient):
         if self.descriptor.role == Role.PREFILL:
             await self.handle.release.remote(request_id)
 
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        try:
+            return await self.handle.load_lora.remote(name, path, pinned)
+        except RayTaskError as e:
+            raise _unwrap(e) from None
+
+    async def unload_lora(self, name: str) -> None:
+        try:
+            await self.handle.unload_lora.remote(name)
+        except RayTaskError as e:
+            raise _unwrap(e) from None
+
+    async def lora_adapters(self) -> dict[str, str]:
+        return await self.handle.lora_adapters.remote()
+
     async def alive(self) -> bool:
         """Whether its engine runs (and a tensor-parallel worker's other ranks answer); a worker Ray cannot reach
         raises Ray's error (the caller's reason). ``why_not`` keeps what the worker said when it is not."""

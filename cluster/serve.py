@@ -92,7 +92,7 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
         grpc_server = await start_grpc_server(backend, rc.host, rc.grpc_port, api_keys=rc.api_keys,
                                               max_request_bytes=rc.max_request_bytes,
                                               salt_by_api_key=rc.salt_by_api_key,
-                                              tool_call_parser=rc.tool_call_parser)
+                                              tool_call_parser=rc.tool_call_parser, admin_key=rc.admin_key)
     try:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():

@@ -11,6 +11,9 @@ role's methods (WrongRoleError), so a call that reaches a worker after its flip 
 doing the wrong thing. It lives in decode_worker/ because that package already imports prefill_worker
 (the DAG: prefill_worker ← decode_worker ← cluster), and the launcher spawns it for both pools.
 
+LoRA adapters (``load_lora`` / ``unload_lora`` / ``lora_adapters``) are either role's: the router gives every worker
+the same set (router/lora_adapters.py), and a flip keeps the engine, so it keeps its adapters.
+
 The flip itself (`WorkerBase.flip_role`, prefill_worker/base.py) keeps the engine — weights, the KV cache
 tensor, the prefix cache and its lower tiers — and the reading NIXL agent, and refuses unless the worker
 is idle and the new pool's engine config is the loaded one. What changes with the role:
@@ -30,14 +33,19 @@ is idle and the new pool's engine config is the loaded one. What changes with th
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 from decode_worker.worker import DecodeRole
+from engine.errors import InvalidRequestError
 from engine.kv.handoff import KVHandoff, PeerBlocks
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
 from prefill_worker.base import WorkerBase, WorkerRole
 from prefill_worker.worker import PrefillRole
+
+UNLOAD_WAIT_S = 30.0  # an unload retries this long while requests of this worker still use the adapter
 
 ROLES: dict[str, type[WorkerRole]] = {"prefill": PrefillRole, "decode": DecodeRole}
 
@@ -76,3 +84,22 @@ class Worker(WorkerBase):
         if isinstance(self.role, DecodeRole):  # a forgotten prefill worker's drain is over
             self.role.forget_first(peer_names)
         return known
+
+    # ---- LoRA adapters (either role; the router keeps every worker's set the same: router/lora_adapters.py) -------
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        return await self.aengine.load_lora(name, path, pinned)
+
+    async def unload_lora(self, name: str, wait_s: float = UNLOAD_WAIT_S) -> None:
+        """Forget adapter ``name``. While a request of this worker still uses it (an abort on its way after the
+        router's last request with it ended) the unload is retried, up to ``wait_s``; then its error is raised."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self.aengine.unload_lora(name)
+            except InvalidRequestError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def lora_adapters(self) -> dict[str, str]:
+        return await self.aengine.lora_adapters()

@@ -13,6 +13,7 @@ Hooks for the workers that wrap an engine (all run on the engine thread, so they
 - ``call(fn)``: run ``fn(engine)`` on the engine thread, result as a ``concurrent.futures.Future``;
 - ``stream(request_id, start)``: open a stream for a request that enters the engine some other way
   than ``add`` (``start(engine)`` runs on the engine thread; the decode worker's remote-KV path).
+``load_lora`` / ``unload_lora`` / ``lora_adapters``: the LoRA verbs of a worker or a colocated server.
 """
 from __future__ import annotations
 
@@ -111,6 +112,35 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._send("call", (fn, future))
         return future
+
+    # ---- LoRA adapters (engine/lora/manager.py) ---------------------------------------------------
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        """Load the PEFT adapter at ``path`` as ``name``; returns its digest. The files are read on a helper thread
+        (the steps go on) and the adapter joins the engine between two steps. The same bytes already loaded under
+        the same name is no error (a router retrying after a partial failure); other bytes are."""
+        from engine.lora.adapter import load_adapter  # torch: this module's importers may not need it
+
+        lora = self.engine.runner.lora
+        adapter = await asyncio.to_thread(load_adapter, name, path, lora.pool.num_layers if lora else None)
+
+        def add(engine: Engine) -> str:
+            held = engine.runner.lora.adapters.get(name) if engine.runner.lora is not None else None
+            if held is not None and held.digest == adapter.digest:
+                return held.digest
+            return engine.add_lora(adapter, pinned)  # refuses other bytes under a loaded name
+
+        return await asyncio.wrap_future(self.call(add))
+
+    async def unload_lora(self, name: str) -> None:
+        await asyncio.wrap_future(self.call(lambda engine: engine.unload_lora(name)))
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The adapters loaded: name -> digest (empty without LoRA)."""
+        def held(engine: Engine) -> dict[str, str]:
+            lora = engine.runner.lora
+            return {} if lora is None else {n: lora.digest(n) for n in lora.names()}
+
+        return await asyncio.wrap_future(self.call(held))
 
     def deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """Hand an output (or an exception that ends the stream) to the request's caller, from any thread."""

@@ -215,10 +215,14 @@ class EngineConfig:
     # speculative decoding (engine/speculative/): a SpeculativeConfig, or its JSON object (a dict or text) as vLLM's
     # --speculative-config takes it; None: off
     speculative_config: Any = None
-    # LoRA adapters (engine/lora/): name → PEFT adapter directory (a dict, kept as sorted pairs), each loaded at start
-    # into its own pinned slot of ``max_loras`` (0: as many as there are adapters), rank <= ``max_lora_rank``
+    # LoRA adapters (engine/lora/manager.py): name → PEFT adapter directory (a dict, kept as sorted pairs), loaded at
+    # start; ``max_loras`` device slots (adapters in one batch; 0: one per lora_modules entry), LRU-evicted when idle;
+    # ``max_cpu_loras`` adapters loaded at most (host memory; 0: max(max_loras, len(lora_modules)), vLLM's default);
+    # ``pinned_loras``: names of lora_modules that keep their slot for good; rank <= ``max_lora_rank``
     lora_modules: Any = None
     max_loras: int = 0
+    max_cpu_loras: int = 0
+    pinned_loras: Any = None
     max_lora_rank: int = 16
     # the slots' storage of the adapters' weights: "auto" the model's dtype; "bfloat16" / "float16" halve the bytes the
     # LoRA kernels read per step (an fp32 adapter rounded once at load; a bf16 / fp16 file is kept exactly)
@@ -289,17 +293,40 @@ class EngineConfig:
             if not modules or not all(isinstance(n, str) and n and isinstance(p, str) and p for n, p in modules):
                 raise ConfigError(f"lora_modules must map adapter names to directories, got {self.lora_modules!r}")
             object.__setattr__(self, "lora_modules", tuple(modules))
-        for name in ("max_loras", "max_lora_rank"):
+        for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
             value = getattr(self, name)
-            if type(value) is not int or value < (0 if name == "max_loras" else 1):
-                raise ConfigError(f"{name} must be an integer >= {0 if name == 'max_loras' else 1}, got {value!r}")
+            if type(value) is not int or value < (1 if name == "max_lora_rank" else 0):
+                raise ConfigError(f"{name} must be an integer >= {1 if name == 'max_lora_rank' else 0}, got {value!r}")
+        names = [n for n, _ in modules or ()]
+        if self.max_cpu_loras and self.max_cpu_loras < max(self.max_loras, len(names)):
+            raise ConfigError(f"max_cpu_loras {self.max_cpu_loras} must be >= max_loras {self.max_loras} and >= the "
+                              f"{len(names)} lora_modules (every loaded adapter is held in host memory)")
+        pinned = self.pinned_loras
+        if pinned is not None:
+            if isinstance(pinned, str) or not all(isinstance(n, str) for n in pinned):
+                raise ConfigError(f"pinned_loras must be a list of adapter names, got {pinned!r}")
+            unknown = sorted(set(pinned) - set(names))
+            if unknown:
+                raise ConfigError(f"pinned_loras {unknown} are not lora_modules ({names})")
+            object.__setattr__(self, "pinned_loras", tuple(sorted(set(pinned))))
+            slots = self.lora_slots
+            if len(self.pinned_loras) > slots or (len(self.pinned_loras) == slots < len(names)):
+                raise ConfigError(f"{len(self.pinned_loras)} pinned_loras leave no slot of max_loras {slots} for the "
+                                  "other adapters")
         if self.lora_dtype not in LORA_DTYPES:
             raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
-        if modules and self.max_loras and self.max_loras < len(modules):
-            raise ConfigError(f"max_loras {self.max_loras} < {len(modules)} lora_modules: every adapter is loaded at "
-                              "start into its own slot (slot eviction is not built yet)")
         if (modules or self.max_loras) and self.speculative_config is not None:
             raise ConfigError("LoRA adapters with speculative decoding are not implemented")
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for LoRA adapters (0: no LoRA): ``max_loras``, or one per lora_modules entry."""
+        return self.max_loras or len(self.lora_modules or ())
+
+    @property
+    def lora_cpu_slots(self) -> int:
+        """Adapters that may be loaded at once (host memory): ``max_cpu_loras``, or vLLM's default."""
+        return self.max_cpu_loras or max(self.lora_slots, len(self.lora_modules or ()))
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -69,7 +69,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.real_rows = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # 1: a sequence, 0: padding
-        self.lora = runner.lora  # LoRA adapters' pool (engine/lora/pool.py), or None
+        self.lora = runner.lora.pool if runner.lora is not None else None  # LoRA adapters' pool (engine/lora/pool.py)
         self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)  # each row's adapter slot
         self.moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]  # counts: real rows only
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph or None, static output)

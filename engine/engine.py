@@ -85,7 +85,7 @@ class Engine(EmitMixin, RemoteKVMixin):
             raise ConfigError("a tensor-parallel engine's KV tiers need its other ranks' (a worker's tier_mirror)")
         self.tiers = build_tiers(config, self.runner.kv_cache, self.runner.bytes_per_block, self.pool, tier_mirror)
         self.scheduler = Scheduler(self.pool, self.hasher, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, self.tiers)
+                                   config.enable_chunked_prefill, self.tiers, lora=self.runner.lora)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.stats.kernel_fallbacks = len(self.runner.fallbacks)
@@ -121,7 +121,7 @@ class Engine(EmitMixin, RemoteKVMixin):
                            max_model_len=self.max_model_len)
         params = admit_rope_factors(params, len(ids), self.model_config.longrope_original_len)  # kept if chosen
         lora = self.runner.lora
-        if params.lora is not None and (lora is None or params.lora not in lora.slots.slot_of):
+        if params.lora is not None and (lora is None or params.lora not in lora.adapters):
             known = lora.names() if lora is not None else []
             raise InvalidRequestError(f"unknown LoRA adapter {params.lora!r} (this engine serves {known or 'none'})")
         total = len(ids) + params.max_tokens
@@ -216,22 +216,42 @@ class Engine(EmitMixin, RemoteKVMixin):
             outputs.append(self._output(request, [], "", 0))
         return outputs
 
-    # ---- LoRA adapters (engine/lora/), between steps -------------------------------------------------
-    def load_lora(self, name: str, path: str) -> int:
-        """Load the PEFT adapter at ``path`` as ``name`` into a free slot (max_loras > 0 at start); returns it."""
-        if self.runner.lora is None:
-            raise ConfigError("this engine was started without LoRA slots (set max_loras or lora_modules)")
-        return self.runner.lora.load(name, path)
+    # ---- LoRA adapters (engine/lora/manager.py), between steps ---------------------------------------
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        """Load the PEFT adapter at ``path`` as ``name`` (host memory, and a free slot if one is; ``pinned``: a slot
+        for good); returns its digest. LoraAdapterError names what refused it."""
+        return self._lora_manager().load(name, path, pinned).digest
 
-    def unload_lora(self, name: str) -> int:
-        """Free adapter ``name``'s slot; refused while a request of this engine still uses it."""
-        if self.runner.lora is None:
-            raise ConfigError("this engine was started without LoRA slots (set max_loras or lora_modules)")
-        users = [r.request_id for group in (self.requests, self.held, self.remote_pending) for r in group.values()
+    def add_lora(self, adapter, pinned: bool = False) -> str:
+        """``load_lora`` of an adapter read already (engine/lora/adapter.py ``load_adapter``, off the engine thread,
+        so a large file does not stall the steps); returns its digest."""
+        return self._lora_manager().add(adapter, pinned).digest
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name``; refused (InvalidRequestError) while a request of this engine still runs or waits
+        with it. A prefill worker's handed-off requests (``held``) do not count: their KV is computed."""
+        manager = self._lora_manager()
+        users = [r.request_id for group in (self.requests, self.remote_pending) for r in group.values()
                  if r.params.lora == name]
         if users:
             raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} requests ({users[:3]} ...)")
-        return self.runner.lora.unload(name)
+        manager.unload(name)
+
+    def lora_stats(self) -> dict | None:
+        """The adapters (engine/lora/manager.py ``info``) and those of the running and the waiting requests (vLLM's
+        ``running_lora_adapters`` / ``waiting_lora_adapters``: names, sorted); None without LoRA."""
+        if self.runner.lora is None:
+            return None
+        sched = self.scheduler
+        waiting = [*sched.waiting, *sched.loading.values(), *self.remote_pending.values()]
+        return {**self.runner.lora.info(),
+                "running_adapters": sorted({r.params.lora for r in sched.running if r.params.lora is not None}),
+                "waiting_adapters": sorted({r.params.lora for r in waiting if r.params.lora is not None})}
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ConfigError("this engine was started without LoRA slots (set max_loras or lora_modules)")
+        return self.runner.lora
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has work (requests waiting for remote KV do not count until committed)."""

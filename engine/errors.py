@@ -21,3 +21,12 @@ class ConfigError(DuetError, ValueError):
 class RankLostError(DuetError, RuntimeError):
     """A tensor-parallel rank's collective failed (a rank died or left): the engine cannot step again; its
     worker is replaced (engine/models/tensor_parallel.py)."""
+
+
+class LoraAdapterError(DuetError, ValueError):
+    """A LoRA adapter duet cannot serve or load (engine/lora/): the message names the file and the field or tensor,
+    or the limit (max_cpu_loras, max_lora_rank, a pin) that refused it."""
+
+
+class LoraAdapterNotFoundError(LoraAdapterError):
+    """No such adapter: an unknown name (unload), or no directory at the path (load). HTTP 404 / NOT_FOUND."""

@@ -29,8 +29,8 @@ from engine.loading.checkpoint import checkpoint_path
 from engine.loading.paths import checkpoint_name
 from engine.loading.resident import checkpoint_tensor_bytes, summarize_weights
 from engine.loading.weights import load_model, resolve_dtype
-from engine.lora.pool import LoraPool, build_lora_pool
-from engine.models.attention import AttentionMetadata
+from engine.lora.manager import LoraManager
+from engine.models.attention import AttentionMetadata, fresh_sequences
 from engine.models.config import ModelConfig
 from engine.models.kernel_backend import get_ops, resolve_backend
 from engine.models.tensor_parallel import TensorParallel
@@ -118,10 +118,9 @@ class ModelRunner:
         elif self.ops.pack_linear is not None:
             self.model.pack_linears()
         # LoRA adapters (engine/lora/): their deltas added to the projections' outputs, per token
-        self.lora: LoraPool | None = None
-        if (cfg.lora_modules or cfg.max_loras) and kv_blocks:
-            self.lora = build_lora_pool(self.model, cfg.lora_modules or (), cfg.max_loras, cfg.max_lora_rank,
-                                        self.dtype, self.device, cfg.lora_dtype)
+        self.lora: LoraManager | None = None
+        if cfg.lora_slots and kv_blocks:
+            self.lora = LoraManager.build(self.model, cfg, self.dtype, self.device)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)
@@ -163,7 +162,7 @@ class ModelRunner:
         model_cfg, reason = self.model_cfg, None
         graphs_on = cfg.cuda_graph_max_batch if self.device.type == "cuda" else \
             cfg.cpu_graph_max_batch and kv_blocks and self._cpu_graph_refusal() is None
-        if graphs_on and self.lora is not None and (self.device.type == "cuda" or self.lora.kernel is None):
+        if graphs_on and self.lora is not None and (self.device.type == "cuda" or self.lora.pool.kernel is None):
             reason = ("LoRA adapters: CUDA graphs do not feed the Triton LoRA kernels their slots yet (CPU recordings "
                       "do)" if self.device.type == "cuda" else "LoRA adapters on the torch forms: the step's token "
                       "groups are built on the host (engine/lora/ops.py)")
@@ -235,6 +234,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt_ends = [s.request.num_prompt_tokens - s.request.num_prior_output_tokens for s in prefills]
         token_slots: list[int] = []  # each token's LoRA slot (-1: the base model)
         rope = self.model.rope
         for s in ordered:
@@ -253,10 +253,10 @@ class ModelRunner:
             if s.completes_sequence:
                 sample_rows.extend(range(cu_q[-1] - 1 - s.num_draft_tokens, cu_q[-1]))
                 sampled.append(s)
-        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills))
+        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills), prompt_ends)
         self.tp.send(("step", step))
         if self.lora is not None:
-            self.lora.set_batch(token_slots)
+            self.lora.pool.set_batch(token_slots)
         self.forward(*step, lora_slots=token_slots if self.lora is not None else None)
         row = 0
         for s in ordered:
@@ -269,15 +269,23 @@ class ModelRunner:
 
     def forward(self, input_ids: list[int], positions: list[int], slots: list[int], cu_q: list[int],
                 tables: list[list[int]], seq_lens: list[int], n_p: int,
-                lora_slots: list[int] | None = None) -> torch.Tensor:
+                prompt_ends: list[int] | None = None, lora_slots: list[int] | None = None) -> torch.Tensor:
         """One forward over a step's tokens (the first ``n_p`` sequences prefill chunks, the rest decodes):
-        hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``. ``lora_slots``: each token's
+        hidden states [tokens, hidden], also kept in ``self.hidden`` for ``logits``. ``prompt_ends``: each prefill
+        chunk's original prompt end (a quantized cache's chunks read their prompt tokens' K/V fresh up to it:
+        engine/models/attention.py; None: every prefill token is a prompt token). ``lora_slots``: each token's
         LoRA adapter slot (already set in the pool's batch; a replayed decode step copies them into its buffer)."""
         dev = self.device
         graphs = self.decode_graphs
         hidden = None
+        fresh = None
         if not n_p and graphs is not None and len(seq_lens) <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, slots, tables, seq_lens, lora_slots)
+        elif n_p and self.kv_dtype.quantized:
+            ends = prompt_ends if prompt_ends is not None else seq_lens[:n_p]
+            cu_p, tables_p, lens_p, fresh = fresh_sequences(cu_q[:n_p + 1], tables[:n_p], seq_lens[:n_p], ends)
+            cu_q, tables, seq_lens = cu_p + cu_q[n_p + 1:], tables_p + tables[n_p:], lens_p + seq_lens[n_p:]
+            n_p = len(lens_p)
         if hidden is None:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
@@ -290,6 +298,7 @@ class ModelRunner:
                 prefill_seq_lens=lens[:n_p],
                 decode_block_tables=table[n_p:],
                 decode_seq_lens=lens[n_p:],
+                prefill_fresh_seqs=None if fresh is None else torch.tensor(fresh, dtype=torch.int32, device=dev),
             )
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=dev),

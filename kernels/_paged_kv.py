@@ -16,6 +16,10 @@ their strides: they are views of one cache tensor). A tile's values are converte
 both fp8s are representable in fp16, bf16 and fp32), and go through the same dots as a dense cache's; a key's scale
 multiplies its column of fp32 scores, a value's scale its column of fp32 probabilities before the P·V dot. Scores,
 softmax and the accumulator stay fp32; nothing is dequantized into memory.
+
+Fresh K/V (prefill's ``FRESH``, kernels/prefill_attention.py): a tile's positions from the sequence's first new one
+on are loaded from the new tokens' K/V rows instead of the cache, in q's dtype, with scale 1 where a quantized cache
+has its scales: the same dots, and the products by 1 are exact.
 """
 from __future__ import annotations
 
@@ -89,6 +93,21 @@ def attend_kv_tile(
 
 
 @triton.jit
+def _load_rows(ptrs, new_ptrs, d_mask, is_new, in_cache, dtype, ROWS_AXIS: tl.constexpr):
+    """A tile of K (positions on axis 1) or V (positions on axis 0) in ``dtype``: from the cache (``ptrs``) where
+    ``in_cache``, from the new rows (``new_ptrs``) where ``is_new``, zeros elsewhere (past the sequence end the cache
+    may hold NaN, and 0 * NaN is NaN) and in the head_dim padding (``d_mask`` false)."""
+    if ROWS_AXIS == 1:
+        cache_mask = in_cache[None, :] & d_mask
+        new_mask = is_new[None, :] & d_mask
+    else:
+        cache_mask = in_cache[:, None] & d_mask
+        new_mask = is_new[:, None] & d_mask
+    x = tl.load(ptrs, mask=cache_mask, other=0.0).to(dtype)
+    return tl.where(new_mask, tl.load(new_ptrs, mask=new_mask, other=0.0).to(dtype), x)
+
+
+@triton.jit
 def attend_prefill_tile(
     acc, m_i, l_i,  # [BLOCK_M, BLOCK_D] fp32 unnormalized output, [BLOCK_M] running max (log2), denominator
     q,  # [BLOCK_M, BLOCK_D]
@@ -96,18 +115,24 @@ def attend_prefill_tile(
     v_base,  # value_cache_ptr + kv_head * stride_vh
     ks_base,  # key_scales_ptr + kv_head * stride_sh (read only when KV_QUANT)
     vs_base,  # value_scales_ptr + kv_head * stride_sh
+    nk_base,  # fresh_key_ptr + kv_head * stride_nkh: the new rows, position p at row p + new_shift (FRESH only)
+    nv_base,  # fresh_value_ptr + kv_head * stride_nvh
     table,  # block_tables_ptr + seq * stride_bts: [max_blocks_per_seq] int32
     start,  # first position of the tile, a multiple of BLOCK_N
     q_pos,  # [BLOCK_M] absolute position of each row (read only when MASKED)
     seq_len, window,
-    stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
+    new_start,  # the first position read from the new rows (seq_len: none; read only when FRESH)
+    new_shift,  # row of position p in the new rows: p + new_shift
+    stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, stride_nkt, stride_nvt,
     qk_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, FRESH: tl.constexpr,
 ):
     """One K/V tile of the online softmax. Unmasked (MASKED false) only for tiles inside the sequence that every
-    row sees whole: then there are no bounds, no mask and the scale rides in the max-subtracting FMA."""
+    row sees whole: then there are no bounds, no mask and the scale rides in the max-subtracting FMA. FRESH: the
+    positions from ``new_start`` on come from the new rows, unquantized, with scale 1 (kernels/prefill_attention.py,
+    fresh K/V); the cache is not read there."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     pos = start + offs_n
@@ -126,18 +151,31 @@ def attend_prefill_tile(
         k_ptrs = k_base + (blocks * stride_kb + (pos % BLOCK_SIZE) * stride_kt)[None, :] + offs_d[:, None]
         v_ptrs = v_base + (blocks * stride_vb + (pos % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
         scale_rows = blocks * stride_sb + (pos % BLOCK_SIZE) * stride_st
-    if MASKED:  # zero rows past the sequence end: the cache there may hold NaN, and 0 * NaN is NaN
+    if MASKED:
         in_seq = pos < seq_len
-        k = tl.load(k_ptrs, mask=(offs_d[:, None] < HEAD_DIM) & in_seq[None, :], other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    if FRESH:  # [BLOCK_N] positions from the new rows / from the cache
+        is_new = pos >= new_start
+        in_cache = pos < new_start
+        if MASKED:
+            is_new = is_new & in_seq
+            in_cache = in_cache & in_seq
+        new_rows = (pos + new_shift).to(tl.int64)
+        k = _load_rows(k_ptrs, nk_base + new_rows[None, :] * stride_nkt + offs_d[:, None], offs_d[:, None] < HEAD_DIM,
+                       is_new, in_cache, q.dtype, 1)
     else:
-        k = tl.load(k_ptrs)
-    if UPCAST or KV_QUANT:
-        k = k.to(q.dtype)
+        if MASKED:  # zero rows past the sequence end: the cache there may hold NaN, and 0 * NaN is NaN
+            k = tl.load(k_ptrs, mask=(offs_d[:, None] < HEAD_DIM) & in_seq[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if UPCAST or KV_QUANT:
+            k = k.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     if KV_QUANT:
-        if MASKED:
+        if FRESH:
+            qk = qk * tl.where(is_new, 1.0, tl.load(ks_base + scale_rows, mask=in_cache, other=0.0))[None, :]
+        elif MASKED:
             qk = qk * tl.load(ks_base + scale_rows, mask=in_seq, other=0.0)[None, :]
         else:
             qk = qk * tl.load(ks_base + scale_rows)[None, :]
@@ -161,16 +199,22 @@ def attend_prefill_tile(
         alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
-        v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if FRESH:
+        v = _load_rows(v_ptrs, nv_base + new_rows[:, None] * stride_nvt + offs_d[None, :], offs_d[None, :] < HEAD_DIM,
+                       is_new, in_cache, q.dtype, 0)
     else:
-        v = tl.load(v_ptrs)
-    if UPCAST or KV_QUANT:
-        v = v.to(q.dtype)
-    if KV_QUANT:
         if MASKED:
+            v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if UPCAST or KV_QUANT:
+            v = v.to(q.dtype)
+    if KV_QUANT:
+        if FRESH:
+            p = p * tl.where(is_new, 1.0, tl.load(vs_base + scale_rows, mask=in_cache, other=0.0))[None, :]
+        elif MASKED:
             p = p * tl.load(vs_base + scale_rows, mask=in_seq, other=0.0)[None, :]
         else:
             p = p * tl.load(vs_base + scale_rows)[None, :]

@@ -132,6 +132,30 @@ def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scale
     return True
 
 
+def check_fresh_kv(q: torch.Tensor, key_cache: torch.Tensor, num_seqs: int, fresh_key: torch.Tensor | None,
+                   fresh_value: torch.Tensor | None, fresh_seqs: torch.Tensor | None) -> bool:
+    """Prefill's fresh K/V (kernels/prefill_attention.py, "Fresh K/V"): none (False), or ``fresh_key`` and
+    ``fresh_value`` ``[num_q_tokens, num_kv_heads, head_dim]`` of q's dtype, a row per query token, each row's head
+    contiguous, with ``fresh_seqs`` None or int32 ``[num_seqs]`` (True). Shapes and dtypes only: no value is read."""
+    if fresh_key is None and fresh_value is None:
+        if fresh_seqs is not None:
+            raise ValueError("fresh_seqs was given without fresh_key and fresh_value")
+        return False
+    if fresh_key is None or fresh_value is None:
+        given = "fresh_key" if fresh_value is None else "fresh_value"
+        raise ValueError(f"only {given} was given: fresh K/V takes fresh_key and fresh_value")
+    for name, t in (("fresh_key", fresh_key), ("fresh_value", fresh_value)):
+        check_tensor(name, t, 3, (q.dtype,))
+        check_shape(name, t, (q.shape[0], key_cache.shape[2], key_cache.shape[3]))
+        check_last_dim_contiguous(name, t)
+    if fresh_seqs is not None:
+        check_tensor("fresh_seqs", fresh_seqs, 1, (torch.int32,))
+        check_shape("fresh_seqs", fresh_seqs, (num_seqs,))
+        if num_seqs > 1 and fresh_seqs.stride(0) != 1:
+            raise ValueError(f"fresh_seqs must be contiguous, got stride {fresh_seqs.stride()}")
+    return True
+
+
 def kv_scale_args(key_cache: torch.Tensor, key_scales: torch.Tensor | None,
                   value_scales: torch.Tensor | None) -> tuple:
     """(key_scales, value_scales, stride over blocks, stride over tokens) as the kernels take them, after

@@ -67,7 +67,8 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeKernelError(f"no C compiler ({_compiler()}): {e}") from e
-    headers = sorted((Path(__file__).parent / "cpu").glob("*.h"))
+    # the headers and the templates the sources include (attention_decode.inc, attention_kv8.inc)
+    headers = sorted([*(Path(__file__).parent / "cpu").glob("*.h"), *(Path(__file__).parent / "cpu").glob("*.inc")])
     parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES.items()] + [h.read_text() for h in headers] + [
         " ".join(_FLAGS), version, _cpu_identity()]
     key = hashlib.sha256("\0".join(parts).encode())
@@ -111,6 +112,7 @@ def _run(cmd: list[str]) -> None:
 def _declare_int8_kv(lib: ctypes.CDLL) -> None:
     """kernels/cpu/attention_kv8.c (1-byte KV caches, int8 / fp8 e4m3 / fp8 e5m2: kernels/cpu_kv_int8.py)."""
     cache = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64]  # values + strides (block, token, head), scales + strides
+    fresh = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR]  # prefill's fresh K and V rows + strides (token, head), fresh
     for sfx in ("i8", "e4m3", "e5m2"):
         decode, prefill = getattr(lib, f"duet_decode_attention_{sfx}"), getattr(lib, f"duet_prefill_attention_{sfx}")
         store = getattr(lib, f"duet_store_kv_{sfx}")
@@ -118,7 +120,7 @@ def _declare_int8_kv(lib: ctypes.CDLL) -> None:
         decode.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _I64, _I64,
                            _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
         prefill.restype = _INT
-        prefill.argtypes = [_PTR, _I64, _I64, *cache, *cache, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+        prefill.argtypes = [_PTR, _I64, _I64, *cache, *cache, *fresh, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                             _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT]
         store.restype = None
         store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,

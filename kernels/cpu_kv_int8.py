@@ -4,7 +4,8 @@ layout); the cache's dtype picks the C instantiation (``_SUFFIX``).
 
 The store quantizes each new row (per token and KV head, amax / 127, round half to even: the same bytes as
 ``kv_quant.quantize_ref``); decode and prefill attention run the fp32 kernels' task loops on rows dequantized
-as they are read (int8 × scale in fp32), with fp32 scores, softmax and accumulation. Head sizes that are not a
+as they are read (int8 × scale in fp32), with fp32 scores, softmax and accumulation; prefill's fresh K/V
+(kernels/prefill_attention.py) are read from their rows as computed. Head sizes that are not a
 multiple of 8 have no C path here: they run the torch references (dequantize, then SDPA), logged once.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 import torch
 
+from kernels._triton_utils import check_fresh_kv
 from kernels.cpu_build import NativeKernelError, load
 from kernels.cpu_native import _check, _check_cache_args, _check_store_args
 from kernels.decode_attention import paged_decode_attention_ref
@@ -104,9 +106,18 @@ def prefill_attention(
     *,
     key_scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] fp32 (strided view)
     value_scales: torch.Tensor,
+    fresh_key: torch.Tensor | None = None,  # [num_q_tokens, num_kv_heads, head_dim] fp32: the new tokens' K
+    fresh_value: torch.Tensor | None = None,
+    fresh_seqs: torch.Tensor | None = None,  # [num_seqs] int32: 1 = this sequence reads fresh_key / fresh_value
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim]
-    """Each sequence's new tokens against its whole cached context (prefix included), causal."""
+    """Each sequence's new tokens against its whole cached context (prefix included), causal; with fresh K/V
+    (``prefill_attention_ref``'s contract) a marked sequence's new tokens' K/V come from ``fresh_key`` /
+    ``fresh_value`` as computed (the C rows function points at them instead of dequantizing)."""
     _check_int8_cache(q, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens)
+    fresh = check_fresh_kv(q, key_cache, seq_lens.shape[0], fresh_key, fresh_value, fresh_seqs)
+    for name, t in (("fresh_key", fresh_key), ("fresh_value", fresh_value), ("fresh_seqs", fresh_seqs)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}: the C kernels take CPU tensors")
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     if len(cu) != len(lens) + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or any(
             not 0 <= cu[s + 1] - cu[s] <= n for s, n in enumerate(lens)):
@@ -116,15 +127,22 @@ def prefill_attention(
     if head_dim % 8:
         _reference(head_dim)
         return prefill_attention_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                     sliding_window, key_scales=key_scales, value_scales=value_scales)
+                                     sliding_window, key_scales=key_scales, value_scales=value_scales,
+                                     fresh_key=fresh_key, fresh_value=fresh_value, fresh_seqs=fresh_seqs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
     cu_t = cu_seqlens_q.to(torch.int32).contiguous()
+    if fresh:
+        marks = (torch.ones(len(lens), dtype=torch.int32) if fresh_seqs is None else fresh_seqs).contiguous()
+        rows = (fresh_key.data_ptr(), fresh_key.stride(0), fresh_key.stride(1), fresh_value.data_ptr(),
+                fresh_value.stride(0), fresh_value.stride(1), marks.data_ptr())
+    else:
+        rows = (None, 0, 0, None, 0, 0, None)
     fn = getattr(load(), f"duet_prefill_attention_{_suffix(key_cache)}")
     rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), *_cache_args(key_cache, key_scales),
-        *_cache_args(value_cache, value_scales), block_tables.data_ptr(), block_tables.stride(0), cu_t.data_ptr(),
+        *_cache_args(value_cache, value_scales), *rows, block_tables.data_ptr(), block_tables.stride(0), cu_t.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), len(lens), num_q_heads,
         key_cache.shape[2], head_dim, key_cache.shape[1], scale, sliding_window or 0, torch.get_num_threads())
     if rc != 0:

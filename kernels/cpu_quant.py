@@ -8,7 +8,8 @@ group's padding rows (``num_bytes``); ``unpack`` gives the file's bytes back exa
 is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
 
 ``linear(x, p, bias, activations=)`` picks by activations (default ``ACTIVATIONS``, "fp32") and M (rows of x):
-- "fp32", M < ``GEMM_ROWS_FP32`` (the default; token-exact): the C GEMV on fp32 x. Each packed byte read from
+- "fp32", M < ``GEMM_ROWS_FP32`` (``GEMM_ROWS_PLANES`` where the digit planes below run; the default; token-exact):
+  the C GEMV on fp32 x. Each packed byte read from
   memory once per call for the whole batch; per block, the 32 weights of a group's 8 rows widened in registers
   (byte -> int32 -> float, Q5 with its high bit, Q4_0 / Q5_0 their offset taken off in the bytes: exact),
   FMAed against x in fp32, the block's sum times its fp16 scale (F16C), plus for *_1 min * sum(x) (per-block
@@ -32,8 +33,22 @@ is exactly ``dequantize_ref(w)`` (tests/kernels/test_cpu_quant.py).
   ``quant_linear_ref``: 8-bit activations, ~5e-3 of the output's RMS (576x576 Q4_1 and Q8_0, Gaussian x; the
   tests bound it at 1e-2). Faster, but on SmolLM2-135M Q4_1 greedy tokens drift from the dense model's: 8
   prompts x 64 tokens stayed identical for 1 to 52 tokens.
-- "fp32" at M >= ``GEMM_ROWS_FP32``, or the default at M >= ``GEMM_ROWS``: tiles of weight rows dequantized
+- "fp32" at M >= ``gemm_rows`` (``GEMM_ROWS_FP32``, ``GEMM_ROWS_PLANES`` or the k-quants' own), int8 at M >=
+  ``GEMM_ROWS`` without AMX-BF16: tiles of weight rows dequantized
   (C) then torch's fp32 GEMM: exactly ``quant_linear_ref``'s math.
+- "int8" at M >= ``GEMM_ROWS_BF16`` on a CPU with AMX-BF16 (``bf16_prefill``): tiles dequantized straight into bf16
+  (C: the exact weights rounded to nearest even, through a per-thread fp32 scratch of 8 rows) and torch's bf16 GEMM
+  (oneDNN on the AMX tiles, fp32 accumulation, output rounded to bf16): int8 activations' accuracy class or better
+  (bf16 keeps 8 significant bits of every x and w, with no block scale to share). Measured against the exact
+  product, 1.5B Q4_K / Q6_K layers, M=512, Gaussian x with every 97th channel x20: relative RMS error 2.9e-3,
+  against 2.7e-2 for the int8 GEMV (x per 256 in int8; the outlier channels widen its blocks' steps) and 3.7e-7 for
+  the fp32 tiles. ms per call, 2 threads, int8 GEMV / bf16 tiles / fp32 tiles (/tmp script, bench lock held):
+  Q4_K 2048x2048 M=32 0.63 / 0.95 / 1.81, M=64 1.28 / 1.08 / 2.44, M=512 9.27 / 2.72 / 11.79;
+  Q4_K 8192x2048 M=32 2.32 / 3.30 / 6.95, M=64 4.42 / 3.72 / 9.61, M=512 36.0 / 11.6 / 49.1;
+  Q6_K 2048x8192 M=32 3.62 / 3.56 / 7.07, M=64 7.31 / 4.39 / 9.80, M=512 62.1 / 13.3 / 47.1;
+  SmolLM2 Q4_1 1536x576 M=32 0.20 / 0.30 / 0.38, M=64 0.38 / 0.36 / 0.62, M=512 2.82 / 0.85 / 2.32.
+  So ``GEMM_ROWS_BF16`` = 48 (between the crossovers, 32-64), and a 512-token prefill's GEMMs run 3.5-4.3x the
+  fp32 tiles. Without AMX (or DUET_QUANT_ISA below avx512) int8 keeps the fp32 tiles from ``GEMM_ROWS``.
 Instruction sets: kernels/cpu_quant_isa.py (``isa=``; the default the best the CPU has, DUET_QUANT_ISA forces
 one): every kernel has a scalar twin and an AVX2 one; the int8 kernel a VNNI one (256-bit vpdpbusd). The fp32
 kernel stays AVX2: with the 4-byte interleave a 512-bit register holds two chunks, so x must come expanded (two
@@ -72,13 +87,19 @@ import torch
 from kernels import cpu_quant_group, cpu_quant_k
 from kernels.cpu_build import NativeKernelError
 from kernels.cpu_graph import recording
-from kernels.cpu_quant_isa import PLANES_LEVEL, in_huge_pages, isa_level, lib
+from kernels.cpu_quant_isa import ISAS, PLANES_LEVEL, amx_bf16, in_huge_pages, isa_level, lib
 from kernels.quant import GGUF_BLOCKS, QuantWeight, block_format
 from kernels.quant_group import GROUP_FORMATS
 
 ACTIVATIONS = "fp32"  # token-exact with the dense model; "int8": llama.cpp's scheme, faster, drifts
 GEMM_ROWS = 128  # M at and above which linear dequantizes tiles for torch's GEMM (int8; measured: see above)
+GEMM_ROWS_BF16 = 48  # the same for int8 activations where the tiles go to the bf16 GEMM (AMX; measured: see above)
 GEMM_ROWS_FP32 = 24  # the same for the fp32 kernel (measured: see above)
+# ... and for the 32-weight formats' digit-plane kernel (AVX512-VNNI): ms per call, 2 threads, planes GEMV / fp32 tiles
+# + GEMM (/tmp script, bench lock held, 2026-11-28), SmolLM2 Q4_1 576x576 M=24 0.128 / 0.138, M=32 0.169 / 0.143;
+# 1536x576 M=32 0.330 / 0.416, M=48 0.509 / 0.510; 576x1536 M=32 0.352 / 0.560, M=48 0.532 / 0.565; Q8_0 1536x576
+# M=32 0.367 / 0.425, M=48 0.515 / 0.487: the wide projections cross at 40-48, the 576-square at ~28
+GEMM_ROWS_PLANES = 40
 # the k-quants' own (fp32): their weights are larger and the tiles dequantize 4-5x the bytes; measured with the
 # weights from memory (64 copies of 8192x2048 Q4_K, 44 of 2048x8192 Q6_K: past the 480 MiB L3), 2 threads, ms per
 # call GEMV / tiles + GEMM: Q4_K M=24 4.9 / 7.6, 32 6.4 / 8.1, 48 9.3 / 10.2, 64 13.1 / 13.2; Q6_K M=24 8.2 / 8.8,
@@ -210,8 +231,8 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
         raise ValueError(f"activations must be 'int8' or 'fp32', got {acts!r}")
     level = isa_level(isa)
     m = x.shape[0]
-    if tiles and m >= gemm_rows(p.fmt, acts):
-        y = _linear_gemm(x, p, bias, isa)
+    if tiles and m >= gemm_rows(p.fmt, acts, isa):
+        y = _linear_gemm_bf16(x, p, bias, isa) if bf16_prefill(acts, isa) else _linear_gemm(x, p, bias, isa)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(m, p.rows, dtype=torch.float32)
@@ -232,11 +253,19 @@ def linear(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None = None, *,
     return out
 
 
-def gemm_rows(fmt: str, activations: str) -> int:
+def bf16_prefill(activations: str, isa: str | None = None) -> bool:
+    """Tiles of int8 activations' prefill go to the bf16 GEMM: "int8", a CPU with AMX-BF16 and ``isa`` at AVX-512 or
+    above (DUET_QUANT_ISA=avx2 plays an older CPU, fp32 tiles)."""
+    return activations == "int8" and amx_bf16() and isa_level(isa) >= ISAS.index("avx512")
+
+
+def gemm_rows(fmt: str, activations: str, isa: str | None = None) -> int:
     """M from which ``linear`` dequantizes tiles for torch's GEMM instead of running the GEMV (measured, above)."""
     if activations == "int8":
-        return GEMM_ROWS
-    return GEMM_ROWS_FP32_K.get(fmt, GEMM_ROWS_FP32)
+        return GEMM_ROWS_BF16 if bf16_prefill(activations, isa) else GEMM_ROWS
+    if fmt in GEMM_ROWS_FP32_K:
+        return GEMM_ROWS_FP32_K[fmt]
+    return GEMM_ROWS_PLANES if isa_level(isa) >= PLANES_LEVEL else GEMM_ROWS_FP32
 
 
 def _tile_buffer(numel: int) -> torch.Tensor:
@@ -247,6 +276,30 @@ def _tile_buffer(numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
     return buf[:numel]
+
+
+def _linear_gemm_bf16(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, isa: str | None) -> torch.Tensor:
+    """Prefill of int8 activations on AMX-BF16: weight rows dequantized straight into bf16 (C: exactly gguf-py's
+    weights, rounded to nearest even) a tile of at most ``_TILE_BYTES // 2`` at a time into a reused buffer, x
+    rounded to bf16 once, each tile one bf16 GEMM (fp32 accumulation in the tiles, the output rounded to bf16 by
+    torch, then widened). Error: see the module docstring."""
+    tile_rows = max(8, min(p.rows, _TILE_BYTES // (2 * p.cols)))
+    buf = _tile_buffer(tile_rows * p.cols // 2 + 1).view(torch.bfloat16)[:tile_rows * p.cols]
+    xb = x.to(torch.bfloat16)
+    out = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
+    for r0 in range(0, p.rows, tile_rows):
+        n = min(tile_rows, p.rows - r0)
+        tile = buf[:n * p.cols].view(n, p.cols)
+        if GGUF_BLOCKS[p.fmt].k_quant:
+            rc = lib().duet_quant_k_dequantize_bf16(p._c_args[0], p.qs.data_ptr(), p.cols, r0, n, tile.data_ptr(),
+                                                    isa_level(isa), torch.get_num_threads())
+        else:
+            rc = lib().duet_quant_dequantize_bf16(*p._c_args, p.cols, r0, n, tile.data_ptr(), isa_level(isa),
+                                                  torch.get_num_threads())
+        if rc:
+            raise NativeKernelError("duet_quant_dequantize_bf16 failed (no scratch memory)")
+        out[:, r0:r0 + n] = torch.nn.functional.linear(xb, tile)
+    return out + bias if bias is not None else out
 
 
 def _linear_gemm(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, isa: str | None) -> torch.Tensor:

@@ -42,6 +42,7 @@ _default_level: int | None = None
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _huge_pages_failed = False
+_amx_bf16: bool | None = None
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -62,6 +63,10 @@ def lib() -> ctypes.CDLL:
             fn.argtypes = args
         cdll.duet_quant_k_dequantize.restype = None
         cdll.duet_quant_k_dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
+        cdll.duet_quant_k_dequantize_bf16.restype = _INT
+        cdll.duet_quant_k_dequantize_bf16.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT]
+        cdll.duet_quant_dequantize_bf16.restype = _INT
+        cdll.duet_quant_dequantize_bf16.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT, _INT]
         cdll.duet_quant_dequantize.restype = None
         cdll.duet_quant_dequantize.argtypes = [_INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT,
                                                _INT]
@@ -88,6 +93,19 @@ def isa_level(isa: str | None) -> int:
         source = "DUET_QUANT_ISA" if isa == _FORCED else "isa"
         raise ValueError(f"{source}={isa!r}, but this CPU takes at most {have[-1]!r}")
     return ISAS.index(isa)
+
+
+def amx_bf16() -> bool:
+    """This CPU has AMX-BF16 tiles (Linux's /proc/cpuinfo flag ``amx_bf16``), so torch's bf16 GEMM (oneDNN) runs on
+    them: 512 x 1536 x 1536 in 1.16 ms against fp32's 7.1 on 2 threads (kernels/cpu_quant.py). Read once."""
+    global _amx_bf16
+    if _amx_bf16 is None:
+        try:
+            flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        _amx_bf16 = "amx_bf16" in flags.split()
+    return _amx_bf16
 
 
 def default_isa() -> str:

@@ -8,7 +8,7 @@ per-layer views the kernels take: values ``[num_blocks, block_size, num_kv_heads
 ``[num_blocks, block_size, num_kv_heads]``, both views of the one tensor (nothing is copied, and a block's
 bytes, scales included, stay one contiguous range). A dense cache's views carry no scales. ``store_blocks`` stores
 whole blocks of a dense cache (a peer's, read over NIXL: mixed precision across pools) through a cache's own store
-kernel.
+kernel; ``dequantize_blocks`` turns a quantized cache's whole blocks into a dense cache's (the other direction).
 
 Scales are symmetric, one per token and KV head: ``scale = amax_d |x| / qmax`` (qmax 127 for int8, 448 for
 e4m3, 57344 for e5m2); int8 stores ``round_half_even(x / scale)`` (at most ``scale / 2`` off per element), fp8
@@ -85,6 +85,19 @@ def store_blocks(store_kv: Callable, layers: Sequence[LayerKV], blocks: torch.Te
         key = blocks[:, layer, 0].to(dtype).reshape(rows, num_kv_heads, head_dim).contiguous()
         value = blocks[:, layer, 1].to(dtype).reshape(rows, num_kv_heads, head_dim).contiguous()
         store_kv(key, value, kv.key, kv.value, slots, **kv.scales)
+
+
+def dequantize_blocks(blocks: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks of a quantized cache ``[n, num_layers, 2, page]`` (a peer's, read over NIXL: mixed precision
+    across pools) as a dense cache's blocks ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` of ``dtype``:
+    each value times its scale in fp32 (what attention over the quantized cache reads), then cast to ``dtype``."""
+    out = torch.empty(blocks.shape[0], blocks.shape[1], 2, block_size, num_kv_heads, head_dim, dtype=dtype,
+                      device=blocks.device)
+    for layer, kv in enumerate(layer_views(blocks, block_size, num_kv_heads, head_dim)):
+        out[:, layer, 0] = dequantize_ref(kv.key, kv.key_scales)
+        out[:, layer, 1] = dequantize_ref(kv.value, kv.value_scales)
+    return out
 
 
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,13 @@ heads of a GQA group in its rows, gathered and masked every tile, and ran at 0.3
 - a quantized cache (int8 / fp8 values, ``key_scales`` / ``value_scales`` fp32 per token and KV head,
   kernels/kv_quant.py): the same loops; the tile step converts the values and applies the scales to the fp32
   scores and probabilities (kernels/_paged_kv.py).
+- fresh K/V (``fresh_key`` / ``fresh_value``; what the engine passes for a quantized cache's prompt chunks,
+  engine/models/attention.py): a sequence marked in ``fresh_seqs`` reads its cached prefix (positions below
+  ``seq_len - q_len``) from the cache as stored and its new tokens' K/V from the rows as computed, unquantized, as
+  vLLM's prefix-prefill kernel takes the new tokens' k / v beside the cache (vllm/v1/attention/ops/prefix_prefill.py).
+  The tile step loads a position at or past the sequence's first new one from those rows, with scale 1 (an exact
+  product), the others from the cache; so a chunk without a cached prefix runs the arithmetic of a dense cache
+  holding the same rows, on the same floats.
 - tile configs: on CUDA the launcher autotunes a few ``TileConfig`` (kernels/prefill_tiles.py) once per head size, dtype, GQA
   group, block size and feature set (``DUET_PREFILL_AUTOTUNE=0``: the first one, no tuning); elsewhere (the
   interpreter, the sm_90 compile check) it runs the first config of its list.
@@ -86,20 +93,33 @@ def prefill_attention_ref(
     *,
     key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
     value_scales: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,  # [num_q_tokens, num_kv_heads, head_dim]: the new tokens' K as computed
+    fresh_value: torch.Tensor | None = None,
+    fresh_seqs: torch.Tensor | None = None,  # [num_seqs] int32: 1 = this sequence reads fresh_key / fresh_value
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
+    """With ``fresh_key`` / ``fresh_value`` (``tu.check_fresh_kv``; ``fresh_seqs`` None: every sequence), a sequence
+    marked in ``fresh_seqs`` attends to its new tokens' K/V as computed, its cached prefix from the cache as stored
+    (kernels/prefill_attention.py's module docstring, "Fresh K/V")."""
     num_q_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    fresh = [False] * len(lens)
+    if tu.check_fresh_kv(q, key_cache, len(lens), fresh_key, fresh_value, fresh_seqs):
+        fresh = [True] * len(lens) if fresh_seqs is None else [bool(f) for f in fresh_seqs.tolist()]
     for s, kv_len in enumerate(lens):
         q_start, q_end = cu[s], cu[s + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(key_cache, block_tables[s], kv_len, key_scales).float()
-        v = gather_kv(value_cache, block_tables[s], kv_len, value_scales).float()
+        cached = kv_len - q_len if fresh[s] else kv_len  # rows read from the cache; the rest are fresh
+        k = gather_kv(key_cache, block_tables[s], cached, key_scales).float()
+        v = gather_kv(value_cache, block_tables[s], cached, value_scales).float()
+        if fresh[s]:
+            k = torch.cat([k, fresh_key[q_start:q_end].float()])
+            v = torch.cat([v, fresh_value[q_start:q_end].float()])
         pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
         pos_k = torch.arange(kv_len, device=q.device).unsqueeze(0)
         allowed = pos_k <= pos_q
@@ -145,6 +165,9 @@ def _prefill_attention_kernel(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     key_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (read only when KV_QUANT)
     value_scales_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, key_scales' strides
+    fresh_key_ptr,  # [num_q_tokens, num_kv_heads, head_dim] the new tokens' K as computed (read only when FRESH)
+    fresh_value_ptr,  # [num_q_tokens, num_kv_heads, head_dim]
+    fresh_seqs_ptr,  # [num_seqs] int32: 1 = the sequence's new tokens come from fresh_key / fresh_value
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -153,6 +176,7 @@ def _prefill_attention_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_sb, stride_st,  # key_scales / value_scales (the head stride is 1)
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,  # fresh_key / fresh_value
     stride_bts,
     stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e)
@@ -169,6 +193,7 @@ def _prefill_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    FRESH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -203,6 +228,12 @@ def _prefill_attention_kernel(
     ks_base = key_scales_ptr + kv_head
     vs_base = value_scales_ptr + kv_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    nk_base = fresh_key_ptr + kv_head * stride_nkh
+    nv_base = fresh_value_ptr + kv_head * stride_nvh
+    new_start = seq_len  # the first position read from the new rows (none without FRESH)
+    if FRESH:
+        new_start = tl.where(tl.load(fresh_seqs_ptr + seq) != 0, context_len, seq_len)
+    new_shift = q_start - context_len  # position p's row in the new rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -213,19 +244,22 @@ def _prefill_attention_kernel(
         full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
         for start in range(kv_start, full_start, BLOCK_N):
             acc, m_i, l_i = attend_prefill_tile(
-                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
-                seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
+                acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, nk_base, nv_base, table, tl.multiple_of(start, BLOCK_N),
+                q_pos, seq_len, window, new_start, new_shift, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb,
+                stride_st, stride_nkt, stride_nvt, qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
+                USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT, FRESH)
     for start in range(full_start, full_end, BLOCK_N):  # every row sees these tiles whole
         acc, m_i, l_i = attend_prefill_tile(
-            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
-            seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
+            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, nk_base, nv_base, table, tl.multiple_of(start, BLOCK_N),
+            q_pos, seq_len, window, new_start, new_shift, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb,
+            stride_st, stride_nkt, stride_nvt, qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False,
+            USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT, FRESH)
     for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
         acc, m_i, l_i = attend_prefill_tile(
-            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, table, tl.multiple_of(start, BLOCK_N), q_pos,
-            seq_len, window, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, qk_scale, softcap,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT)
+            acc, m_i, l_i, q, k_base, v_base, ks_base, vs_base, nk_base, nv_base, table, tl.multiple_of(start, BLOCK_N),
+            q_pos, seq_len, window, new_start, new_shift, stride_kb, stride_kt, stride_vb, stride_vt, stride_sb,
+            stride_st, stride_nkt, stride_nvt, qk_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True,
+            USE_WINDOW, SOFTCAP, UPCAST, DOT_PRECISION, KV_QUANT, FRESH)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -235,7 +269,7 @@ def _prefill_attention_kernel(
 def _autotuned(configs: tuple[TileConfig, ...]) -> triton.runtime.Autotuner:
     # the dtypes of the tensor arguments are part of Triton's tuning key already
     return triton.autotune([c.triton() for c in configs],
-                           key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "USE_WINDOW", "SOFTCAP"])(_prefill_attention_kernel)
+                           key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "USE_WINDOW", "SOFTCAP", "FRESH"])(_prefill_attention_kernel)
 
 
 _TUNERS: dict[tuple[TileConfig, ...], triton.runtime.Autotuner] = {}
@@ -267,11 +301,14 @@ def prefill_attention(
     *,
     key_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized cache
     value_scales: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,  # [num_q_tokens, num_kv_heads, head_dim]: the new tokens' K as computed
+    fresh_value: torch.Tensor | None = None,
+    fresh_seqs: torch.Tensor | None = None,  # [num_seqs] int32: 1 = this sequence reads fresh_key / fresh_value
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # [num_q_tokens, num_q_heads, head_dim], dtype of q
     """Triton varlen flash-attention over the paged cache; same semantics as ``prefill_attention_ref``, a quantized
-    cache's too (kernels/_paged_kv.py). ``config``: pin one tile config (tests, benchmarks); None autotunes on CUDA
-    (see the module docstring)."""
+    cache's and fresh K/V's too (kernels/_paged_kv.py). ``config``: pin one tile config (tests, benchmarks); None
+    autotunes on CUDA (see the module docstring)."""
     device = tu.check_paged_attention_args(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                            sliding_window, softcap, key_scales, value_scales)
     tu.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
@@ -285,15 +322,22 @@ def prefill_attention(
     if tu.value_checks_enabled(device):
         _check_lengths(cu_seqlens_q, seq_lens, num_q_tokens)
         tu.check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+    fresh = tu.check_fresh_kv(q, key_cache, num_seqs, fresh_key, fresh_value, fresh_seqs)
+    tu.check_device(q=q, fresh_key=fresh_key, fresh_value=fresh_value, fresh_seqs=fresh_seqs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_q_tokens == 0 or num_seqs == 0:
         return out
     ks, vs, stride_sb, stride_st = tu.kv_scale_args(key_cache, key_scales, value_scales)
-    args = (q, key_cache, value_cache, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
+    if fresh and fresh_seqs is None:
+        fresh_seqs = torch.ones(num_seqs, dtype=torch.int32, device=q.device)
+    nk, nv = (fresh_key, fresh_value) if fresh else (q, q)  # unread placeholders without FRESH
+    args = (q, key_cache, value_cache, ks, vs, nk, nv, fresh_seqs if fresh else seq_lens, block_tables, cu_seqlens_q,
+            seq_lens, out,
             q.stride(0), q.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             stride_sb, stride_st,
+            nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
             block_tables.stride(0),
             out.stride(0), out.stride(1),
             float(scale) * _LOG2E, num_seqs, num_q_tokens, sliding_window or 0, float(softcap or 1.0) * _LOG2E)
@@ -307,6 +351,7 @@ def prefill_attention(
         UPCAST=tu.INTERPRET,  # the interpreter gets bf16 arithmetic wrong: compute in fp32 after loading
         DOT_PRECISION=tu.dot_precision(q.dtype),
         KV_QUANT=key_scales is not None,
+        FRESH=fresh,
     )
 
     def grid(meta):

@@ -8,7 +8,7 @@ Pieces (each module's docstring is its design note):
 - nixl_agent.py      creating a NIXL agent and naming memory for it
 - tp_split.py        handoffs between workers of different tensor-parallel splits: which heads come from which rank
 - split_reader.py    reading a handoff from a worker of another tensor-parallel split
-- convert_reader.py  reading a handoff from a worker of another KV dtype: model-dtype blocks quantized on the pull
+- convert_reader.py  reading a handoff from a worker of another KV dtype: model-dtype blocks quantized, or quantized ones dequantized, on the pull
 - errors.py          KVTransferError and its subclasses
 
 Sits low in the dependency DAG: imports only torch, nixl, numpy and the stdlib, never the rest of duet.

@@ -1,14 +1,17 @@
 """Reading a handoff from a worker whose KV cache stores another dtype: mixed precision across pools.
 
 A prefill pool may keep its KV at the model dtype (``kv_cache_dtype: auto``: its prefix cache at full precision)
-while the decode pool stores 1-byte values with scales (int8, fp8: ~3.8x the tokens per GiB). The decode side
-converts on the pull: one ``ConvertReader`` per peer layout on each rank, a staging tensor shaped like
-``staging_blocks`` of the peer's blocks and registered with a NIXL agent of its own (its layout is the peer's, so
-the handshake's compat check is the usual one), and ``store_blocks``, the rank's own store kernel over its cache
-(kernels/kv_quant.py ``store_blocks``). A read takes the request's blocks in chunks of the staging size: one NIXL
-READ of whole blocks into staging, then the store quantizes every row into our blocks — the bytes our engine would
-have written for those K/V rows. The lease's notice rides on the last READ (the peer's blocks are free once their
-bytes are in staging).
+while the decode pool stores 1-byte values with scales (int8, fp8: ~3.8x the tokens per GiB), or the other way round
+(a quantized prefill pool, its prefix cache holding ~3.8x the tokens, feeding a decode pool that keeps the model
+dtype for the tokens it generates). The decode side converts on the pull: one ``ConvertReader`` per peer layout on
+each rank, a staging tensor shaped like ``staging_blocks`` of the peer's blocks and registered with a NIXL agent of
+its own (its layout is the peer's, so the handshake's compat check is the usual one), and ``store_blocks``, what the
+rank writes into its cache from staged blocks (prefill_worker/engine_facts.py ``block_store``). A read takes the
+request's blocks in chunks of the staging size: one NIXL READ of whole blocks into staging, then the store converts
+every row into our blocks. Quantized ours: the rank's own store kernel (kernels/kv_quant.py ``store_blocks``), the
+bytes our engine would have written for those K/V rows. Model dtype ours: each value times its scale in fp32
+(kernels/kv_quant.py ``dequantize_blocks``, what the quantized engine's attention reads) cast to our dtype, exact
+for fp32. The lease's notice rides on the last READ (the peer's blocks are free once their bytes are in staging).
 
 Why the decode side converts, not the prefill side. Measured (``python -m bench.kv.convert``: 64 blocks = 1,024
 tokens of SmolLM2-135M's KV, 30 layers x 3 KV heads x 64, two processes on this 2-vCPU host, NIXL over UCX's cma,
@@ -23,8 +26,9 @@ thread (off its engine thread), only for the blocks it lacks, and the protocol (
 the one every other pull uses.
 
 Which pairings convert (``check_convertible``): a peer of a model-dtype cache (no scales) and ours quantized
-(``PAGE_SCALES``), everything else in ``KVCompat`` equal (same tensor-parallel split too: each rank converts the
-same-numbered peer rank's blocks). Every other difference is refused with both layouts named.
+(``PAGE_SCALES``), or a quantized peer and ours of a model dtype, everything else in ``KVCompat`` equal (same
+tensor-parallel split too: each rank converts the same-numbered peer rank's blocks). Every other difference (two
+quantized dtypes, two model dtypes, another split at once) is refused with both layouts named.
 """
 from __future__ import annotations
 
@@ -44,21 +48,29 @@ log = logging.getLogger(__name__)
 STAGING_BLOCKS = 32
 DENSE_DTYPES = ("float32", "bfloat16", "float16")  # what a model-dtype cache holds (engine/kv/cache_dtype.py)
 
-# (staged blocks [n, layers, 2, block_size, heads, head_dim] of the peer's dtype, our block ids) -> None
+# (staged blocks of the peer's layout: [n, layers, 2, block_size, heads, head_dim] of a model dtype, or [n, layers, 2,
+# page] of a quantized cache; our block ids) -> None
 StoreBlocks = Callable[[torch.Tensor, Sequence[int]], None]
 
 
+def _dense(compat: KVCompat) -> bool:
+    return compat.scale_layout == NO_SCALES and compat.dtype in DENSE_DTYPES
+
+
 def check_convertible(ours: KVCompat, theirs: KVCompat, peer: str) -> None:
-    """Raise ``KVCompatError`` naming both layouts unless a pull from ``theirs`` converts into ``ours``: theirs
-    holds the model dtype's values (no scales), ours a quantized page layout, and nothing else differs."""
+    """Raise ``KVCompatError`` naming both layouts unless a pull from ``theirs`` converts into ``ours``: one holds
+    a model dtype's values (no scales), the other a quantized page layout, and nothing else differs."""
     diff = [d for d in ours.diff(theirs) if d.split(":")[0] not in ("dtype", "scale_layout")]
     why = None
     if diff:
         why = "; ".join(diff)
-    elif theirs.scale_layout != NO_SCALES or theirs.dtype not in DENSE_DTYPES:
-        why = f"their {theirs.dtype} blocks are not of a model dtype ({', '.join(DENSE_DTYPES)}): nothing converts them"
-    elif ours.scale_layout != PAGE_SCALES:
-        why = f"our {ours.dtype} cache is not quantized: only a quantized cache converts on the pull"
+    elif _dense(ours) == _dense(theirs):
+        kind = "a model dtype" if _dense(ours) else "quantized"
+        why = (f"both caches are {kind}: a pull converts between a model dtype ({', '.join(DENSE_DTYPES)}) and a "
+               "quantized cache only")
+    elif (theirs if _dense(ours) else ours).scale_layout != PAGE_SCALES:
+        quant = theirs if _dense(ours) else ours
+        why = f"{quant.dtype} blocks without {PAGE_SCALES} scales: nothing converts them"
     if why is not None:
         raise KVCompatError(f"peer {peer!r}: KV blocks cannot move between these caches: ours {describe(ours)}, "
                             f"theirs {describe(theirs)} ({why})")
@@ -67,17 +79,19 @@ def check_convertible(ours: KVCompat, theirs: KVCompat, peer: str) -> None:
 class ConvertReader:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, peer_compat: KVCompat, agent_name: str,
                  store_blocks: StoreBlocks, staging_blocks: int = STAGING_BLOCKS) -> None:
-        """``kv``: this rank's (quantized) cache; ``compat``: its layout; ``peer_compat``: the layout of the peer
-        rank it reads (the same-numbered rank of a worker of the same split); ``store_blocks``: staged blocks ->
-        ours (our store kernel)."""
+        """``kv``: this rank's cache; ``compat``: its layout; ``peer_compat``: the layout of the peer rank it reads
+        (the same-numbered rank of a worker of the same split); ``store_blocks``: staged blocks -> ours."""
         check_convertible(compat, peer_compat, agent_name)
         self.kv, self.compat, self.peer_compat, self.store_blocks = kv, compat, peer_compat, store_blocks
         p = peer_compat
-        shape = (staging_blocks, p.num_layers, 2, p.block_size, p.num_kv_heads, p.head_dim)
+        if p.scale_layout == PAGE_SCALES:  # [blocks, layers, K|V, page]: values, then their scales
+            shape = (staging_blocks, p.num_layers, 2, p.block_size * p.num_kv_heads * (p.head_dim + 4))
+        else:
+            shape = (staging_blocks, p.num_layers, 2, p.block_size, p.num_kv_heads, p.head_dim)
         self.staging = torch.empty(shape, dtype=getattr(torch, peer_compat.dtype), device=kv.device)
         self.transport = NixlTransport(self.staging, peer_compat, agent_name=agent_name)
         self.peers: dict[str, str] = {}  # a peer's rank-0 agent name -> the agent of the rank this rank reads
-        log.info("convert reader %s: %s blocks quantized into %s on the pull (%d staging blocks)", agent_name,
+        log.info("convert reader %s: %s blocks converted into %s on the pull (%d staging blocks)", agent_name,
                  peer_compat.dtype, compat.dtype, staging_blocks)
 
     def add_peer(self, peer: PeerInfo, rank_peer: PeerInfo) -> str:

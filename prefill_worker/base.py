@@ -45,7 +45,7 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from kvtransfer import PeerInfo
 from kvtransfer.leases import LEASE_CLOCK_MARGIN_S
-from prefill_worker.engine_facts import block_store, cache_config, hit_sources, kv_compat, spec_stats, tier_stats
+from prefill_worker.engine_facts import block_store, engine_sections, hit_sources, kv_compat
 from prefill_worker.event_sinks import EventSink
 from prefill_worker.puller import Puller
 from prefill_worker.tp_ranks import RankGroup
@@ -294,8 +294,7 @@ class WorkerBase(ABC):
                     "prefix_hit_tokens_by_source": hit_sources(engine),
                     "moe_tokens_per_expert": engine.runner.model.tokens_per_expert(),
                     "uptime_s": time.time() - self._started_s, "events_undelivered": self.events_undelivered,
-                    "events_full_state_due": self._full_state_due, **tier_stats(engine), **spec_stats(engine),
-                    **cache_config(engine),
+                    "events_full_state_due": self._full_state_due, **engine_sections(engine),
                     **self._role_stats()}
 
         return await _wrap(self.aengine.call(take))

@@ -1,10 +1,13 @@
-"""What a worker states about its engine: the KV compatibility its peers must share (and how a peer's model-dtype
-blocks are stored into a quantized cache), and the figures of its stats() that come from the engine's prefix cache
-and tiers."""
+"""What a worker states about its engine: the KV compatibility its peers must share (and how a peer's blocks of
+another KV dtype are stored into this cache), and the figures of its stats() that come from the engine's prefix cache,
+tiers, speculation and LoRA adapters."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -26,16 +29,21 @@ def kv_compat(engine_config: EngineConfig, runner: ModelRunner) -> KVCompat:
                     total_kv_heads=mc.num_kv_heads, scale_layout=PAGE_SCALES if kv.quantized else NO_SCALES)
 
 
-def block_store(runner: ModelRunner) -> StoreBlocks | None:
-    """How a quantized cache takes a peer's model-dtype blocks (kvtransfer/convert_reader.py): its own store kernel
-    over every row, so the bytes are those this engine writes for the same K/V. None for a model-dtype cache: it
-    converts nothing."""
-    if not runner.kv_dtype.quantized:
-        return None
+def block_store(runner: ModelRunner) -> StoreBlocks:
+    """How this cache takes a peer's blocks of the other kind (kvtransfer/convert_reader.py): a quantized cache a
+    model-dtype peer's, through its own store kernel over every row (the bytes this engine writes for the same K/V);
+    a model-dtype cache a quantized peer's, each value times its scale (kernels/kv_quant.py ``dequantize_blocks``:
+    the floats a quantized engine's attention reads) in the model dtype."""
+    if runner.kv_dtype.quantized:
+        def store(blocks, block_ids) -> None:
+            kv_quant.store_blocks(runner.ops.store_kv, runner.kv_layers, blocks, block_ids, runner.dtype)
+        return store
 
-    def store(blocks, block_ids) -> None:
-        kv_quant.store_blocks(runner.ops.store_kv, runner.kv_layers, blocks, block_ids, runner.dtype)
-    return store
+    def dequantize(blocks, block_ids) -> None:
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=blocks.device)
+        runner.kv_cache[ids] = kv_quant.dequantize_blocks(blocks, runner.block_size, runner.num_kv_heads,
+                                                          runner.model_cfg.head_dim, runner.dtype)
+    return dequantize
 
 
 def cache_config(engine: Engine) -> dict[str, Any]:
@@ -83,3 +91,16 @@ def spec_stats(engine: Engine) -> dict[str, Any]:
     return {"spec_decode": {"method": spec.config.method, "num_drafts": st.num_drafts,
                             "num_draft_tokens": st.num_draft_tokens, "num_accepted_tokens": st.num_accepted_tokens,
                             "num_accepted_tokens_per_pos": list(st.accepted_per_pos)}}
+
+
+def lora_stats(engine: Engine) -> dict[str, Any]:
+    """The LoRA adapters for stats() (``lora``: Engine.lora_stats, with the wall-clock time it was taken, which is
+    ``vllm:lora_requests_info``'s value: router/metrics/lora.py); empty without LoRA."""
+    info = engine.lora_stats()
+    return {} if info is None else {"lora": {**info, "updated_unix_s": time.time()}}
+
+
+def engine_sections(engine: Engine) -> dict[str, Any]:
+    """stats()' sections about the engine's parts: ``kv_cache`` always; ``kv_tiers``, ``spec_decode``, ``lora`` when
+    the engine has them."""
+    return {**tier_stats(engine), **spec_stats(engine), **cache_config(engine), **lora_stats(engine)}

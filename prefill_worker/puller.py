@@ -34,7 +34,7 @@ PullDone = Callable[[str | None, int], None]
 class Puller:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, worker_id: str, transfer_timeout_s: float,
                  host: torch.Tensor | None = None, store_blocks: StoreBlocks | None = None) -> None:
-        """``store_blocks``: how a peer's model-dtype blocks are stored into this (quantized) cache
+        """``store_blocks``: how a peer's blocks of another KV dtype are stored into this cache
         (prefill_worker/sources.py)."""
         self._kv, self._compat, self._host, self._store_blocks = kv, compat, host, store_blocks
         self.worker_id = worker_id

@@ -5,9 +5,9 @@ A peer of the same layout (kvtransfer/layout.py ``KVCompat``: same heads per ran
 dtype) is read rank to rank with this rank's reading agent: rank r of ours reads rank r of theirs, whole blocks. A
 peer of another split is read through a ``SplitReader`` (kvtransfer/split_reader.py; one per split): every peer rank
 holding some of our heads, whole blocks into staging, our heads copied into place. A peer whose cache holds the model
-dtype while ours is quantized (mixed precision across pools) is read through a ``ConvertReader``
-(kvtransfer/convert_reader.py; one per peer layout): its blocks into staging, quantized into ours by our own store
-kernel (``store_blocks``). Either way the handshake checks the layouts and names both when they cannot exchange
+dtype while ours is quantized, or the other way round (mixed precision across pools), is read through a
+``ConvertReader`` (kvtransfer/convert_reader.py; one per peer layout): its blocks into staging, converted into ours by
+``store_blocks`` (prefill_worker/engine_facts.py ``block_store``: our store kernel, or a dequantization). Either way the handshake checks the layouts and names both when they cannot exchange
 blocks at all (another model, block size, a KV dtype pairing nothing converts). Peers are known by their rank-0
 agent name (the handoff's ``source``). One thread uses a ``Sources``.
 """
@@ -25,8 +25,8 @@ from kvtransfer.split_reader import SplitReader
 class Sources:
     def __init__(self, kv: torch.Tensor, compat: KVCompat, rank: int, agent_name: str,
                  reader: NixlTransport | None = None, store_blocks: StoreBlocks | None = None) -> None:
-        """``reader``: the rank's reading agent (made here if not given); ``store_blocks``: staged model-dtype
-        blocks -> ours, for peers whose KV dtype converts into ours (None: such peers are refused)."""
+        """``reader``: the rank's reading agent (made here if not given); ``store_blocks``: staged blocks of
+        another KV dtype -> ours, for peers whose KV dtype converts into ours (None: such peers are refused)."""
         self.kv, self.compat, self.rank, self.agent_name = kv, compat, rank, agent_name
         self.reader = reader or NixlTransport(kv, compat, agent_name=agent_name)
         self.store_blocks = store_blocks

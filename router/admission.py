@@ -74,6 +74,7 @@ class AdmittedBackend(Backend):
         self.config = config
         self.card = inner.card
         self.tokenizer = inner.tokenizer
+        self.lora = inner.lora
         self.running = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self.counters = collections.Counter()  # admitted, overloaded, queue_timeouts, deadlines
@@ -84,6 +85,9 @@ class AdmittedBackend(Backend):
 
     def check_request(self, prompt_token_ids, params) -> None:
         self.inner.check_request(prompt_token_ids, params)
+
+    def lora_adapters(self) -> tuple[str, ...]:
+        return self.inner.lora_adapters()
 
     def health(self) -> Health:
         h = self.inner.health()

@@ -24,6 +24,7 @@ from engine.loading.weights_summary import WeightsSummary
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams, check_prompt
 from engine.text.tokenizer import Tokenizer
+from router.lora_adapters import LoraAdapters
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class ModelCard:
     created: int = 0  # unix seconds
     longrope_original_len: int | None = None  # LongRoPE's pre-training length (the factor-set boundary), or None
     weights: WeightsSummary | None = None  # what the engines hold and run (the ``duet`` object of /v1/models)
-    # LoRA adapters served on this model (engine/lora/): a request names one in "model" (vLLM's rule)
+    # LoRA adapters served on this model at start (engine/lora/): a request names one in "model" (vLLM's rule);
+    # ``Backend.lora_adapters()`` is the set now (adapters load and unload at run time)
     lora_adapters: tuple[str, ...] = ()
 
 
@@ -49,6 +51,13 @@ class Health:
 class Backend(ABC):
     card: ModelCard
     tokenizer: Tokenizer
+    # the LoRA adapters served now, loaded and unloaded at run time (router/lora_adapters.py); None: this backend
+    # serves the card's adapters and cannot change them
+    lora: LoraAdapters | None = None
+
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name in ``model`` now (``/v1/models`` lists them)."""
+        return self.lora.names() if self.lora is not None else self.card.lora_adapters
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request that can never run (checked before anything is queued)."""

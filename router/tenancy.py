@@ -34,3 +34,12 @@ def bearer_token(authorization: str) -> str | None:
     the value is not a bearer credential."""
     scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+def metadata_bearer(metadata) -> str | None:
+    """The bearer token of the first ``authorization`` entry of gRPC metadata ((key, str | bytes) pairs); None:
+    none, or not a bearer credential."""
+    for key, value in metadata:
+        if key == "authorization":
+            return bearer_token(value.decode() if isinstance(value, bytes) else value)
+    return None

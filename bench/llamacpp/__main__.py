@@ -12,9 +12,11 @@
    the file's types have an int8 kernel) against ``llama-bench -t 2``, alternated round by round (duet's modes,
    then llama-bench, for decode, then the same for prefill), best of ``--rounds`` per side; and the memory check
    of must-show 2: resident weight bytes against the file's tensor bytes (limit 1.15x).
-4. Per model, ``serve`` (bench/llamacpp/serving.py): `duet serve` (1P+1D as `make run`, then colocated) against
-   ``llama-server -np 32 --cont-batching -t 2`` at 1 / 8 / 32 concurrent streams of the same requests; duet 1P+1D
-   and llama-server are up together and alternate level by level; peak RSS and the engines' KV sizes recorded.
+4. Per model, ``serve`` (bench/llamacpp/serving.py): `duet serve` (1P+1D as `make run`, then colocated, then both
+   again with ``--quantized-activations int8``: llama.cpp's accuracy class) against ``llama-server -np 32
+   --cont-batching -t 2`` at 1 / 8 / 32 concurrent streams of the same requests; duet 1P+1D and llama-server are
+   up together and alternate level by level, each other duet runs alone; peak RSS and the engines' KV sizes
+   recorded. ``--servers`` picks some (disagg, llama, colocated, colocated-int8, disagg-int8).
 
 Results: ``build/bench/llamacpp/<model>.json`` (``small/`` for --small), merged part by part, so one model or one
 part can be re-run alone (each part records when it ran). The report (bench/llamacpp/report.py) covers every
@@ -92,7 +94,7 @@ def engine_part(model: bench_models.BenchModel, rounds: int) -> tuple[dict, dict
             **runs}, memory
 
 
-SERVERS = ("disagg", "llama", "colocated")
+SERVERS = ("disagg", "llama", "colocated", "colocated-int8", "disagg-int8")
 
 
 def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir: Path,
@@ -108,9 +110,14 @@ def serve_part(model: bench_models.BenchModel, plan: serving.ServePlan, log_dir:
               "llama": ("llama-server", lambda: serving.llama_server(BIN / "llama-server", model.path, log_dir,
                                                                      slots=slots, slot_context=plan.slot_context,
                                                                      threads=THREADS)),
-              "colocated": ("duet colocated", lambda: serving.duet_server(model.path, "colocated", log_dir))}
-    # servers up together alternate level by level: duet 1P+1D with llama-server, then duet colocated alone
-    groups = [dict(starts[k] for k in keys if k in servers) for keys in (("disagg", "llama"), ("colocated",))]
+              "colocated": ("duet colocated", lambda: serving.duet_server(model.path, "colocated", log_dir)),
+              "colocated-int8": ("duet colocated int8", lambda: serving.duet_server(model.path, "colocated", log_dir,
+                                                                                    activations="int8")),
+              "disagg-int8": ("duet 1P+1D int8", lambda: serving.duet_server(model.path, "disagg", log_dir,
+                                                                             activations="int8"))}
+    # servers up together alternate level by level: duet 1P+1D with llama-server, then each other duet alone
+    groups = [dict(starts[k] for k in keys if k in servers)
+              for keys in (("disagg", "llama"), ("colocated",), ("colocated-int8",), ("disagg-int8",))]
     plan_doc = {"prompt_lens": plan.prompt_lens, "output_len": plan.output_len, "requests": plan.requests,
                 "llama_server_slot_context": plan.slot_context}
     out = {"slo": serving.SLO, "plan": json.loads(json.dumps(plan_doc)),  # as it reads back from the file

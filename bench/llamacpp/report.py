@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 DUET_DEFAULT = "duet fp32"  # quantized_activations fp32: the default, token-exact with the dense model
+DUET_INT8 = "duet int8"  # quantized_activations int8: llama.cpp's accuracy class (its prefill: bf16 tiles on AMX)
 LLAMA = "llama.cpp"
 RATIO_MODEL = "synthetic-1.5b-q4_k_m"
 
@@ -24,13 +25,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def engine_table(engine: Mapping) -> list[str]:
     sides = list(engine["sides"])
-    lines = ["| best of " + str(engine["rounds"]) + " (tok/s) | " + " | ".join(sides) + " | duet fp32 / llama.cpp |",
-             "|---" * (len(sides) + 2) + "|"]
+    duets = [s for s in (DUET_DEFAULT, DUET_INT8) if s in sides]
+    lines = ["| best of " + str(engine["rounds"]) + " (tok/s) | " + " | ".join(sides) + " | " +
+             " | ".join(f"{d} / llama.cpp" for d in duets) + " |", "|---" * (len(sides) + len(duets) + 1) + "|"]
     for test, name in (("decode", "batch-1 decode, 128 tokens"), ("prefill", "prefill, 512 tokens")):
         runs = engine[test]
         cells = [_num(best(runs.get(s))) for s in sides]
-        ratio = _ratio(best(runs.get(DUET_DEFAULT)), best(runs.get(LLAMA)))
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_num(ratio, '{:.2f}x')} |")
+        ratios = [_num(_ratio(best(runs.get(d)), best(runs.get(LLAMA))), '{:.2f}x') for d in duets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return lines
 
 
@@ -118,7 +120,8 @@ def ratio_lines(results: Mapping[str, Mapping]) -> list[str]:
             e = res["engine"]
             for test in ("decode", "prefill"):
                 r = _ratio(best(e[test].get(DUET_DEFAULT)), best(e[test].get(LLAMA)))
-                parts.append(f"{test} {_num(r, '{:.2f}x')}")
+                r8 = _ratio(best(e[test].get(DUET_INT8)), best(e[test].get(LLAMA)))
+                parts.append(f"{test} {_num(r, '{:.2f}x')}" + (f" (int8 {r8:.2f}x)" if r8 is not None else ""))
         if "serving" in res:
             for k in ("output_tok_s", "slo_output_tok_s"):
                 name, duet, llama = serving_ratio(res["serving"], 32, k)

@@ -110,7 +110,8 @@ def duet_server(model: Path, layout: str, log_dir: Path, *, activations: str = "
     argv += ["--colocated"] if layout == "colocated" else \
         ["--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0"]  # `make run`'s layout
     env = with_huge_page_malloc(dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="2"))
-    return ServerProcess(f"duet-{layout}", argv, port, log_dir / f"server-duet-{layout}-{model.stem}.log",
+    tag = layout + ("" if activations == "fp32" else f"-{activations}")
+    return ServerProcess(f"duet-{tag}", argv, port, log_dir / f"server-duet-{tag}-{model.stem}.log",
                          MODEL_NAME, env=env, starts_ray=layout != "colocated")
 
 

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, help="run: request rate (req/s); default the scenario's middle rate")
     ap.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
     ap.add_argument("--configs", default="colocated-4,colocated-8", help="tiers: the worker configurations")
-    ap.add_argument("--arms", default="abcd", help="tiers: (a) device, (b) +host, (c) +host+peers, (d) +disk")
+    ap.add_argument("--arms", default="abcd", help="tiers: (a) device, (b) +host, (c) +host+peers, (d) +disk, "
+                    "(e) +int8 host+peers (the host keeps int8 under a bf16 device)")
     ap.add_argument("--host-gib", type=float, default=128.0, help="tiers: host tier per worker, GiB")
     ap.add_argument("--disk-gib", type=float, default=1024.0, help="tiers: disk tier per worker, GiB")
     ap.add_argument("--alphas", default="1,2,4,8", help="tier-weights: the alphas (one: held, no alpha sweep)")

@@ -53,6 +53,10 @@ class TierSpec:
     disk_write_bytes_per_s: float = 7 * GB
     rdma_bytes_per_s: float = 50 * GB  # peer -> host, one 400 Gb/s NIC per worker
     peer_fixed_s: float = 1e-3  # per peer fetch: the request to the peer, NIXL setup, notification
+    # a lower-tier (host / disk / peer) block's bytes over a device block's: < 1 where the lower tiers keep the KV in
+    # int8 under a bf16 device cache (quantized on the way down, dequantized on the way up; the conversion, at HBM
+    # speed, is not modelled)
+    lower_bytes_scale: float = 1.0
 
     def describe(self) -> dict:
         return asdict(self)
@@ -75,11 +79,12 @@ class SimMover:
     def op_time_s(self, op: Op) -> float:
         bw = {"store": self.spec.pcie_bytes_per_s, "load": self.spec.pcie_bytes_per_s,
               "spill": self.spec.disk_write_bytes_per_s, "fetch": self.spec.disk_read_bytes_per_s}.get(op.kind)
-        return self.bytes_per_block / bw if bw else 0.0
+        return self.bytes_per_block * self.spec.lower_bytes_scale / bw if bw else 0.0
 
     def job_time_s(self, job: Job, channel: str = "copy") -> float:
         if channel == "nic":
-            return self.spec.peer_fixed_s + len(job.ops) * self.bytes_per_block / self.spec.rdma_bytes_per_s
+            return self.spec.peer_fixed_s + len(job.ops) * self.bytes_per_block * self.spec.lower_bytes_scale / \
+                self.spec.rdma_bytes_per_s
         return sum(self.op_time_s(op) for op in job.ops)
 
     def submit(self, job: Job, channel: str = "copy") -> None:

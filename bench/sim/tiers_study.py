@@ -5,7 +5,9 @@
                                           [--start N]
 
 Arms, on the same workers, routing and request rates: (a) device cache only, (b) + a host tier per worker,
-(c) + host + peer fetches, (d) + host + disk + peer fetches. Sizes per worker (``tier_sizes``): one H100's
+(c) + host + peer fetches, (d) + host + disk + peer fetches, (e) as (c) with the host tier and peer copies in int8
+under the bf16 device cache (issue 49's mixed precision across tiers: the same host bytes hold 256 / 132 the blocks,
+each moved at its int8 bytes; opt-in with ``--arms abcde``). Sizes per worker (``tier_sizes``): one H100's
 773 device blocks, a host tier of 128 GiB (1 TiB of DRAM per 8-GPU node: 2,048 blocks of 64 MiB), a disk tier
 of 1 TiB (16,384 blocks). Rates: the GPU scenario's, scaled by workers / 4. Routing: cache_aware at the
 default tier weights (router.routing.policy.DEFAULT_TIER_WEIGHTS), peer weight 0 in (a) and (b) (``arm_weights``).
@@ -28,7 +30,8 @@ from bench.sim.scenarios import Scenario, trace
 from bench.sim.tiers import TierSpec, global_lru_hit_rate
 
 GIB = 2**30
-ARM_NAMES = {"a": "device only", "b": "+ host", "c": "+ host + peers", "d": "+ host + disk + peers"}
+ARM_NAMES = {"a": "device only", "b": "+ host", "c": "+ host + peers", "d": "+ host + disk + peers",
+             "e": "+ int8 host + peers"}
 
 
 def tier_sizes(sc: Scenario, host_bytes: float = 128 * GIB, disk_bytes: float = 1024 * GIB) -> tuple[int, int]:
@@ -37,9 +40,18 @@ def tier_sizes(sc: Scenario, host_bytes: float = 128 * GIB, disk_bytes: float = 
     return int(host_bytes // bpb), int(disk_bytes // bpb)
 
 
-def arm_spec(arm: str, host_blocks: int, disk_blocks: int) -> TierSpec | None:
+def int8_scale(sc: Scenario) -> float:
+    """An int8 KV block's bytes over the scenario's (1 byte + an fp32 scale per token and KV head: the engine's
+    page layout; 132 / 256 under bf16 with head_dim 128)."""
+    model = sc.hardware.step_model.model
+    return dataclasses.replace(model, kv_cache_dtype="int8").kv_bytes_per_token / model.kv_bytes_per_token
+
+
+def arm_spec(arm: str, host_blocks: int, disk_blocks: int, int8: float = 1.0) -> TierSpec | None:
+    """``int8``: ``int8_scale`` (arm (e): the same host bytes hold 1 / int8 the blocks, each moved at its int8 size)."""
     return {"a": None, "b": TierSpec(host_blocks), "c": TierSpec(host_blocks, peers=True),
-            "d": TierSpec(host_blocks, disk_blocks, peers=True)}[arm]
+            "d": TierSpec(host_blocks, disk_blocks, peers=True),
+            "e": TierSpec(int(host_blocks / int8), peers=True, lower_bytes_scale=int8)}[arm]
 
 
 def arm_weights(arm: str):
@@ -47,7 +59,7 @@ def arm_weights(arm: str):
     them ((c), (d)); (a) and (b) cannot fetch from a peer, so a peer's blocks are worth nothing there."""
     from router.routing.policy import DEFAULT_TIER_WEIGHTS, NO_PEER_FETCH
 
-    return DEFAULT_TIER_WEIGHTS if arm in "cd" else NO_PEER_FETCH
+    return DEFAULT_TIER_WEIGHTS if arm in "cde" else NO_PEER_FETCH
 
 
 def with_tiers(sc: Scenario, spec: TierSpec | None) -> Scenario:
@@ -80,7 +92,7 @@ def study_tiers(sc: Scenario, out_dir, configs: tuple[str, ...] = ("colocated-4"
         n = num_workers(dep)
         rates = tuple(r * n / 4 for r in sc.rates)
         for arm in arms:
-            spec = arm_spec(arm, host_blocks, disk_blocks)
+            spec = arm_spec(arm, host_blocks, disk_blocks, int8_scale(sc))
             lower = (spec.host_blocks + spec.disk_blocks) if spec else 0
             lru = lru_reference(wl, B, n * (dev + lower))
             lru_lower = lru_reference(wl, B, n * lower) if spec else lru
@@ -134,7 +146,7 @@ def headline(rows: list[dict], rate_per_4: float) -> str:
             continue
         peak = max(a, key=lambda r: r["goodput"])
         top = rate_per_4 * rs[0]["workers"] / 4
-        for arm in "cd":
+        for arm in "cde":
             c = [r for r in rs if r["arm"] == arm]
             if not c:
                 continue
@@ -155,7 +167,7 @@ def plot_tiers(rows: list[dict], path, sc: Scenario) -> None:
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    colors = {"a": "#7f7f7f", "b": "#1f77b4", "c": "#2ca02c", "d": "#9467bd"}
+    colors = {"a": "#7f7f7f", "b": "#1f77b4", "c": "#2ca02c", "d": "#9467bd", "e": "#d62728"}
     fig, axes = plt.subplots(2, len(configs), figsize=(6.2 * len(configs), 8.4), squeeze=False)
     for k, name in enumerate(configs):
         rs = [r for r in rows if r["config"] == name]

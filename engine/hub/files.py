@@ -50,6 +50,26 @@ class Selection:
     gguf_file: str | None = None
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA adapter (engine/lora/adapter.py)
+
+
+def select_adapter_files(files: list[str], selector: str | None, where: str) -> Selection:
+    """A PEFT adapter repository's files duet reads: ``adapter_config.json`` and ``adapter_model.safetensors`` at its
+    top (kind "lora"); a missing one, a ``:`` selector (adapters have no quantizations) or pickled weights only are
+    errors naming the files."""
+    if selector is not None:
+        raise ModelLoadError(f"{where}: {selector!r}: a LoRA adapter is named org/name[@revision], without a "
+                             "quantization or file")
+    top = set(f for f in files if "/" not in f)
+    missing = [f for f in ADAPTER_FILES if f not in top]
+    if missing:
+        pickles = [f for f in files if f.endswith(PICKLES)]
+        hint = f"; its pickled weights ({_names(pickles)}) are never loaded" if pickles else ""
+        raise ModelLoadError(f"{where}: no {' or '.join(missing)} at the top of the repository: not a PEFT LoRA "
+                             f"adapter duet reads{hint} (its files: {_names(files)})")
+    return Selection("lora", ADAPTER_FILES)
+
+
 def select_files(files: list[str], selector: str | None, where: str) -> Selection:
     """The files of a repository listing (``files``, paths relative to its root) that duet fetches; ``where``
     names the repository and revision in errors (``org/name@main``)."""

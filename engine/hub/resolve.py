@@ -4,6 +4,7 @@
     resolved.path                                      # the snapshot directory, or the .gguf file in it
     pin_model("org/name:Q8_0")                         # -> "org/name@<40-hex commit>:name.Q8_0.gguf"
     local_checkpoint(model)                            # a path as is; a Hub id's checkpoint in the cache
+    pin_adapter("org/lora") / resolve_adapter(...)     # a PEFT LoRA adapter's repository: its two files
 
 Everything is huggingface_hub's standard machinery, configured by its environment (read once, ``HubSettings``):
 the cache (``HF_HUB_CACHE`` / ``HF_HOME``; engine/hub/cache.py), the endpoint (``HF_ENDPOINT``), the token
@@ -43,7 +44,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.hub.cache import CachedSnapshot, cached_snapshot, is_complete, repo_folder, write_ref
-from engine.hub.files import INDEX, Selection, index_shards, select_files
+from engine.hub.files import INDEX, Selection, index_shards, select_adapter_files, select_files
 from engine.hub.ref import HubRef, is_hub_id, parse_model
 
 log = logging.getLogger(__name__)
@@ -94,16 +95,17 @@ class _Listing:
 
 def hub_env(config: EngineConfig) -> dict[str, str]:
     """The ``HF_*`` variables of this process, for the workers of a cluster whose model (or draft model) is on the
-    Hub; none when both are local paths."""
+    Hub, or that serves LoRA adapters (a Hub id may be loaded at run time); none otherwise."""
     spec = config.speculative_config
     models = [config.model] + ([spec.model] if spec is not None and spec.needs_draft_model else [])
-    if not any(is_hub_id(m) for m in models):
+    if not any(is_hub_id(m) for m in models) and not config.lora_slots:
         return {}
     return {k: v for k, v in os.environ.items() if k.startswith(HUB_ENV_PREFIX)}
 
 
 def pin_engine_config(config: EngineConfig, settings: HubSettings | None = None) -> EngineConfig:
-    """``config`` with its model, and a speculative draft model, pinned (``pin_model``); unchanged for local paths."""
+    """``config`` with its model, a speculative draft model and LoRA adapters named by Hub id pinned (``pin_model``,
+    ``pin_adapter``); unchanged for local paths."""
     changes: dict = {}
     model = pin_model(config.model, settings)
     if model != config.model:
@@ -113,6 +115,10 @@ def pin_engine_config(config: EngineConfig, settings: HubSettings | None = None)
         draft = pin_model(spec.model, settings)
         if draft != spec.model:
             changes["speculative_config"] = dataclasses.replace(spec, model=draft)
+    if config.lora_modules:
+        modules = tuple((name, pin_adapter(path, settings)) for name, path in config.lora_modules)
+        if modules != tuple(config.lora_modules):
+            changes["lora_modules"] = dict(modules)
     return config.replace(**changes) if changes else config
 
 
@@ -139,25 +145,44 @@ def pin_model(model: str | Path, settings: HubSettings | None = None) -> str:
     return pinned
 
 
-def resolve(ref: HubRef, settings: HubSettings | None = None) -> ResolvedModel:
+def resolve_adapter(path: str | Path, settings: HubSettings | None = None) -> Path:
+    """A LoRA adapter's directory: ``path`` as it is when it exists, else a Hub id's snapshot of the adapter's two
+    files (engine/hub/files.py ``select_adapter_files``), fetched into the cache as a model is."""
+    ref = parse_model(path)
+    return Path(path) if ref is None else resolve(ref, settings, select_adapter_files).snapshot
+
+
+def pin_adapter(path: str | Path, settings: HubSettings | None = None) -> str:
+    """``path`` unchanged if it exists; a Hub id resolved, fetched and pinned to its commit (``org/name@<hash>``),
+    what every worker is given, as for the model (``pin_model``)."""
+    ref = parse_model(path)
+    if ref is None:
+        return str(path)
+    resolved = resolve(ref, settings, select_adapter_files)
+    log.info("LoRA adapter %s is %s (snapshot %s)", path, resolved.pinned, resolved.snapshot)
+    return str(resolved.pinned)
+
+
+def resolve(ref: HubRef, settings: HubSettings | None = None, select=select_files) -> ResolvedModel:
+    """``select``: which files of the repository (engine/hub/files.py: a model's, or ``select_adapter_files``)."""
     settings = settings or HubSettings.from_env()
     where = f"{ref.repo_id}@{ref.revision or 'main'}"
     if ref.is_pinned:  # a cached, complete snapshot of an immutable commit: no request
         snap = cached_snapshot(settings.cache_dir, ref.repo_id, ref.revision)
-        selection = _select_cached(snap, ref, where) if snap is not None else None
+        selection = _select_cached(snap, ref, where, select) if snap is not None else None
         if selection is not None and is_complete(snap, selection):
             return ResolvedModel(ref, snap.commit, snap.path, selection)
     listing = _list(ref, settings, where)
-    selection = select_files(list(listing.files), ref.selector, where)
+    selection = select(list(listing.files), ref.selector, where)
     snapshot = _fetch(ref, listing, selection, settings, where)
     if not listing.from_cache:
         write_ref(settings.cache_dir, ref.repo_id, ref.revision or "main", listing.commit)
     return ResolvedModel(ref, listing.commit, snapshot, selection)
 
 
-def _select_cached(snap: CachedSnapshot, ref: HubRef, where: str) -> Selection | None:
+def _select_cached(snap: CachedSnapshot, ref: HubRef, where: str, select=select_files) -> Selection | None:
     try:
-        return select_files(snap.files, ref.selector, where)
+        return select(snap.files, ref.selector, where)
     except ModelLoadError:  # the cache holds part of the commit: the listing decides what is missing
         return None
 

@@ -191,7 +191,8 @@ def _quant_kernel(ops: KernelOps, packed) -> str:
         # the level the calls pass: each kernel runs its best variant at or below it (kernels/cpu_quant_isa.py)
         acts = "int8 activations" if int8 else "fp32 activations" + (
             " (int8 digit planes on VNNI)" if default_isa() == "vnni" else "")
-        return f"C GEMV ({default_isa()} or below), {acts}; tiles + torch GEMM from {rows} rows"
+        gemm = "bf16 tiles + torch bf16 GEMM (AMX)" if int8 and cpu_quant.bf16_prefill("int8") else "tiles + torch GEMM"
+        return f"C GEMV ({default_isa()} or below), {acts}; {gemm} from {rows} rows"
     if ops.name == "cpu" and module == "kernels.cpu_quant_group":  # GPTQ / AWQ / compressed-tensors
         from kernels import cpu_quant_group
         from kernels.cpu_quant_isa import default_isa

@@ -8,8 +8,12 @@ projection names map onto duet's fused parameters as the checkpoint loader maps 
 tests/engine/lora/test_adapter.py keeps the two in step). Only what duet implements is accepted: plain LoRA
 (``peft_type`` LORA) on the attention and MLP projections of the dense decoder layers, ``bias`` "none". DoRA,
 ``modules_to_save``, embedding or LM-head targets, per-module rank / alpha patterns, ``fan_in_fan_out``, LoRA biases,
-layer replication and the other PEFT variants are refused with an error that names the field; so is a tensor the
-table does not place.
+layer replication and the other PEFT variants are refused with an error (``engine.errors.LoraAdapterError``) that
+names the field; so is a tensor the table does not place. No directory at the path: ``LoraAdapterNotFoundError``.
+A path that does not exist but reads as a Hub id (``org/name[@revision]``) is the adapter's repository on the Hub:
+its two files fetched into the Hugging Face cache (engine/hub/resolve.py ``resolve_adapter``; the launcher and the
+router pin it to a commit first, ``pin_adapter``, so every worker reads the same bytes); what the Hub refuses is a
+``LoraAdapterError`` naming why (no network and not cached, a gated or unknown repository, no adapter files).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from pathlib import Path
 import torch
 import xxhash
 from safetensors.torch import load_file
+
+from engine.errors import LoraAdapterError, LoraAdapterNotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,10 +42,6 @@ _KEY = re.compile(r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|m
 _REFUSED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "lora_bias",
             "layer_replication", "target_parameters", "trainable_token_indices", "use_qalora", "use_bdlora",
             "alora_invocation_tokens", "arrow_config", "megatron_config", "exclude_modules")
-
-
-class LoraAdapterError(ValueError):
-    """An adapter directory duet cannot serve; the message names the file and the field or tensor."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class LoraAdapter:
 
 
 def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise LoraAdapterNotFoundError(f"no LoRA adapter directory at {path}")
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise LoraAdapterError(f"{path}: no {CONFIG_FILE} (not a PEFT adapter directory)")
@@ -94,9 +98,25 @@ def scaling_of(cfg: dict) -> float:
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
+def local_adapter(path: str | Path) -> Path:
+    """``path``'s directory: itself, or a Hub id's snapshot in the Hugging Face cache (fetched if missing)."""
+    from engine.hub.ref import is_hub_id
+
+    if not is_hub_id(path):
+        return Path(path)
+    from engine.errors import ModelLoadError
+    from engine.hub.resolve import resolve_adapter
+
+    try:
+        return resolve_adapter(path)
+    except ModelLoadError as e:
+        raise LoraAdapterError(f"LoRA adapter {path}: {e}") from None
+
+
 def load_adapter(name: str, path: str | Path, num_layers: int | None = None) -> LoraAdapter:
-    """Read the adapter at ``path`` (CPU tensors, the file's dtype). ``num_layers``: the base model's, checked."""
-    path = Path(path)
+    """Read the adapter at ``path`` (a directory, or a Hub id: ``local_adapter``; CPU tensors, the file's dtype).
+    ``num_layers``: the base model's, checked."""
+    path = local_adapter(path)
     cfg = read_config(path)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():

@@ -5,9 +5,8 @@ Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras,
 [max_loras, S*R, out] (B transposed) for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an
 adapter has a smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
 adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
-touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Adapters are loaded
-at start (pinned) or at run time (``load`` / ``unload``, between steps); a loaded adapter keeps its slot until it is
-unloaded: LRU eviction of idle adapters (engine/lora/slots.py has the bookkeeping) is not wired yet.
+touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Which adapter is in
+which slot, and when one is written, is engine/lora/manager.py's (between steps, on the engine thread).
 """
 from __future__ import annotations
 
@@ -15,9 +14,9 @@ import logging
 
 import torch
 
-from engine.lora.adapter import LoraAdapter, LoraAdapterError, load_adapter
+from engine.errors import LoraAdapterError
+from engine.lora.adapter import LoraAdapter
 from engine.lora.ops import LoraBatch, lora_add_, lora_kernel, weight_dtype
-from engine.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -75,10 +74,6 @@ class LoraPool:
         self.kernel = lora_kernel(model)  # KernelOps.lora_add, or None: the torch forms
         weights = weight_dtype(lora_dtype, dtype, self.kernel)  # the slots' storage (EngineConfig.lora_dtype)
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
-        self.slots = LoraSlots(max_loras)
-        # every name this pool has held → its adapter's digest, kept after unload: blocks cached under a name (the
-        # block-hash salt is the name) must never be reused by other weights loaded under that name later
-        self.digests: dict[str, str] = {}
         self.device = device
         for layer in model.layers:
             for name in LINEARS:
@@ -103,41 +98,10 @@ class LoraPool:
                 layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
         self.scaling[slot] = adapter.scaling
 
-    def load(self, name: str, path, pin: bool = False) -> int:
-        """Read the adapter at ``path`` and put it in a free slot as ``name``; returns the slot. A loaded adapter
-        keeps its slot until ``unload`` (no eviction yet); every slot taken: ``NoFreeLoraSlot``."""
-        if name in self.slots.slot_of:
-            raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (slot {self.slots.slot_of[name]})")
-        adapter = load_adapter(name, path, self.num_layers)
-        self.check(adapter)
-        if self.digests.setdefault(name, adapter.digest) != adapter.digest:
-            raise LoraAdapterError(f"LoRA adapter name {name!r} was served with other weights before: blocks cached "
-                                   f"under that name would be reused; load {path} under a new name")
-        slot, evicted, _ = self.slots.acquire(name)
-        assert evicted is None  # loaded adapters stay held until unloaded: nothing is idle to evict
-        if pin:
-            self.slots.pin(name)
-        self.write(slot, adapter)
-        log.info("LoRA adapter %r (rank %d, scaling %g, %d linears) in slot %d: %s", name, adapter.rank,
-                 adapter.scaling, len(adapter.weights), slot, path)
-        return slot
-
-    def unload(self, name: str) -> int:
-        """Free ``name``'s slot (the caller checks that no request still uses it); returns the slot."""
-        if name not in self.slots.slot_of:
-            raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
-        self.slots.release(name)
-        slot = self.slots.unload(name)
+    def clear(self, slot: int) -> None:
+        """``slot`` holds nothing now: its scaling is 0, so the masked form adds exactly 0 for it (its weights stay
+        until the next ``write``; no token names a free slot)."""
         self.scaling[slot] = 0.0
-        log.info("LoRA adapter %r unloaded from slot %d", name, slot)
-        return slot
-
-    def names(self) -> list[str]:
-        return sorted(self.slots.slot_of)
-
-    def token_slot(self, name: str | None) -> int:
-        """The slot of adapter ``name`` (None: -1, the base model alone)."""
-        return -1 if name is None else self.slots.slot_of[name]
 
     def set_batch(self, token_slots: list[int] | None) -> None:
         """The step's slot per token (-1: base only); None or all -1: no LoRA work this step."""
@@ -151,12 +115,3 @@ class LoraPool:
             self._masks[per_slot] = batch.column_mask(per_slot)
         return self._masks[per_slot]
 
-
-def build_lora_pool(model, lora_modules, max_loras: int, max_lora_rank: int, dtype, device,
-                    lora_dtype: str = "auto") -> LoraPool:
-    """The pool with every adapter of ``lora_modules`` ((name, directory) pairs) in its own slot, pinned there:
-    the start-up set of EngineConfig.lora_modules (``max_loras`` 0: as many slots as adapters)."""
-    pool = LoraPool(model, max_loras or len(lora_modules), max_lora_rank, dtype, device, lora_dtype)
-    for name, path in lora_modules:
-        pool.load(name, path, pin=True)
-    return pool

@@ -1,6 +1,7 @@
 """What a scheduler step hands the model runner and the engine (as vLLM's ``v1/core/sched/output.py``): the
-requests scheduled with their token counts, the preempted ones, and the ``PeerImporter`` seam through which the
-scheduler starts reads of a peer's lent blocks. The model runner imports this contract, not the scheduler."""
+requests scheduled with their token counts, the preempted ones, the ``PeerImporter`` seam through which the
+scheduler starts reads of a peer's lent blocks, and the ``LoraGate`` it asks before a request of a LoRA adapter runs.
+The model runner imports this contract, not the scheduler."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,6 +20,16 @@ class PeerImporter(Protocol):
               local_block_ids: Sequence[int]) -> None: ...
 
     def release(self, peer: PeerBlocks) -> None: ...
+
+
+class LoraGate(Protocol):
+    """The device slots of LoRA adapters (engine/lora/manager.py ``LoraManager``): a request runs only while it holds
+    its adapter's slot."""
+
+    def acquire(self, name: str) -> bool:
+        """Hold ``name``'s slot for one running request (loading it into a slot if needed); False: none free now."""
+
+    def release(self, name: str) -> None: ...
 
 
 @dataclass

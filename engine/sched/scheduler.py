@@ -19,6 +19,10 @@ One step's budget is ``max_num_batched_tokens`` tokens across at most ``max_num_
    without holding up anyone behind it.
 3. If nothing runs and nothing waiting fits, the blocks are held by waiting requests with received KV:
    the newest of them gives its blocks back and will recompute (else the engine would wait forever).
+LoRA adapters (``lora``, a ``LoraGate``): a request of an adapter enters the running batch only holding its adapter's
+device slot, and gives it back when it leaves the batch (finished, preempted, handed off), so a batch mixes at most
+``max_loras`` adapters. One whose adapter gets no slot (all held by other adapters' running requests) stays waiting
+without blocking the requests behind it (vLLM's rule); nothing running means no slot is held, so it never waits alone.
 
 Bookkeeping only (no torch): the engine runs the model on the ``SchedulerOutput`` and then calls
 ``on_step_computed``; sampling and stop checks are the engine's.
@@ -34,7 +38,7 @@ from engine.kv.handoff import PeerBlocks
 from engine.kv.hashing import BlockHasher
 from engine.kv.tiers import TierManager
 from engine.request import Request, RequestStatus
-from engine.sched.output import PeerImporter, ScheduledRequest, SchedulerOutput
+from engine.sched.output import LoraGate, PeerImporter, ScheduledRequest, SchedulerOutput
 
 
 def _peer_extent(request: Request, peer: PeerBlocks, start: int, limit: int) -> int:
@@ -58,6 +62,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         tiers: TierManager | None = None,
+        lora: LoraGate | None = None,
     ) -> None:
         self.pool = pool
         self.hasher = hasher
@@ -66,6 +71,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.tiers = tiers
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # prefix blocks in flight from a lower tier
@@ -106,6 +112,7 @@ class Scheduler:
         """Take a request out of the queues but leave its blocks held (a prefill handoff)."""
         if request in self.running:
             self.running.remove(request)
+            self._release_lora(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -139,6 +146,8 @@ class Scheduler:
                 need = self.blocks_needed(request.num_computed_tokens + num_new) - len(request.blocks)
                 if need > 0 and not self.pool.can_allocate(need):
                     continue  # others holding their KV may still fit; never wait behind them
+                if not self._acquire_lora(request):
+                    continue
                 self.waiting.remove(request)
                 if need > 0:
                     request.blocks.extend(self.pool.allocate(need))
@@ -173,6 +182,8 @@ class Scheduler:
             if not self.pool.can_allocate(num_new_blocks + num_revived):
                 blocked = True
                 continue
+            if not self._acquire_lora(request):
+                continue  # its adapter has no slot now; later requests may run (their adapters have slots)
             self.waiting.remove(request)
             self.pool.touch(hits)
             request.blocks = hits + self.pool.allocate(num_new_blocks)
@@ -338,12 +349,20 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self._release_lora(request)
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
+
+    def _acquire_lora(self, request: Request) -> bool:
+        return request.params.lora is None or self.lora is None or self.lora.acquire(request.params.lora)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.params.lora is not None and self.lora is not None:
+            self.lora.release(request.params.lora)
 
     def _free(self, request: Request) -> None:
         if request.blocks:

@@ -164,8 +164,10 @@ static void attend_rows(const float *const *q_rows, float *const *out_rows, cons
 // ------------------------------------------------------------------------------------------ an fp32 cache's rows
 
 // kv_rows_fn of an fp32 cache (prefill): pointers into it, nothing copied
-static inline void rows_f32(const void *src, const int32_t *table, int block_size, int t0, int n, int h0, int h1,
-                            const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h, float *buf) {
+static inline void rows_f32(const void *src, const kv_new_t *nw, const int32_t *table, int block_size, int t0, int n,
+                            int h0, int h1, const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h,
+                            float *buf) {
+    (void)nw;  // an fp32 cache holds the new rows as computed (the store copies them)
     (void)h1;
     (void)buf;
     const kv_f32_t *c = src;
@@ -439,6 +441,6 @@ int duet_prefill_attention_f32(const float *q, int64_t q_s, int64_t q_h, const f
                                int head_dim, int block_size, float scale, int window, int num_threads) {
     const kv_f32_t src = {k, v, k_b, k_t, k_h, v_b, v_t, v_h};
     const pf_args_t a = {q, q_s, q_h, tables, tab_s, cu, seq_lens, out, o_s, o_h, num_q_heads / num_kv_heads,
-                         head_dim, block_size, window, scale};
+                         head_dim, block_size, window, scale, NULL, NULL, 0, 0, 0, 0, NULL};
     return pf_prefill(&src, pf_task_f32, 0, &a, num_seqs, num_q_heads, num_kv_heads, num_threads);
 }

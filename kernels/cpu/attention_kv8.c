@@ -17,8 +17,10 @@
 // K/V chunk is loaded as 8 int8 and converted to fp32 in registers, a dot is multiplied by its key's scale and a
 // probability by its value's scale (the same products as dequantizing first, in another order), so decode reads a
 // quarter of fp32's bytes and writes nothing back. Prefill attention (compute-bound): the fp32 task loop fed with
-// a 256-key tile of one KV head dequantized into a per-thread buffer (attention_tiles.h's kv_rows_fn). Scores,
-// softmax and accumulation are fp32 throughout, as in attention.c.
+// a 256-key tile of one KV head dequantized into a per-thread buffer (attention_tiles.h's kv_rows_fn); with fresh K/V
+// (kernels/prefill_attention.py) a sequence's new tokens' rows are pointers into their K/V as computed instead, so a
+// prompt without a cached prefix runs attention.c's arithmetic on fp32's floats. Scores, softmax and accumulation
+// are fp32 throughout, as in attention.c.
 #include "attention_tiles.h"
 
 typedef int8_t vb8 __attribute__((vector_size(8), aligned(1)));  // 8 int8 lanes, unaligned loads

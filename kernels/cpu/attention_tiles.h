@@ -21,11 +21,22 @@ static inline float hsum8(v8 x) {
     return s0 + s1;
 }
 
+// A sequence's new tokens' K/V as computed (prefill's fresh K/V: kernels/prefill_attention.py): position p >= first
+// is row p - first of k / v (row stride k_t / v_t, head h at h * k_h / h * v_h elements on), read instead of the cache.
+typedef struct {
+    const float *k, *v;  // the row of position `first`, head 0
+    int64_t k_t, k_h, v_t, v_h;
+    int first;
+} kv_new_t;
+
 // Row pointers of keys [t0, t0 + n) of KV heads [h0, h1) of one sequence (table: its block table), K and V:
 // krow[t] / vrow[t] point at head h0's row, the next heads *k_h / *v_h elements on. A source that stores no fp32
-// rows (an int8 cache) dequantizes them into buf (room for 2 * n * (h1 - h0) * head_dim floats: K, then V).
-typedef void (*kv_rows_fn)(const void *src, const int32_t *table, int block_size, int t0, int n, int h0, int h1,
-                           const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h, float *buf);
+// rows (an int8 cache) dequantizes them into buf (room for 2 * n * (h1 - h0) * head_dim floats: K, then V). nw: the
+// sequence's fresh rows, or NULL; a source that reads them points the rows of positions >= nw->first at them (one
+// head per call then, h1 = h0 + 1: *k_h / *v_h do not describe both kinds of rows).
+typedef void (*kv_rows_fn)(const void *src, const kv_new_t *nw, const int32_t *table, int block_size, int t0, int n,
+                           int h0, int h1, const float **krow, const float **vrow, int64_t *k_h, int64_t *v_h,
+                           float *buf);
 
 // ------------------------------------------------------------------------------------------ decode attention
 //
@@ -125,6 +136,11 @@ typedef struct {
     int64_t o_s, o_h;
     int group, head_dim, block_size, window;
     float scale;
+    // fresh K/V (a 1-byte cache's prefill): nk, nv [num_q_tokens, kv_heads, head_dim] by strides, or NULL; fresh[s]
+    // != 0: sequence s reads its new tokens' K/V there (its cached prefix from the cache)
+    const float *nk, *nv;
+    int64_t nk_t, nk_h, nv_t, nv_h;
+    const int32_t *fresh;
 } pf_args_t;
 
 // S[r][0:16] = sum_d Q[r][d] * KT[d][0:16] for 8 rows (Q rows of stride ld_q, S rows of stride ld_s)
@@ -210,6 +226,12 @@ static inline __attribute__((always_inline)) void pf_task_impl(
     float *Q = buf, *O = Q + (int64_t)rows8 * D, *S = O + (int64_t)rows8 * D, *KT = S + (int64_t)rows8 * PF_KEYS,
           *m = KT + 16 * D, *l = m + rows8;
     int *lo_of = ibuf, *hi_of = ibuf + rows8;
+    kv_new_t nw_rows, *nw = NULL;
+    if (a->nk && a->fresh[s]) {
+        nw_rows = (kv_new_t){a->nk + (int64_t)q0 * a->nk_t, a->nv + (int64_t)q0 * a->nv_t, a->nk_t, a->nk_h, a->nv_t,
+                             a->nv_h, kv_len - n};
+        nw = &nw_rows;
+    }
     for (int r = 0; r < rows8; r++) {
         int i = r / group, j = r % group;
         if (r < rows) {
@@ -231,7 +253,7 @@ static inline __attribute__((always_inline)) void pf_task_impl(
     for (int kt0 = lo_min / 16 * 16; kt0 < hi_max; kt0 += PF_KEYS) {
         int nk = hi_max - kt0 < PF_KEYS ? hi_max - kt0 : PF_KEYS, nk16 = (nk + 15) & ~15;
         int64_t k_h, v_h;  // the tile's rows are of head h alone
-        rows_of(src, table, block_size, kt0, nk, h, h + 1, krow, vrow, &k_h, &v_h, rows_buf);
+        rows_of(src, nw, table, block_size, kt0, nk, h, h + 1, krow, vrow, &k_h, &v_h, rows_buf);
         // S = Q Kᵀ over 16-key slices; a run of 8 rows skips slices wholly after its last visible position
         for (int t16 = 0; t16 < nk16; t16 += 16) {
             for (int t = 0; t < 16; t++) {

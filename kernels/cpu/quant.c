@@ -360,3 +360,27 @@ void duet_quant_dequantize(int fmt, const uint8_t *qs, const uint32_t *qh, const
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count * cols >= 65536)
     for (int64_t i = 0; i < count; i++) dequant_row_scalar(&w, ids ? ids[i] : row0 + i, out + i * cols);
 }
+
+typedef struct {
+    Weights w;
+    int simd;
+} Bf16Rows;
+
+static void bf16_group_rows(const void *ctx, int64_t g, int64_t lo, int64_t hi, float *buf, int64_t cols) {
+    const Bf16Rows *c = ctx;
+#ifdef HAVE_X86
+    if (c->simd) {
+        dequant_group_avx2(&c->w, g, (int)(lo - g * 8), (int)(hi - lo), buf, cols);
+        return;
+    }
+#endif
+    for (int64_t r = lo; r < hi; r++) dequant_row_scalar(&c->w, r, buf + (r - lo) * cols);
+}
+
+// out [count, cols] bf16 = rows row0 .. row0 + count - 1 as duet_quant_dequantize gives them, rounded to bf16
+// (quant_common.h's dequantize_bf16_by_groups). Returns 1 when out of memory.
+int duet_quant_dequantize_bf16(int fmt, const uint8_t *qs, const uint32_t *qh, const uint16_t *d, const uint16_t *m,
+                               int64_t cols, int64_t row0, int64_t count, uint16_t *out, int isa, int num_threads) {
+    const Bf16Rows ctx = {weights(fmt, qs, qh, d, m, cols / 32), isa_level(isa) >= ISA_AVX2};
+    return dequantize_bf16_by_groups(bf16_group_rows, &ctx, cols, row0, count, out, num_threads);
+}

@@ -9,6 +9,7 @@
 //   ISA_VNNI    + AVX512-VNNI (vpdpbusd: u8 x s8 dot products of 4, summed into int32, one instruction)
 #pragma once
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ISA_SCALAR 0
@@ -67,6 +68,46 @@ static inline int isa_supported(void) { return ISA_SCALAR; }
 static inline int isa_level(int isa) {
     int best = isa_supported();
     return isa < best ? (isa < 0 ? ISA_SCALAR : isa) : best;
+}
+
+// out[i] = in[i] rounded to bf16, nearest even (torch's Tensor.to(torch.bfloat16), NaN kept a NaN); the prefill
+// tiles of int8 activations for the bf16 GEMM (kernels/cpu_quant.py). A loop the compiler vectorizes.
+static inline void f32_to_bf16(const float *in, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, in + i, 4);
+        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        out[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
+    }
+}
+
+// rows lo .. hi - 1 of the group at row 8g (lo, hi within it) dequantized into buf (row stride cols), fp32
+typedef void (*group_rows_f32_fn)(const void *ctx, int64_t g, int64_t lo, int64_t hi, float *buf, int64_t cols);
+
+// out [count, cols] bf16 = rows row0 .. row0 + count - 1 dequantized by rows(ctx, ...) one group of 8 rows at a time
+// into a per-thread fp32 scratch that stays in cache, then rounded into out (f32_to_bf16): one pass over memory
+// instead of an fp32 tile written and read back. Returns 1 when out of memory.
+static inline int dequantize_bf16_by_groups(group_rows_f32_fn rows, const void *ctx, int64_t cols, int64_t row0,
+                                            int64_t count, uint16_t *out, int num_threads) {
+    const int64_t g0 = row0 / 8, g1 = (row0 + count + 7) / 8;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (count * cols >= 65536)
+    {
+        float *buf = malloc(8 * cols * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = g0; g < g1; g++) {
+            if (!buf) continue;
+            const int64_t lo = g * 8 > row0 ? g * 8 : row0, hi = g * 8 + 8 < row0 + count ? g * 8 + 8 : row0 + count;
+            rows(ctx, g, lo, hi, buf, cols);
+            f32_to_bf16(buf, out + (lo - row0) * cols, (hi - lo) * cols);
+        }
+        free(buf);
+    }
+    return failed;
 }
 
 // avx2_supported(): this CPU takes the AVX2 + FMA + F16C paths

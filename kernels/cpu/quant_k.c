@@ -216,3 +216,35 @@ void duet_quant_k_dequantize(int fmt, const uint8_t *qs, int64_t cols, const int
         }
     }
 }
+
+typedef struct {
+    int fmt, simd;
+    const uint8_t *qs;
+    int64_t nb, bb;
+} Bf16Rows;
+
+static void bf16_group_rows(const void *ctx, int64_t g, int64_t lo, int64_t hi, float *buf, int64_t cols) {
+    const Bf16Rows *c = ctx;
+    const uint8_t *g0 = c->qs + g * c->nb * 8 * c->bb;
+#ifdef HAVE_X86
+    if (c->simd) {
+        dequant_group_avx2(c->fmt, g0, c->nb, (int)(lo - g * 8), (int)(hi - lo), buf, cols);
+        return;
+    }
+#endif
+    for (int64_t r = lo; r < hi; r++) {
+        uint8_t blk[210];
+        for (int64_t b = 0; b < c->nb; b++) {
+            k_file_block(c->fmt, g0 + b * 8 * c->bb, (int)(r % 8), blk);
+            decode_scalar(c->fmt, blk, buf + (r - lo) * cols + b * QK);
+        }
+    }
+}
+
+// out [count, cols] bf16 = rows row0 .. row0 + count - 1 as duet_quant_k_dequantize gives them, rounded to bf16
+// (quant_common.h's dequantize_bf16_by_groups). Returns 1 when out of memory.
+int duet_quant_k_dequantize_bf16(int fmt, const uint8_t *qs, int64_t cols, int64_t row0, int64_t count,
+                                 uint16_t *out, int isa, int num_threads) {
+    const Bf16Rows ctx = {fmt, isa_level(isa) >= ISA_AVX2, qs, cols / QK, k_block_bytes(fmt)};
+    return dequantize_bf16_by_groups(bf16_group_rows, &ctx, cols, row0, count, out, num_threads);
+}

@@ -29,6 +29,10 @@ continued elsewhere from where the client is (router/dispatch/migration.py: the 
 engine resuming exactly), at most ``MAX_MIGRATIONS`` times; then it ends with ``finish_reason="error"``.
 A live worker's failure is an error output, never retried blindly.
 Bad input raises InvalidRequestError before anything runs.
+LoRA adapters (router/lora_adapters.py, ``lora``): every worker holds the served set, so any worker can take any
+request; a request's adapter is counted from admission to its end, which is what an unload waits for. A request
+for an adapter is routed among the workers of each pool whose device slots can run it now, when there are any
+(router/routing/lora_slots.py: placement by slot budget, counted in ``lora_ready`` / ``lora_all_busy``).
 
 Pools of two KV dtypes (mixed precision: a prefill pool at the model dtype, a quantized decode pool) hash in two
 namespaces (engine/kv/hashing.py ``kv_namespace``): ``hasher`` is the decode pool's, ``prefill_hasher`` the prefill
@@ -55,10 +59,12 @@ from engine.text.tokenizer import Tokenizer
 from router.backend import Backend, Health, ModelCard
 from router.dispatch.faults import WorkerFaults, _Lost, _quietly
 from router.dispatch.migration import MAX_MIGRATIONS, SentSoFar, with_seed
+from router.lora_adapters import LoraAdapters, ServedAdapter
 from router.metrics.collector import RequestTiming, RouterMetrics
 from router.routing.demand import DecodeDemand
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadTracker
+from router.routing.lora_slots import ready_workers
 from router.routing.policy import CacheAwarePolicy, NoWorkersError, Role, RoutingPolicy, route
 from router.workers.client import WorkerClient, check_fingerprints
 from router.workers.registry import WorkerRegistry, WorkerState
@@ -86,6 +92,7 @@ class ClusterBackend(WorkerFaults, Backend):
         local_prefill_max_tokens: int = 0,
         metrics: RouterMetrics | None = None,
         prefill_hasher: BlockHasher | None = None,
+        lora_modules: Sequence[ServedAdapter] = (),
     ) -> None:
         self.card = card
         self.tokenizer = tokenizer
@@ -99,12 +106,13 @@ class ClusterBackend(WorkerFaults, Backend):
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.metrics = metrics
         self.counters = {"disaggregated": 0, "local_prefill": 0, "decode_redirected": 0, "errors": 0, "aborted": 0,
-                         "replaced": 0, "migrated": 0}
+                         "replaced": 0, "migrated": 0, "lora_ready": 0, "lora_all_busy": 0}
         # blocks borrowed from a peer for a prefill: lent, not held any more, asking failed (computed instead)
         self.peer_fetches = {"lent": 0, "gone": 0, "failed": 0}
         self.prefill_tokens_routed = 0  # uncached prompt tokens of requests that needed a prefill (cumulative)
         self.demand = DecodeDemand(hasher.block_size)  # what the requests ask of decode (cumulative)
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
+        self.lora = LoraAdapters(self._lora_targets, lora_modules)  # the same adapters on every worker
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
             self.activate(client)
@@ -133,6 +141,10 @@ class ClusterBackend(WorkerFaults, Backend):
                               f"the model is served with {self.card.max_model_len}: give it a larger KV cache")
         self.tracker.add_worker(client.worker_id)
         self.registry.mark_ready(client.worker_id, time.monotonic(), client=client, pid=pid, node=node)
+
+    def _lora_targets(self) -> list[WorkerClient]:
+        """Where a LoRA adapter is loaded or unloaded: every worker that runs or finishes requests."""
+        return [r.client for r in self.registry.records(states=(WorkerState.READY, WorkerState.DRAINING))]
 
     def hasher_of(self, role: Role) -> BlockHasher:
         """How the workers of ``role``'s pool hash their blocks."""
@@ -163,6 +175,7 @@ class ClusterBackend(WorkerFaults, Backend):
         self.demand.placed(len(prompt_token_ids), params.max_tokens)
         placements = migrations = 0
         ended = None  # the finish reason the client got
+        self.lora.begin(params.lora)  # an unload waits for the requests of its adapter admitted before it
         try:
             for attempt in itertools.count():
                 n_prior = len(sent.token_ids)
@@ -206,6 +219,7 @@ class ClusterBackend(WorkerFaults, Backend):
             yield self._timed(timing, None, self._error_output(request_id, None, RuntimeError(
                 f"workers kept failing ({placements} placements, {migrations} migrations)")))
         finally:
+            self.lora.end(params.lora)
             if ended in ("stop", "length"):  # how long its output ran, of what it asked (the autoscaler's forecast)
                 self.demand.finished(len(sent.token_ids), params.max_tokens)
             if timing is not None:
@@ -215,6 +229,9 @@ class ClusterBackend(WorkerFaults, Backend):
                timing: RequestTiming | None, again: bool):
         B = self.hasher.block_size
         decode, prefill = self.decode, self.prefill
+        if params.lora is not None:  # placement by slot budget: workers that can run the adapter now, if any
+            decode, prefill = self._slot_ready(Role.DECODE, decode, params.lora), \
+                self._slot_ready(Role.PREFILL, prefill, params.lora)
         try:
             d = route(self.decode_policy, self.index, self.tracker, Role.DECODE, list(decode), hashes, len(ids),
                       peers=())  # a decode worker's local prefill reads no peer's blocks
@@ -240,6 +257,17 @@ class ClusterBackend(WorkerFaults, Backend):
             borrow = (prefill[p.peer], p_hashes[:p.overlap_blocks + p.peer_blocks])
         return self._disaggregated(rid, ids, params, prefill[p.worker], decode[d.worker],
                                    len(ids) - p.overlap_blocks * B, total_blocks, timing, borrow, hashes)
+
+    def _slot_ready(self, role: Role, pool: dict[str, WorkerClient], adapter: str) -> dict[str, WorkerClient]:
+        """``pool`` narrowed to the workers whose LoRA slots can run ``adapter`` now (all when none can)."""
+        if not pool:
+            return pool
+        ids, outcome = ready_workers({r.worker_id: r.stats for r in self.registry.ready(role) if r.worker_id in pool},
+                                     adapter)
+        self.counters[f"lora_{outcome}"] += 1
+        if self.metrics is not None:
+            self.metrics.lora_placements.labels(role.value, outcome).inc()
+        return {w: pool[w] for w in ids}
 
     def _count_route(self, role: Role, outcome: str) -> None:
         if self.metrics is not None:

@@ -25,7 +25,8 @@ Design notes:
   abort that frees the request's KV blocks. (An async-generator handler can be dropped while suspended at
   `yield`, leaving the close to the garbage collector.)
 - API keys: a server interceptor guards every method of duet.v1.Generate (`authorization: Bearer <key>`,
-  constant-time compare). Health and reflection stay open so load balancers and grpcurl work unkeyed.
+  constant-time compare) but the LoRA RPCs, which apply the admin-key rule themselves (router/grpc/lora.py).
+  Health and reflection stay open so load balancers and grpcurl work unkeyed.
   With ``salt_by_api_key`` the servicer salts each request's block hashes by its key (router/tenancy.py).
 - Health: grpc.health.v1 reports "" and "duet.v1.Generate"; a small task mirrors `backend.health().ok`
   into both every `health_interval_s`. `grpc.aio.server()` builds a plain Server we cannot subclass, so
@@ -48,7 +49,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import DuetError, InvalidRequestError
+from engine.errors import DuetError, InvalidRequestError, LoraAdapterNotFoundError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.sampling.structured import structured_output
@@ -57,9 +58,10 @@ from proto.build import ensure_generated
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.backend import Backend
 from router.grpc.chat import ChatTurn
+from router.grpc.lora import ADMIN_METHODS, LoraAdminRpcs
 from router.openai.chat_format import ChatFormat
 from router.routing.policy import NoWorkersError
-from router.tenancy import bearer_token, tenant_salt
+from router.tenancy import metadata_bearer, tenant_salt
 
 ensure_generated()
 from proto.duet.v1 import generate_pb2 as pb  # noqa: E402  (generated above when missing)
@@ -145,16 +147,20 @@ def _status_of(e: DuetError) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(e, NoWorkersError):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(e, LoraAdapterNotFoundError):  # unloaded between the check and the admission
+        return grpc.StatusCode.NOT_FOUND
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- the servicer ----------------------------------------------------------------------------------
 
-class GenerateServicer(pb_grpc.GenerateServicer):
-    def __init__(self, backend: Backend, salt_by_api_key: bool = False, tool_call_parser: str | None = None) -> None:
+class GenerateServicer(LoraAdminRpcs, pb_grpc.GenerateServicer):
+    def __init__(self, backend: Backend, salt_by_api_key: bool = False, tool_call_parser: str | None = None, *,
+                 api_keys: Sequence[str] = (), admin_key: str | None = None, bind_host: str = "127.0.0.1") -> None:
         self.backend = backend
         self.salt_by_api_key = salt_by_api_key
         self.tool_call_parser = tool_call_parser
+        self.api_keys, self.admin_key, self.bind_host = tuple(api_keys), admin_key, bind_host  # the LoRA RPCs' rule
 
     @functools.cached_property
     def chat_format(self) -> ChatFormat:
@@ -163,9 +169,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
         card = self.backend.card
-        return pb.ListModelsResponse(models=[pb.ModelInfo(  # the base, then its LoRA adapters
-            id=name, max_model_len=card.max_model_len, vocab_size=card.vocab_size, created=card.created)
-            for name in (card.model_id, *card.lora_adapters)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(  # the base, then the LoRA adapters served now
+            id=name, max_model_len=card.max_model_len, vocab_size=card.vocab_size, created=card.created,
+            parent="" if name == card.model_id else card.model_id)
+            for name in (card.model_id, *self.backend.lora_adapters())])
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -194,21 +201,21 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         """The API key's salt when salting by key (the interceptor let only keyed calls through)."""
         if not self.salt_by_api_key:
             return None
-        return tenant_salt(_bearer_of(context.invocation_metadata() or ()) or "")
+        return tenant_salt(metadata_bearer(context.invocation_metadata() or ()) or "")
 
     def _prepare(self, request: pb.GenerateRequest, tenant_salt: str | None = None
                  ) -> tuple[str, list[int], SamplingParams, ChatTurn | None]:
         """Validate and tokenize (on a worker thread); raises InvalidRequestError. A chat is rendered and its
         output shaped as on the HTTP path (router/grpc/chat.py)."""
-        card = self.backend.card
-        if request.model and request.model != card.model_id and request.model not in card.lora_adapters:
-            served = ", ".join(repr(n) for n in (card.model_id, *card.lora_adapters))
+        card, adapters = self.backend.card, self.backend.lora_adapters()
+        if request.model and request.model != card.model_id and request.model not in adapters:
+            served = ", ".join(repr(n) for n in (card.model_id, *adapters))
             raise InvalidRequestError(f"unknown model {request.model!r}; this server serves {served}")
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         params = sampling_params_from_pb(request, tenant_salt)
-        if request.model in card.lora_adapters:  # a LoRA adapter's name: the request runs with it
+        if request.model in adapters:  # a LoRA adapter's name: the request runs with it
             params = dataclasses.replace(params, lora=request.model)
         turn = None
         if request.WhichOneof("prompt") == "chat" and ChatTurn.needed(request, self.chat_format):
@@ -230,29 +237,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if not self._keys or not all(self._keys):
             raise ValueError("api_keys must be non-empty strings")
         self._prefix = f"/{protected_service}/"
+        self._own_check = {f"{self._prefix}{m}" for m in ADMIN_METHODS}  # the admin-key rule (router/grpc/lora.py)
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(self._prefix):
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self._prefix) or method in self._own_check:
             return handler
         if self.is_authorized(handler_call_details.invocation_metadata or ()):
             return handler
         return _rejecting_handler(handler, "missing or invalid API key (send 'authorization: Bearer <key>')")
 
     def is_authorized(self, metadata: Sequence[tuple[str, str | bytes]]) -> bool:
-        token = _bearer_of(metadata)
+        token = metadata_bearer(metadata)
         if token is None:
             return False
         # constant-time per key, and no early exit: timing says nothing about the keys
         return sum(hmac.compare_digest(token.encode(), k) for k in self._keys) > 0
-
-
-def _bearer_of(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
-    """The bearer token of the first ``authorization`` entry (None: none, or not a bearer credential)."""
-    for key, value in metadata:
-        if key == "authorization":
-            return bearer_token(value.decode() if isinstance(value, bytes) else value)
-    return None
 
 
 _HANDLER_FACTORIES = {
@@ -280,17 +281,20 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.Rpc
 async def start_grpc_server(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                             api_keys: Iterable[str] = (), health_interval_s: float = 5.0,
                             max_request_bytes: int = 4 << 20, salt_by_api_key: bool = False,
-                            tool_call_parser: str | None = None) -> grpc.aio.Server:
+                            tool_call_parser: str | None = None, admin_key: str | None = None) -> grpc.aio.Server:
     """Start serving `backend`; returns the started server, with the bound port as ``server.port``
     (port=0 picks a free one). Its ``stop(grace)`` first sets every health status to NOT_SERVING.
-    With ``api_keys``, duet.v1.Generate requires one of them; health and reflection never do.
+    With ``api_keys``, duet.v1.Generate requires one of them (its LoRA RPCs follow the admin-key rule instead:
+    ``admin_key``, router/access.py); health and reflection never do.
     ``salt_by_api_key``: each API key is its own prefix-cache domain (router/tenancy.py)."""
     keys = tuple(api_keys)
     if salt_by_api_key and not keys:
         raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                              options=[("grpc.max_receive_message_length", max_request_bytes)])  # over: RESOURCE_EXHAUSTED
-    pb_grpc.add_GenerateServicer_to_server(GenerateServicer(backend, salt_by_api_key, tool_call_parser), server)
+    servicer = GenerateServicer(backend, salt_by_api_key, tool_call_parser, api_keys=keys, admin_key=admin_key,
+                                bind_host=host)
+    pb_grpc.add_GenerateServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

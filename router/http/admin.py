@@ -7,7 +7,7 @@
     POST /admin/pools/{prefill|decode}  {"target": n} and/or {"pin": true|false}
     GET  /metrics                       Prometheus text (router/metrics/collector.py); open, like vLLM's
 
-Who may do what:
+Who may do what (router/access.py, the same for the LoRA endpoints, router/http/lora_admin.py, and gRPC's):
 - Reads follow the API-key rule: with API keys configured, a valid API key or the admin key; else open.
 - Writes need the admin key (``--admin-key``): none sent is 401, any other key (an API key included) 403.
   With no admin key configured, writes are accepted only when the server is bound to a loopback address
@@ -17,8 +17,6 @@ Errors are OpenAI-style bodies like the rest of the API.
 """
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import time
 from abc import ABC, abstractmethod
@@ -29,6 +27,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
+from router.access import Denied, is_loopback, read_denied, write_denied
 from router.http.errors import ApiError
 from router.routing.policy import Role
 from router.workers.registry import WorkerRegistry
@@ -50,47 +49,29 @@ class Operator(ABC):
         return []
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def access_checks(api_keys: Sequence[str] = (), admin_key: str | None = None, bind_host: str = "127.0.0.1"):
+    """FastAPI dependencies ``(can_read, can_write)`` enforcing router/access.py's rule (OpenAI-style errors)."""
+    def bearer(request: Request) -> str | None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    def raise_denied(denied: Denied | None) -> None:
+        if denied is not None:
+            raise ApiError(401 if denied.unauthenticated else 403, denied.message,
+                           "authentication_error" if denied.unauthenticated else "permission_error", code=denied.code)
+
+    async def can_read(request: Request) -> None:
+        raise_denied(read_denied(bearer(request), api_keys, admin_key))
+
+    async def can_write(request: Request) -> None:
+        raise_denied(write_denied(bearer(request), api_keys, admin_key, bind_host))
+
+    return can_read, can_write
 
 
 def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] = (), admin_key: str | None = None,
                  bind_host: str = "127.0.0.1") -> APIRouter:
-    api = [k.encode() for k in api_keys]
-    admin = admin_key.encode() if admin_key else None
-
-    def bearer(request: Request) -> bytes | None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return token.strip().encode() if scheme.lower() == "bearer" and token.strip() else None
-
-    def matches(given: bytes | None, keys: Sequence[bytes]) -> bool:
-        return given is not None and any(hmac.compare_digest(given, k) for k in keys)
-
-    async def can_read(request: Request) -> None:
-        if api and not matches(bearer(request), [*api, *([admin] if admin else [])]):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
-
-    async def can_write(request: Request) -> None:
-        given = bearer(request)
-        if admin is None:
-            if not is_loopback(bind_host):
-                raise ApiError(403, "admin writes are disabled: this server is not bound to a loopback address and "
-                               "has no admin key (start it with --admin-key)", "permission_error",
-                               code="admin_disabled")
-            await can_read(request)  # a write never needs less than a read
-            return
-        if given is None:
-            raise ApiError(401, "admin key required (send 'Authorization: Bearer <admin key>')",
-                           "authentication_error", code="missing_admin_key")
-        if not matches(given, [admin]):
-            raise ApiError(403, "this key may not change the cluster (the admin key is required)", "permission_error",
-                           code="not_admin")
+    can_read, can_write = access_checks(api_keys, admin_key, bind_host)
 
     def need_operator() -> Operator:
         if operator is None:
@@ -114,8 +95,8 @@ def admin_router(operator: Operator | None, metrics, *, api_keys: Sequence[str] 
 
     @router.get("/admin/access")
     async def access() -> dict[str, Any]:
-        writes = "admin_key" if admin else ("loopback" if is_loopback(bind_host) else "disabled")
-        return {"reads": "api_key" if api else "open", "writes": writes, "pools": operator is not None}
+        writes = "admin_key" if admin_key else ("loopback" if is_loopback(bind_host) else "disabled")
+        return {"reads": "api_key" if api_keys else "open", "writes": writes, "pools": operator is not None}
 
     @router.post("/admin/pools/{role}", dependencies=[Depends(can_write)])
     async def set_pool(role: str, request: Request) -> dict[str, Any]:

@@ -6,7 +6,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
 GET /v1/models/{id}, GET /health (open even when API keys are set; ``?probe=liveness`` for liveness
 probes); the operator's /admin/* and /metrics
-(router/http/admin.py).
+(router/http/admin.py); vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (router/http/lora_admin.py).
 
 One path serves both generation endpoints: parse the body → tokenize (the router owns tokenization)
 → one SamplingParams per choice → `ChoiceRun` → either stream SSE chunks or collect one JSON body;
@@ -73,7 +73,8 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     operator's API: /admin/* and /metrics (router/http/admin.py). ``salt_by_api_key``: each API key is its
     own prefix-cache domain (router/tenancy.py); it needs ``api_keys``. ``tool_call_parser``: the format tool
     calls are parsed in (router/openai/tool_parsers.py FORMATS; default: detected from the chat template)."""
-    from router.http.admin import admin_router
+    from router.http.admin import access_checks, admin_router
+    from router.http.lora_admin import lora_router
 
     if salt_by_api_key and not api_keys:
         raise ValueError("salt_by_api_key needs api_keys: without keys there are no tenants to tell apart")
@@ -89,8 +90,9 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     app.include_router(v1)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
+    app.include_router(lora_router(backend, access_checks(api_keys, admin_key, bind_host)[1]))
     install_error_handlers(app)
-    document(app, [*server.model_names, *server.lora_names])
+    document(app, [*server.model_names, *backend.lora_adapters()])
     return app
 
 
@@ -103,8 +105,7 @@ class _OpenAIServer:
         self.salt_by_api_key = salt_by_api_key
         self.metrics = metrics
         self.model_names = list(served_model_names or [backend.card.model_id])
-        self.lora_names = list(backend.card.lora_adapters)  # their parent: the first served name
-        self._accepted_names = {backend.card.model_id, *self.model_names, *self.lora_names}
+        self._accepted_names = {backend.card.model_id, *self.model_names}
         self.tool_call_parser = tool_call_parser
         if tool_call_parser is not None:
             ChatFormat.check_parser(tool_call_parser)
@@ -144,6 +145,11 @@ class _OpenAIServer:
     async def responses(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest, self.max_request_bytes)
         return await serve_response(self, request, body)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served now (loaded and unloaded at run time); their parent: the first served name."""
+        return self.backend.lora_adapters()
 
     async def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_entry(name) for name in (*self.model_names, *self.lora_names)]}
@@ -205,7 +211,7 @@ class _OpenAIServer:
         return tenant_salt(bearer_token(request.headers.get("authorization", "")) or "")
 
     def check_model(self, name: str) -> None:
-        if name not in self._accepted_names:
+        if name not in self._accepted_names and name not in self.lora_names:
             raise ApiError(404, f"The model '{name}' does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.model_names)}", param="model", code="model_not_found")
 

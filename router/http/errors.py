@@ -1,7 +1,7 @@
 """The HTTP front door's requests and errors: body parsing and limits, API keys, OpenAI error bodies.
 
 Errors are always OpenAI bodies ``{"error": {message, type, param, code}}``: bad JSON, bad UTF-8, bad
-types and values are 400 (FastAPI's 422 included), an unknown model 404, a missing or wrong key 401,
+types and values are 400 (FastAPI's 422 included), an unknown model or LoRA adapter 404, a missing or wrong key 401,
 overload 429 with Retry-After, queue timeout 408, deadline 504, no workers 503 (router/admission.py's
 table); only a genuine fault is a 500, and it is logged. The server keeps the connection after a 500.
 """
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, LoraAdapterError, LoraAdapterNotFoundError
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.openai.base import BadRequest, error_body
 from router.openai.protocol import GenerationRequest
@@ -127,6 +127,10 @@ def _as_api_error(exc: Exception) -> Exception:
         return ApiError(503, str(exc), "server_error", code="no_workers")
     if isinstance(exc, ClientTooSlow):
         return ApiError(408, str(exc), "timeout_error", code="client_too_slow")
+    if isinstance(exc, LoraAdapterNotFoundError):  # vLLM's NotFoundError (an adapter unloaded, or never there)
+        return ApiError(404, str(exc), "NotFoundError", code="lora_adapter_not_found")
+    if isinstance(exc, LoraAdapterError):
+        return ApiError(400, str(exc), "BadRequestError", code="lora_adapter_error")
     return exc
 
 

@@ -53,9 +53,19 @@ def _null_means_default(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+_NAME = {"type": "string", "minLength": 1}
+_LORA_BODIES = {
+    "/v1/load_lora_adapter": {"type": "object", "additionalProperties": False, "required": ["lora_name", "lora_path"],
+                              "properties": {"lora_name": _NAME, "lora_path": _NAME, "pinned": {"type": "boolean"}}},
+    "/v1/unload_lora_adapter": {"type": "object", "additionalProperties": False, "required": ["lora_name"],
+                                "properties": {"lora_name": _NAME}},
+}
+
+
 def document(app: FastAPI, model_names: list[str]) -> None:
     """Replace ``app.openapi`` with one that publishes request bodies and error responses. ``model_names``:
-    the names this server answers to (valid requests name one; anything else is a 404)."""
+    the names this server answers to at start (valid requests name one; anything else is a 404); LoRA adapters
+    loaded later are not in the document (GET /v1/models lists what is served now)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -86,6 +96,12 @@ def document(app: FastAPI, model_names: list[str]) -> None:
             pools["requestBody"] = {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "additionalProperties": False, "minProperties": 1,
                 "properties": {"target": {"type": "integer", "minimum": 0}, "pin": {"type": "boolean"}}}}}}
+        for path, body in _LORA_BODIES.items():  # router/http/lora_admin.py: vLLM's bodies, a text answer
+            operation = schema["paths"].get(path, {}).get("post")
+            if operation is not None:
+                operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+                operation["responses"] = {"200": {"description": "Success: ...", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}}
         if "/metrics" in schema["paths"]:
             schema["paths"]["/metrics"]["get"]["responses"]["200"] = {
                 "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}

@@ -6,4 +6,5 @@ Pieces (each module's docstring is its design note):
 - tiers.py        KV tier and pool families
 - weights.py      duet_weight_bytes: each worker's resident weights by layer kind and format
 - cache_config.py vllm:cache_config_info: each worker's KV cache configuration (KV dtype, blocks) as labels
+- lora.py         vllm:lora_requests_info and the LoRA slot figures, per worker
 """

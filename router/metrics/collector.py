@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
 from router.metrics.cache_config import cache_config_family
+from router.metrics.lora import lora_families
 from router.metrics.speculative import spec_families
 from router.metrics.tiers import tier_families
 from router.metrics.weights import weight_family
@@ -71,6 +72,10 @@ class RouterMetrics:
         self.routing = Counter("duet_routing_decisions", "Routing decisions by role, policy and outcome "
                                "(disaggregated, local_prefill, placed_again, no_workers).",
                                ("role", "policy", "outcome"), registry=r)
+        self.lora_placements = Counter("duet_lora_placements", "Requests for a LoRA adapter placed in a pool, by role "
+                                       "and outcome: ready (routed among the workers whose slots can run the adapter "
+                                       "now), all_busy (no worker could: routed among all, it waits for a slot).",
+                                       ("role", "outcome"), registry=r)
         self.migrations = Counter("duet_migrations", "Requests continued on another worker after theirs died "
                                   "mid-stream, by the role of the worker that died.", ("role",), registry=r)
         self.ttft_parts = Histogram("duet_ttft_part_seconds", "Time to first token split into its parts: the "
@@ -266,6 +271,7 @@ class ClusterCollector:
         yield cache_config_family(live, self._labels, WORKER_LABELS)
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         yield from spec_families(live, self._labels, WORKER_LABELS)
+        yield from lora_families(live, self._labels, WORKER_LABELS)
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))
         for (role, state), n in sorted(self.workers.counts().items()):
             pools.add_metric((role.value, state.value), n)

@@ -8,4 +8,5 @@ Pieces (each module's docstring is its design note):
 - feed.py        IndexFeed: the KV-event batches into the index and the load tracker (seq rules)
 - redis_feed.py  RedisEventSource: a router's reader of the shared KV-event stream, snapshots
 - demand.py      DecodeDemand: what placed requests ask of the decode pool (the autoscaler reads it)
+- lora_slots.py  placement of a LoRA adapter's request by the workers' slot budgets
 """

@@ -56,6 +56,17 @@ class WorkerClient(ABC):
     @abstractmethod
     async def release(self, request_id: str) -> None: ...
 
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        """Load a LoRA adapter (router/lora_adapters.py gives every worker the same set); returns its digest."""
+        raise ConfigError(f"worker {self.worker_id} cannot load LoRA adapters")
+
+    async def unload_lora(self, name: str) -> None:
+        raise ConfigError(f"worker {self.worker_id} cannot unload LoRA adapters")
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the worker holds: name -> digest."""
+        return {}
+
     @abstractmethod
     async def alive(self) -> bool:
         """True if the worker answers and its engine runs; False, or an exception, if not (callers bound it

@@ -115,10 +115,12 @@ def test_lora_flags_reach_the_engine_config():
 
     parse = build_parser().parse_args
     config = serve_config_from_args(parse(["serve", "--model", "m", "--lora-modules", "a=/x/a", "b=/x/b",
-                                           "--max-loras", "4", "--max-lora-rank", "32", "--lora-dtype", "bfloat16"]))
+                                           "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "9",
+                                           "--pinned-loras", "b", "--lora-dtype", "bfloat16"]))
     engine = config.engine
-    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank, engine.lora_dtype) == (
-        (("a", "/x/a"), ("b", "/x/b")), 4, 32, "bfloat16")
+    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank) == ((("a", "/x/a"), ("b", "/x/b")), 4, 32)
+    assert (engine.max_cpu_loras, engine.pinned_loras, engine.lora_slots, engine.lora_cpu_slots) == (9, ("b",), 4, 9)
+    assert engine.lora_dtype == "bfloat16"
     plain = serve_config_from_args(parse(["serve", "--model", "m"])).engine
     assert plain.lora_modules is None and plain.lora_dtype == "auto"
     with pytest.raises(SystemExit):

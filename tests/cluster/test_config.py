@@ -41,8 +41,8 @@ def test_health_misses_is_a_whole_number_of_probes(misses):
 
 
 def test_a_pool_may_store_its_own_kv_dtype_when_the_pull_converts_it():
-    """Mixed precision: a prefill pool at the model dtype, a quantized decode pool (its pull converts); each worker
-    gets its pool's dtype, the router hashes each pool in its own namespace, and flips between such pools are off
+    """Mixed precision: a prefill pool at the model dtype, a quantized decode pool, or the other way round (the decode
+    pool's pull converts); each worker gets its pool's dtype, the router hashes each pool in its own namespace, and flips between such pools are off
     (a worker would keep its cache's dtype: a reload), logged as the flip blockers' reason."""
     from cluster.cli import build_parser, serve_config_from_args
     from cluster.flip import flip_blockers
@@ -57,10 +57,16 @@ def test_a_pool_may_store_its_own_kv_dtype_when_the_pull_converts_it():
     assert "kv_cache_dtype 'auto' != 'int8'" in flip_blockers(config)[0]
     args = build_parser().parse_args(["serve", "--model", "m", "--decode-kv-cache-dtype", "fp8_e4m3"])
     assert serve_config_from_args(args).decode.kv_cache_dtype == "fp8_e4m3"
-    with pytest.raises(ConfigError, match="prefill.kv_cache_dtype 'int8' and decode.kv_cache_dtype 'auto': pools of "
-                                          "two KV dtypes need the prefill pool at the model dtype"):
-        ClusterConfig.from_dict({"model": "m", "engine": {"kv_cache_dtype": "int8"}, "decode": {"kv_cache_dtype": "auto"}})
-    with pytest.raises(ConfigError, match="'int8' and decode.kv_cache_dtype 'fp8_e4m3'"):
+    # the other way round: a quantized prefill pool, a decode pool at the model dtype (its pull dequantizes)
+    reverse = ClusterConfig.from_dict({"model": "m", "engine": {"kv_cache_dtype": "int8"},
+                                       "decode": {"kv_cache_dtype": "auto"}})
+    assert [worker_engine_config(reverse, p).kv_cache_dtype for p in (reverse.prefill, reverse.decode)] == ["int8",
+                                                                                                           "auto"]
+    args = build_parser().parse_args(["serve", "--model", "m", "--kv-cache-dtype", "int8", "--decode-kv-cache-dtype",
+                                      "auto"])
+    assert serve_config_from_args(args).decode.kv_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match="prefill.kv_cache_dtype 'int8' and decode.kv_cache_dtype 'fp8_e4m3': pools "
+                                          "of two KV dtypes need one of them at the model dtype"):
         ClusterConfig.from_dict({"model": "m", "prefill": {"kv_cache_dtype": "int8"},
                                  "decode": {"kv_cache_dtype": "fp8_e4m3"}})
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):

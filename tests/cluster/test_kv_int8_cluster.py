@@ -3,7 +3,9 @@
 one byte range, so the disaggregated output equals a colocated int8 engine's (without speculation) token for token,
 with cold caches and with warm ones (the decode worker's own int8 prefix hits), drafts verified and rolled back over
 the int8 cache (requests one at a time, so the cost model verifies some), and the router hashes in the workers' int8
-namespace. Then mixed precision: an fp32 prefill pool feeding an int8 decode pool (converted on the pull). The rest
+namespace. Then mixed precision: an fp32 prefill pool feeding an int8 decode pool (converted on the pull), equal to a
+colocated int8 engine for one-chunk prompts, and the other way round (an int8 prefill pool, an fp32 decode pool that
+dequantizes what it pulls). The rest
 of the int8 matrix (tiers, peer reads, migration, tensor parallelism): tests/cluster/test_kv_int8_matrix.py."""
 from __future__ import annotations
 
@@ -73,26 +75,33 @@ def test_mixed_precision_fp32_prefill_int8_decode(mixed_disagg, loop_thread, tin
     """The prefill pool keeps fp32 KV (auto), the decode pool int8: the decode worker reads P's fp32 blocks over NIXL
     into staging and quantizes them with its own store kernel (kvtransfer/convert_reader.py).
 
-    Compared: each output equals the same two engine configs run in process (tests/engine/test_engine_handoff.py's
-    ``run_disagg``, P fp32 -> D's store -> D int8 decode), token for token, cold and warm (D's int8 prefix hits). The
-    first token is the prefill worker's, so it equals a colocated fp32 engine's. Not compared with a colocated int8 run
-    token for token: there the prompt's layers >= 1 attend over int8 KV while they are computed, here over fp32 KV, so
-    D's blocks differ from the int8 engine's beyond layer 0 (tests/engine/test_kv_cache_dtype.py asserts both) and a
-    later greedy token can flip where two logits are near-equal (on this random tiny model, 3 of 21 requests of
-    prompts_for(11..13) differ from colocated int8, at their 5th-13th token). Bytes on the wire: the fp32 blocks."""
+    Compared, token for token: each output equals a colocated int8 engine's (tests/cluster/test_kv_int8_matrix.py's
+    ``int8_engine``, cold), and the same two engine configs run in process (tests/engine/test_engine_handoff.py's
+    ``run_disagg``, P fp32 -> D's store -> D int8 decode), cold and warm (P's fp32 prefix hits, D's int8 ones). Why
+    the colocated int8 run is equal: its prefill attends to each prompt's K/V as computed (fresh K/V,
+    engine/models/attention.py), as P does over its fp32 cache, so its first token is P's (a colocated fp32 engine's)
+    and the blocks it stores are the ones D's store makes of P's. That holds for prompts prefilled in one chunk
+    without a prefix hit on the int8 side, as here (7 random prompts of 1-130 tokens, one step's budget of 2,048). A
+    prompt in several chunks, or after a prefix hit, is another matter: a colocated int8 engine's later chunk reads the
+    earlier ones as stored (int8), P's reads fp32 rows, so the two may differ there (tests/engine/test_kv_cache_dtype.py
+    shows the logits differ), while this cluster's output stays the in-process pair's. Bytes on the wire: the fp32
+    blocks."""
+    from tests.cluster.test_kv_int8_matrix import int8_engine
     from tests.engine.test_kv_cache_dtype import convert_blocks
 
     prompts = prompts_for(11)
     params = [params_for(i) for i in range(len(prompts))]
     model = str(tiny_model())
     fp32 = [r["token_ids"] for r in Engine(EngineConfig(model=model, num_blocks=256)).generate(prompts, params)]
+    int8 = [r["token_ids"] for r in int8_engine(model).generate(prompts, params)]
     want = run_disagg(Engine(EngineConfig(model=model, num_blocks=256)),
                       Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype="int8")), prompts, params,
                       copy=convert_blocks)
+    assert want == int8
     backend = mixed_disagg.backend
     assert backend.hasher.namespace == kv_namespace("", "int8") and backend.prefill_hasher.namespace == ""
     cold = run_all(loop_thread, backend, "cold", prompts, params)
-    assert [g["token_ids"] for g in cold] == want
+    assert [g["token_ids"] for g in cold] == want == int8
     assert [g["token_ids"][0] for g in cold] == [t[0] for t in fp32]
     s = stats(loop_thread, mixed_disagg)
     fp32_block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x K,V x tokens x KV heads x head_dim x 4 B
@@ -102,7 +111,7 @@ def test_mixed_precision_fp32_prefill_int8_decode(mixed_disagg, loop_thread, tin
         assert wait_for(lambda: all(backend.index.match(hasher(ids)).get(worker, NO_MATCH).total == len(ids) // 16
                                     for ids in prompts))
     warm = run_all(loop_thread, backend, "warm", prompts, params)
-    assert [g["token_ids"] for g in warm] == want
+    assert [g["token_ids"] for g in warm] == want == int8
     assert stats(loop_thread, mixed_disagg)["decode-0"]["num_remote_prefix_hit_blocks"] > 0
     # /metrics names each pool's KV dtype (vLLM's info gauge), once the router polled the workers' stats
     from prometheus_client.parser import text_string_to_metric_families
@@ -112,3 +121,43 @@ def test_mixed_precision_fp32_prefill_int8_decode(mixed_disagg, loop_thread, tin
         family = families.get("vllm:cache_config_info")
         return {s.labels["worker"]: s.labels["cache_dtype"] for s in family.samples if s.value == 1} if family else {}
     assert wait_for(lambda: cache_dtypes() == {"prefill-0": "auto", "decode-0": "int8"}), cache_dtypes()
+
+
+@pytest.fixture(scope="module")
+def reverse_disagg(cluster_factory):
+    return cluster_factory(**{"router.local_prefill_max_tokens": 0, "engine.kv_cache_dtype": "int8",
+                              "decode.kv_cache_dtype": "auto"})
+
+
+def test_mixed_precision_int8_prefill_fp32_decode(reverse_disagg, loop_thread, tiny_model):
+    """The other direction: the prefill pool stores int8 (its prefix cache holds ~3x the tokens), the decode pool
+    keeps fp32 and dequantizes the int8 pages it pulls (each value times its scale: what P's attention read). Int8
+    pages on the wire. Each output equals the same two engine configs run in process (P int8 -> D's dequantization ->
+    D fp32 decode), cold and warm (P's own int8 prefix hits, D's fp32 ones); the first token is a colocated int8
+    engine's. Later tokens are neither engine's colocated: the prompt's K/V are int8's, the generated ones fp32."""
+    from tests.engine.test_kv_cache_dtype import convert_blocks
+
+    prompts = prompts_for(12)
+    params = [params_for(i) for i in range(len(prompts))]
+    model = str(tiny_model())
+    int8 = [r["token_ids"] for r in Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype="int8"))
+            .generate(prompts, params)]
+    P, D = (Engine(EngineConfig(model=model, num_blocks=256, kv_cache_dtype=kv)) for kv in ("int8", "auto"))
+    want_cold = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    want_warm = run_disagg(P, D, prompts, params, copy=convert_blocks)
+    backend = reverse_disagg.backend
+    assert backend.hasher.namespace == "" and backend.prefill_hasher.namespace == kv_namespace("", "int8")
+    cold = run_all(loop_thread, backend, "cold", prompts, params)
+    assert [g["token_ids"] for g in cold] == want_cold
+    assert [g["token_ids"][0] for g in cold] == [t[0] for t in int8]
+    s = stats(loop_thread, reverse_disagg)
+    int8_block_bytes = 2 * 2 * 16 * 2 * (16 + 4)  # layers x K,V x tokens x KV heads x (16 int8 + an fp32 scale)
+    assert s["decode-0"]["transfers_ok"] == len(prompts)
+    assert s["decode-0"]["transfer_bytes"] == sum(-(-len(p) // 16) for p in prompts) * int8_block_bytes
+    assert s["decode-0"]["kv_cache"]["cache_dtype"] == "auto" and s["prefill-0"]["kv_cache"]["cache_dtype"] == "int8"
+    for worker, hasher in (("decode-0", backend.hasher), ("prefill-0", backend.prefill_hasher)):
+        assert wait_for(lambda: all(backend.index.match(hasher(ids)).get(worker, NO_MATCH).total == len(ids) // 16
+                                    for ids in prompts))
+    warm = run_all(loop_thread, backend, "warm", prompts, params)
+    assert [g["token_ids"] for g in warm] == want_warm
+    assert stats(loop_thread, reverse_disagg)["decode-0"]["num_remote_prefix_hit_blocks"] > 0

@@ -6,12 +6,14 @@ token. Where each path is checked:
   mixed precision (P fp32 -> D int8)                          tests/cluster/test_kv_int8_cluster.py
   host and disk tier loads, peer reads over NIXL (the cluster KV pool), migration (a decode worker killed
   mid-stream), tensor parallelism 3:1 (a 3-rank prefill worker -> a 1-rank decode worker: each head staged with
-  its scales, kvtransfer/split_reader.py)                     here
+  its scales, kvtransfer/split_reader.py), role flips (a worker keeps its int8 cache; a flip into fp32 KV is
+  refused, both dtypes named)                                here
   the same paths inside one process (block copies, tiers, rollback)   tests/engine/test_kv_cache_dtype.py
 
 One cluster serves the tiers, the peers and the migration (2 prefill workers with 24-block device caches over host
 and disk tiers, round robin, so later requests find their prefixes on a lower tier or on the other prefill worker;
-2 decode workers, one of which is killed last); the 3:1 split needs a model of 3 KV heads and a cluster of its own.
+2 decode workers, one of which is killed last); the 3:1 split needs a model of 3 KV heads and a cluster of its own, and
+so do the flips (2 prefill + 1 decode workers, moved to 1 + 2 and back).
 """
 from __future__ import annotations
 
@@ -116,4 +118,54 @@ def test_int8_blocks_cross_a_three_way_split(cluster_factory, loop_thread, tiny_
     rank_block_bytes = 2 * 2 * 16 * 1 * (16 + 4)  # layers x K,V x tokens x one KV head x (16 int8 + an fp32 scale)
     assert s["transfers_ok"] == len(prompts) and s["num_remote_recomputes"] == 0
     assert s["transfer_bytes"] == sum(-(-len(p) // 16) for p in prompts) * 3 * rank_block_bytes
+    loop_thread.run(cluster.stop())
+
+
+def test_int8_workers_flip_roles_and_keep_their_kv_dtype(cluster_factory, loop_thread, tiny_model):
+    """Role flips (cluster/flip.py) between int8 pools: a prefill worker becomes a decode worker in place and back,
+    keeping its engine and so its int8 cache (its stats and its KVCompat say int8), and serves in its new role the
+    tokens of a colocated int8 engine. A flip into a pool of another KV dtype is refused by the worker, both dtypes
+    named (``reload_reason``); the cluster config does not plan such flips at all (``flip_blockers``,
+    tests/cluster/test_config.py)."""
+    import dataclasses
+
+    from ray.exceptions import RayTaskError
+
+    from prefill_worker.base import FlipRefusedError
+    from router.routing.policy import Role
+    from tests.cluster.test_operating import all_blocks_free, on_loop
+    from tests.cluster.test_role_flip import PARAMS, PROMPTS, client, flipped_to, serve_through, settled
+
+    cluster = cluster_factory(**INT8, **{"prefill.num_workers": 2, "router.local_prefill_max_tokens": 0})
+    pools = cluster.pools
+    assert pools.flip_blockers == []
+    want = [r["token_ids"] for r in int8_engine(tiny_model()).generate(PROMPTS, PARAMS)]
+    on_loop(loop_thread, pools.set_target, Role.PREFILL, 1)
+    on_loop(loop_thread, pools.set_target, Role.DECODE, 2)
+    assert wait_for(lambda: settled(cluster, 1, 2), timeout_s=90), pools.autoscaler_view()
+    old, new = flipped_to(cluster, Role.DECODE)
+    assert old.startswith("prefill") and new == "decode-1"
+    (prefiller,) = [r.worker_id for r in cluster.registry.ready(Role.PREFILL)]
+    assert serve_through(loop_thread, client(cluster, prefiller), client(cluster, new), "int8-flipped") == want
+    s = stats(loop_thread, cluster)
+    assert s[new]["kv_cache"]["cache_dtype"] == "int8" and s[new]["transfers_ok"] == len(PROMPTS)
+    options, engine_config = cluster.pools._spawn.worker_args(Role.PREFILL, "prefill-x")
+    assert engine_config.kv_cache_dtype == "int8"
+    handle = cluster.registry.get(new).client.handle
+    async def flip_to_fp32_kv():  # the other pool's config, with fp32 KV: the worker refuses
+        return await handle.flip_role.remote(options, dataclasses.replace(engine_config, kv_cache_dtype="auto"))
+
+    with pytest.raises(RayTaskError) as refused:
+        loop_thread.run(flip_to_fp32_kv())
+    assert isinstance(refused.value.cause, FlipRefusedError)
+    assert "kv_cache_dtype 'int8' != 'auto'" in str(refused.value.cause)
+    on_loop(loop_thread, pools.set_target, Role.DECODE, 1)  # and back: a decode worker becomes a prefill worker
+    on_loop(loop_thread, pools.set_target, Role.PREFILL, 2)
+    assert wait_for(lambda: settled(cluster, 2, 1), timeout_s=90), pools.autoscaler_view()
+    back_old, back_new = flipped_to(cluster, Role.PREFILL)
+    (decoder,) = [r.worker_id for r in cluster.registry.ready(Role.DECODE)]
+    assert serve_through(loop_thread, client(cluster, back_new), client(cluster, decoder), "int8-back") == want
+    assert stats(loop_thread, cluster)[back_new]["kv_cache"]["cache_dtype"] == "int8"
+    assert (pools.counters["flipped"], pools.counters["flip_failures"], pools.counters["flip_fallbacks"]) == (2, 0, 0)
+    assert wait_for(lambda: all_blocks_free(loop_thread, cluster), timeout_s=20)
     loop_thread.run(cluster.stop())

@@ -119,15 +119,18 @@ def test_a_recording_replays_its_calls_on_new_values():
 
 
 def test_a_bucket_past_the_gemv_rows_runs_eagerly_and_the_smaller_ones_replay(packed_file):
-    """From its format's rows (kernels/cpu_quant.py ``gemm_rows``: 24 for the 32-weight blocks, 64 for Q4_K; the
-    group kernels' GEMM_ROWS) a packed linear dequantizes tiles for torch's GEMM: not recordable. That bucket and the
+    """From its format's rows (kernels/cpu_quant.py ``gemm_rows``: 24 for the 32-weight blocks, 40 where their digit
+    planes run (VNNI), 64 for Q4_K; the group kernels' GEMM_ROWS) a packed linear dequantizes tiles for torch's GEMM: not recordable. That bucket and the
     larger ones run eagerly (said, counted); the smaller ones still replay."""
     from kernels import cpu_quant, cpu_quant_group
 
     fmts = {lin.quant.fmt for lin in engine(packed_file, 0).runner.model._linears() if lin.quant is not None}
     limit = min(cpu_quant_group.GEMM_ROWS if f in cpu_quant.GROUP_FORMAT_NAMES else cpu_quant.gemm_rows(f, "fp32")
                 for f in fmts)
-    assert limit == (64 if fmts == {"Q4_K"} else 24), fmts
+    from kernels.cpu_quant_isa import PLANES_LEVEL, isa_level
+
+    blocks32 = cpu_quant.GEMM_ROWS_PLANES if isa_level(None) >= PLANES_LEVEL else cpu_quant.GEMM_ROWS_FP32
+    assert limit == (64 if fmts == {"Q4_K"} else blocks32 if fmts == {"Q4_1"} else 24), fmts
     e = engine(packed_file, limit + 8, max_num_seqs=limit + 8)
     assert e.capture_decode_graphs() == len(e.runner.decode_graphs.sizes)
     graphs = e.runner.decode_graphs.graphs

@@ -10,10 +10,14 @@ each softmax weight moves by a factor within e^{±2Δ}, so every output element 
 ``|Σ p v - Σ p̂ v̂| <= (e^{2Δ} - 1) · max|v| + max|v - v̂|``. Δ is computed from the reference dequantization of the
 stored keys (itself checked against the per-element bound), so a kernel that reads a wrong scale, row or head
 fails it; 1e-5 is added for fp32 sums in another order.
+
+``fresh_case``: a prefill whose new tokens' K/V are also given as computed (fresh K/V), as strided views of one fused
+q|k|v buffer beside q.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -101,3 +105,38 @@ def check_within_bound(out: torch.Tensor, q: torch.Tensor, exact: torch.Tensor, 
                 assert err <= bound, f"sequence {s} token {i} head {h}: error {err} over the bound {bound}"
                 worst = max(worst, err / bound)
     return worst
+
+
+class FreshCase(NamedTuple):
+    """Prefill over a cache whose new tokens are also given as computed (fresh K/V, kernels/prefill_attention.py)."""
+
+    q: torch.Tensor  # [num_q_tokens, q_heads, head_dim]: a strided view of one fused q|k|v buffer
+    fresh_key: torch.Tensor  # [num_q_tokens, kv_heads, head_dim]: the new tokens' K (the same buffer)
+    fresh_value: torch.Tensor
+    cu: torch.Tensor  # [num_seqs + 1] int32
+    lens: torch.Tensor  # [num_seqs] int32
+    tables: torch.Tensor
+    dense: kv_quant.LayerKV  # every token's K/V as computed
+    quant: kv_quant.LayerKV  # every token's K/V stored (quantized), the new ones too (the store runs first)
+
+    def kernel_args(self, layer: kv_quant.LayerKV) -> tuple:
+        return (self.q, layer.key, layer.value, self.tables, self.cu, self.lens)
+
+
+def fresh_case(dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, block_size: int,
+               shapes: list[tuple[int, int]], seed: int) -> FreshCase:
+    """Sequences of (new tokens, context incl. them) in both caches (``paged_case``), and the new tokens' K/V rows
+    beside q in one fused buffer, as the model's q|k|v projection gives them."""
+    q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
+    gen, tables, dense, quant = paged_case(dtype, head_dim, kv_heads, block_size, seq_lens, seed)
+    new_k, new_v = (torch.cat([r[n - ql:] for r, ql, n in zip(rs, q_lens, seq_lens)]) for rs in zip(
+        *(rows(dense, tables[s], n) for s, n in enumerate(seq_lens))))
+    num_tokens, width = sum(q_lens), (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen)
+    q = qkv[:, :q_heads * head_dim].reshape(num_tokens, q_heads, head_dim)
+    fresh_key = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].reshape(num_tokens, kv_heads, head_dim)
+    fresh_value = qkv[:, (q_heads + kv_heads) * head_dim:].reshape(num_tokens, kv_heads, head_dim)
+    fresh_key.copy_(new_k)
+    fresh_value.copy_(new_v)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return FreshCase(q, fresh_key, fresh_value, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, dense, quant)

@@ -161,7 +161,8 @@ def _cases(full: bool):
 
 def _kv_quant_cases(full: bool, paged):
     """The store and both attention kernels over a quantized KV cache (kernels/kv_quant.py's views): each value
-    dtype with 16-bit and fp32 models, the split and single decode paths, a soft cap."""
+    dtype with 16-bit and fp32 models, the split and single decode paths, prefill with and without fresh K/V, a soft
+    cap."""
     from kernels import decode_attention as da
     from kernels import kv_quant
     from kernels import prefill_attention as pa
@@ -187,6 +188,10 @@ def _kv_quant_cases(full: bool, paged):
         cu = torch.tensor([0, 100, 300], dtype=torch.int32)
         yield f"prefill {label}", lambda: pa.prefill_attention(q, layer.key, layer.value, bt, cu, sl, 0.1, 128,
                                                                **layer.scales)
+        new = torch.zeros(300, kv_heads, head_dim, dtype=dtype)  # a prompt chunk's fresh K/V (what the engine runs)
+        yield f"prefill fresh {label}", lambda: pa.prefill_attention(
+            q, layer.key, layer.value, bt, cu, sl, 0.1, 128, **layer.scales, fresh_key=new, fresh_value=new,
+            fresh_seqs=torch.ones(2, dtype=torch.int32))
         k = torch.zeros(5, kv_heads, head_dim, dtype=dtype)
         yield f"store_kv {label}", lambda: sk.store_kv(k, k, layer.key, layer.value, torch.arange(5), **layer.scales)
     q, _, _, bt, sl = paged(bf16, 128, 16, 8, 2, [700, 1000])

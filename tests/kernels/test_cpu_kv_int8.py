@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_kv_int8, kv_quant
+from kernels import cpu_kv_int8, cpu_native, kv_quant
 from kernels.decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 from kernels.store_kv import store_kv_ref
-from tests.kernels.kv_quant_cases import check_within_bound, paged_case, random_kv
+from tests.kernels.kv_quant_cases import check_within_bound, fresh_case, paged_case, random_kv
 
 HEADS = [(64, 9, 3), (64, 4, 4), (80, 8, 2), (128, 8, 2), (32, 4, 2), (64, 12, 2), (16, 8, 1)]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -152,3 +152,60 @@ def test_kernels_refuse_a_cache_that_is_not_int8_with_its_scales():
     with pytest.raises(ValueError, match="slot_mapping"):
         k = torch.randn(1, 2, 64)
         cpu_kv_int8.store_kv(k, k, quant.key, quant.value, torch.tensor([10 ** 6]), **quant.scales)
+
+
+# (new tokens, context incl. them): prompts without a cached prefix (one past the 64-token chunks and a 256-key tile),
+# continuations of a cached prefix (one crossing a 256-key tile), one new token
+FRESH_SHAPES = [(5, 5), (40, 100), (300, 300), (130, 400), (1, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, *FP8])
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_with_fresh_kv_matches_the_reference_and_an_fp32_cache(dtype, window, two_threads):
+    """Fresh K/V (kernels/prefill_attention.py): a marked sequence's new tokens are read from their rows as computed
+    (strided views of a fused q|k|v buffer), its cached prefix from the 1-byte cache. Against the reference within
+    fp32 reordering; a sequence without a cached prefix gives exactly the fp32 kernel's output over an fp32 cache
+    holding the same rows (the same task loop on the same floats), and so does the reference against its own dense
+    run; an unmarked sequence reads the cache alone, as without fresh K/V."""
+    case = fresh_case(dtype, 64, 9, 3, 16, FRESH_SHAPES, seed=5)
+    marks = torch.tensor([1, 1, 1, 1, 0], dtype=torch.int32)
+    fresh = dict(fresh_key=case.fresh_key, fresh_value=case.fresh_value, fresh_seqs=marks)
+    args, scales = case.kernel_args(case.quant), case.quant.scales
+    out = cpu_kv_int8.prefill_attention(*args, 0.125, window, **scales, **fresh)
+    ref = prefill_attention_ref(*args, 0.125, window, **scales, **fresh)
+    assert_close(out, ref, case.dense.value)
+    fp32 = cpu_native.prefill_attention(*case.kernel_args(case.dense), 0.125, window)
+    fp32_ref = prefill_attention_ref(*case.kernel_args(case.dense), 0.125, window)
+    cu = case.cu.tolist()
+    for s in (0, 2):  # no cached prefix: bit for bit
+        assert torch.equal(out[cu[s]:cu[s + 1]], fp32[cu[s]:cu[s + 1]]), s
+        assert torch.equal(ref[cu[s]:cu[s + 1]], fp32_ref[cu[s]:cu[s + 1]]), s
+    for s in (1, 3):  # a cached prefix read as stored (quantized): not the fp32 cache's output
+        assert not torch.allclose(out[cu[s]:cu[s + 1]], fp32[cu[s]:cu[s + 1]], atol=1e-3), s
+    cache_only = cpu_kv_int8.prefill_attention(*args, 0.125, window, **scales)
+    assert torch.equal(out[cu[4]:], cache_only[cu[4]:])
+    assert not torch.allclose(out[:cu[1]], cache_only[:cu[1]], atol=1e-3)  # marked: not the cache's rows
+
+
+def test_fresh_rows_are_read_instead_of_the_cache(two_threads):
+    """The new tokens' cache rows are not read: with their scales NaN the output is finite and unchanged. Fresh K/V
+    needs both rows and their dtype; fresh_seqs None marks every sequence."""
+    case = fresh_case(torch.int8, 64, 4, 2, 16, [(20, 20), (30, 50)], seed=6)
+    args, fresh = case.kernel_args(case.quant), dict(fresh_key=case.fresh_key, fresh_value=case.fresh_value)
+    want = cpu_kv_int8.prefill_attention(*args, 0.125, **case.quant.scales, **fresh)
+    poisoned = kv_quant.LayerKV(case.quant.key, case.quant.value, case.quant.key_scales.clone(),
+                                case.quant.value_scales.clone())
+    for s, (n, new) in enumerate(((20, 20), (50, 30))):
+        for p in range(n - new, n):
+            block, offset = int(case.tables[s, p // 16]), p % 16
+            poisoned.key_scales[block, offset] = poisoned.value_scales[block, offset] = float("nan")
+    out = cpu_kv_int8.prefill_attention(*args, 0.125, **poisoned.scales, **fresh)
+    assert torch.isfinite(out).all() and torch.equal(out, want)
+    with pytest.raises(ValueError, match="only fresh_key was given"):
+        cpu_kv_int8.prefill_attention(*args, 0.125, **case.quant.scales, fresh_key=case.fresh_key)
+    with pytest.raises(TypeError, match="fresh_value has dtype torch.float16"):
+        cpu_kv_int8.prefill_attention(*args, 0.125, **case.quant.scales, fresh_key=case.fresh_key,
+                                      fresh_value=case.fresh_value.half())
+    with pytest.raises(ValueError, match="fresh_seqs has shape"):
+        cpu_kv_int8.prefill_attention(*args, 0.125, **case.quant.scales, **fresh,
+                                      fresh_seqs=torch.ones(3, dtype=torch.int32))

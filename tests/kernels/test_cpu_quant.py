@@ -118,6 +118,7 @@ def _rel_rms(out, ref):
 @pytest.mark.parametrize("isa", PATHS)
 def test_fp32_kernel_matches_reference(fmt, m, isa, two_threads, monkeypatch):
     monkeypatch.setattr(cpu_quant, "GEMM_ROWS_FP32", 1 << 30)  # the kernel at every M (no tiles + GEMM)
+    monkeypatch.setattr(cpu_quant, "GEMM_ROWS_PLANES", 1 << 30)
     monkeypatch.setattr(cpu_quant, "GEMM_ROWS_FP32_K", {})  # the k-quants' own thresholds too
     called = []
     real = cpu_quant._linear_gemm

@@ -147,8 +147,12 @@ def test_linear_default_takes_both_activations_and_the_tiles(two_threads, monkey
     w = k_weight("Q6_K", 19, 512, seed=5)
     p = cpu_quant.pack(w)
     assert cpu_quant.gemm_rows("Q6_K", "fp32") == cpu_quant.GEMM_ROWS_FP32_K["Q6_K"] > cpu_quant.GEMM_ROWS_FP32
-    assert cpu_quant.gemm_rows("Q4_1", "fp32") == cpu_quant.GEMM_ROWS_FP32
-    assert cpu_quant.gemm_rows("Q6_K", "int8") == cpu_quant.GEMM_ROWS
+    planes = cpu_quant_isa.isa_level(None) >= cpu_quant_isa.PLANES_LEVEL  # the digit-plane kernel's own crossover
+    assert cpu_quant.gemm_rows("Q4_1", "fp32") == (cpu_quant.GEMM_ROWS_PLANES if planes else cpu_quant.GEMM_ROWS_FP32)
+    assert cpu_quant.gemm_rows("Q4_1", "fp32", "avx2") == cpu_quant.GEMM_ROWS_FP32
+    assert cpu_quant.gemm_rows("Q6_K", "int8") == (cpu_quant.GEMM_ROWS_BF16 if cpu_quant.bf16_prefill("int8")
+                                                   else cpu_quant.GEMM_ROWS)
+    assert cpu_quant.gemm_rows("Q6_K", "int8", "avx2") == cpu_quant.GEMM_ROWS  # no bf16 tiles below AVX-512
     x = torch.randn(cpu_quant.gemm_rows("Q6_K", "fp32"), 512)
     assert cpu_quant.ACTIVATIONS == "fp32"
     called = []

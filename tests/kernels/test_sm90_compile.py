@@ -34,7 +34,7 @@ def test_every_kernel_compiles_for_h100_without_spills():
             "lora torch.bfloat16 T=16", "lora torch.bfloat16 T=256"} <= cases
     # a quantized KV cache: the store and both attention kernels for each value dtype
     for kv, dtype in (("int8", "bfloat16"), ("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float16"), ("int8", "float32")):
-        for kernel in ("decode split", "decode single", "prefill", "store_kv"):
+        for kernel in ("decode split", "decode single", "prefill", "prefill fresh", "store_kv"):
             assert any(c.startswith(f"{kernel} {kv} torch.{dtype} ") for c in cases), (kernel, kv, dtype)
     # the quantized store writes torch's bytes: correctly rounded fp32 divisions only (a plain `/` is div.full.f32)
     stores = [r for r in rows if r.get("kernel") == "_store_kv_kernel" and r["case"].split()[1] in ("int8", "fp8_e4m3",

@@ -22,8 +22,9 @@ from kernels import _triton_utils as tu
 from kernels import kv_quant
 from kernels.decode_attention import _paged_decode_attention, paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from kernels.prefill_tiles import configs_for
 from kernels.store_kv import store_kv, store_kv_ref
-from tests.kernels.kv_quant_cases import check_within_bound, paged_case, random_kv
+from tests.kernels.kv_quant_cases import check_within_bound, fresh_case, paged_case, random_kv
 from tests.kernels.paged import DEVICE, TOLERANCES
 
 DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -249,3 +250,35 @@ def test_the_interpreters_own_fp8_cast_is_why_the_store_rounds_first():
         print(f"the interpreter's plain cast to {dtype}: {int(bad.sum())} of 4096 bytes differ from torch's")
         assert float(out[0]) == 4.0 and float(x[0].to(dtype)) == 8.0
         assert int(bad.sum()) > 0
+
+
+# (new tokens, context incl. them): prompts without a cached prefix, continuations (the 40 new ones start mid-tile)
+FRESH_SHAPES = [(5, 5), (40, 100), (33, 33), (1, 9)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("block_size", [16, 8], ids=["tile-in-block", "tile-spans-blocks"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_with_fresh_kv_matches_the_reference_and_a_dense_cache(dtype, block_size, window):
+    """Fresh K/V (kernels/_paged_kv.py): the tile step loads a marked sequence's new positions from their rows as
+    computed, scale 1, and never reads their cache rows (their scales are NaN here). Within fp32 reordering of the
+    reference; for the sequences without a cached prefix, bit for bit the kernel's own output over a dense cache holding
+    the same rows (the same tile config: the same dots on the same floats, products by 1)."""
+    case = fresh_case(dtype, 32, 6, 2, block_size, FRESH_SHAPES, seed=block_size)
+    marks = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    fresh = dict(fresh_key=case.fresh_key, fresh_value=case.fresh_value, fresh_seqs=marks)
+    ref = prefill_attention_ref(*case.kernel_args(case.quant), 0.2, window, **case.quant.scales, **fresh)
+    dq = _poisoned(on_device(case.quant), case.tables, [n - (new if m else 0) for (new, n), m in
+                                                       zip(FRESH_SHAPES, marks.tolist())])
+    dev = [t.to(DEVICE) for t in (case.q, case.tables, case.cu, case.lens)]
+    on = {name: t.to(DEVICE) for name, t in fresh.items()}
+    config = configs_for(case.q.dtype, 32)[0]
+    out = prefill_attention(dev[0], dq.key, dq.value, *dev[1:], 0.2, window, **dq.scales, **on, config=config)
+    assert_close(out, ref, case.dense.value)
+    dd = on_device(case.dense)
+    dense = prefill_attention(dev[0], dd.key, dd.value, *dev[1:], 0.2, window, config=config)
+    cu = case.cu.tolist()
+    for s in (0, 2):
+        assert torch.equal(out[cu[s]:cu[s + 1]], dense[cu[s]:cu[s + 1]]), s
+    dense_fresh = prefill_attention(dev[0], dd.key, dd.value, *dev[1:], 0.2, window, **on, config=config)
+    assert_close(dense_fresh, dense.cpu(), case.dense.value)  # a dense cache's rows are the fresh rows

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer import BLOCK_MAJOR, KVCompat, LeaseTable
+from kvtransfer.layout import PAGE_SCALES
 
 TEST_COMPAT = KVCompat(
     model_id="duet-test/tiny",
@@ -31,10 +32,21 @@ def cache_shape(compat: KVCompat, num_blocks: int) -> tuple[int, ...]:
 
 
 def make_pattern_cache(compat: KVCompat, num_blocks: int, seed: int, device: str = "cpu") -> torch.Tensor:
-    """Deterministic random cache, identical in every process for the same arguments."""
+    """Deterministic random cache, identical in every process for the same arguments; a quantized compat's
+    (``PAGE_SCALES``) holds the same random rows quantized by the reference store (kernels/kv_quant.py's pages)."""
     generator = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, compat.dtype)
-    return torch.randn(cache_shape(compat, num_blocks), generator=generator).to(device=device, dtype=dtype)
+    rows = torch.randn(cache_shape(compat, num_blocks), generator=generator)
+    if compat.scale_layout != PAGE_SCALES:
+        return rows.to(device=device, dtype=getattr(torch, compat.dtype))
+    from kernels import kv_quant
+    from kernels.store_kv import store_kv_ref
+
+    c = compat
+    kv = kv_quant.allocate(num_blocks, c.num_layers, c.block_size, c.num_kv_heads, c.head_dim,
+                           kv_quant.STORAGE[c.dtype], "cpu")
+    layers = kv_quant.layer_views(kv, c.block_size, c.num_kv_heads, c.head_dim)
+    kv_quant.store_blocks(store_kv_ref, layers, rows, range(num_blocks), torch.float32)
+    return kv.to(device)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Converting on the pull (kvtransfer/convert_reader.py), over real NIXL from an owner process holding a bf16 cache:
 an int8 cache reads the owner's blocks through staging, chunk by chunk, and its store quantizes them, so every byte
-equals the store's own for the owner's rows, and the lease is released by the last READ. Only a model-dtype peer
-into a quantized cache converts: every other pairing is refused at the handshake with both layouts named."""
+equals the store's own for the owner's rows, and the lease is released by the last READ; the other way, a model-dtype
+cache reads an int8 owner's pages and dequantizes them. Only a model-dtype peer into a quantized cache, or a quantized
+peer into a model-dtype cache, converts: every other pairing is refused at the handshake with both layouts named."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ from kvtransfer.convert_reader import ConvertReader, check_convertible
 from kvtransfer.layout import PAGE_SCALES
 from kvtransfer.wire import ReleaseNotice
 from prefill_worker.sources import Sources
-from tests.kvtransfer.kv_peer import TEST_COMPAT, make_pattern_cache
+from tests.kvtransfer.kv_peer import TEST_COMPAT, cache_shape, make_pattern_cache
 from tests.kvtransfer.test_kv_nixl_transfer import OWNER_BLOCKS, SEED, start_owner
 
 INT8 = dataclasses.replace(TEST_COMPAT, dtype="int8", scale_layout=PAGE_SCALES)
@@ -26,6 +27,13 @@ INT8 = dataclasses.replace(TEST_COMPAT, dtype="int8", scale_layout=PAGE_SCALES)
 @pytest.fixture(scope="module")
 def owner():
     handle = start_owner("convert-owner")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def int8_owner():
+    handle = start_owner("convert-int8-owner", compat=INT8)
     yield handle
     handle.stop()
 
@@ -70,10 +78,36 @@ def test_a_pull_converts_the_owners_bf16_blocks_into_int8_pages_and_releases_the
     assert ((got - exact).abs() <= views.key_scales[local].unsqueeze(-1) / 2 + 1e-6).all()
 
 
+def test_a_pull_dequantizes_the_owners_int8_blocks_into_a_model_dtype_cache(int8_owner):
+    """The other direction (a quantized prefill pool, a decode pool at the model dtype): the owner's int8 pages on
+    the wire, each value times its scale in our fp32 blocks, exactly (kernels/kv_quant.py ``dequantize_blocks``)."""
+    fp32 = dataclasses.replace(TEST_COMPAT, dtype="float32")
+    kv = torch.zeros(cache_shape(fp32, 12))
+
+    def store(blocks, block_ids):
+        kv[list(block_ids)] = kv_quant.dequantize_blocks(blocks, 4, 2, 32, torch.float32)
+
+    reader = ConvertReader(kv, fp32, INT8, "dequant-puller", store, staging_blocks=3)
+    try:
+        name = reader.add_peer(int8_owner.info, int8_owner.info)
+        remote, local = [17, 3, 4, 5, 30], [11, 0, 1, 2, 5]
+        assert int8_owner.call("lease", ("deq", remote, 30.0)) == "ok"
+        moved = reader.read(name, remote, local, notif=ReleaseNotice("deq", ok=True).encode())
+        assert moved == len(remote) * INT8.elements_per_block == len(remote) * 2 * 2 * 4 * 2 * (32 + 4)  # int8 pages
+        released, _ = int8_owner.wait_released("deq")
+        assert sorted(released) == sorted(remote)
+    finally:
+        reader.close()
+    owner_kv = make_pattern_cache(INT8, OWNER_BLOCKS, SEED)
+    views = kv_quant.layer_views(owner_kv, 4, 2, 32)[1]
+    assert torch.equal(kv[local][:, 1, 1], kv_quant.dequantize_ref(views.value[remote], views.value_scales[remote]))
+    assert torch.equal(kv[local], kv_quant.dequantize_blocks(owner_kv[remote], 4, 2, 32, torch.float32))
+    assert not kv[[i for i in range(12) if i not in local]].any()
+
+
 @pytest.mark.parametrize(("ours", "theirs", "why"), [
-    (TEST_COMPAT, INT8, "their int8 blocks are not of a model dtype"),  # int8 -> bf16: nothing dequantizes
-    (INT8, dataclasses.replace(INT8, dtype="float8_e4m3fn"), "their float8_e4m3fn blocks"),
-    (dataclasses.replace(TEST_COMPAT, dtype="float32"), TEST_COMPAT, "our float32 cache is not quantized"),
+    (INT8, dataclasses.replace(INT8, dtype="float8_e4m3fn"), "both caches are quantized"),
+    (dataclasses.replace(TEST_COMPAT, dtype="float32"), TEST_COMPAT, "both caches are a model dtype"),
     (INT8, dataclasses.replace(TEST_COMPAT, block_size=8), "block_size: 4 != 8"),
     (INT8, dataclasses.replace(TEST_COMPAT, tp_size=2, num_kv_heads=1, total_kv_heads=2), "num_kv_heads: 2 != 1"),
 ])

@@ -350,6 +350,7 @@ function workerCard(w, role) {
           : total ? used + " / " + total + " blocks" : "–") }),
                                  el("span", { text: w.pid ? "pid " + w.pid : "" })]),
     ...lowerTiers(w),
+    ...loraAdapters(w),
     el("div", { class: "row" }, [el("span", { text: w.state === "dead" || w.state === "draining" ? (w.reason || "") : health })]),
   ]);
 }
@@ -374,6 +375,23 @@ function lowerTiers(w) {
       " · host " + fmtNumber(hits.host, 0) + " · disk " + fmtNumber(hits.disk, 0) + " · peer " + fmtNumber(hits.peer, 0) })]));
   }
   return rows;
+}
+// a worker's LoRA adapters (stats.lora): every adapter loaded (host memory), those in a device slot highlighted
+// (running: requests use it now; pinned: never evicted), and its slots in use of max_loras
+function loraAdapters(w) {
+  const l = (w.stats || {}).lora;
+  if (!l) return [];
+  const slots = l.slots || {}, running = new Set(l.running_adapters || []), pinned = new Set(l.pinned || []);
+  const names = (l.loaded || []).map((n) => el("span", {
+    class: "lora-ad" + (n in slots ? " in-slot" : "") + (running.has(n) ? " running" : "") + (pinned.has(n) ? " pinned" : ""),
+    "data-adapter": n, title: n in slots ? "slot " + slots[n] + (running.has(n) ? ", running" : ", idle") +
+      (pinned.has(n) ? ", pinned" : "") : "host memory only", text: n }));
+  return [el("div", { class: "lora", "data-loaded": (l.loaded || []).join(","), "data-slots": Object.keys(slots).join(",") }, [
+    el("span", { class: "tier-name", text: "LoRA" }),
+    el("span", { class: "lora-names" }, names.length ? names : [el("span", { class: "muted", text: "none" })]),
+    el("span", { class: "lora-slots", title: (l.evictions || 0) + " evictions", text: Object.keys(slots).length + "/" +
+      l.max_loras + " slots" }),
+  ])];
 }
 const fmtUptime = (s) => (s < 90 ? s.toFixed(0) + " s" : s < 5400 ? (s / 60).toFixed(0) + " min" : (s / 3600).toFixed(1) + " h");
 

@@ -56,3 +56,14 @@ def test_a_run_of_some_servers_keeps_the_others_rows_of_the_same_plan():
     assert set(merged["runs"]) == set(merged["memory"]) == {"duet 1P+1D", "llama-server", "duet colocated"}
     assert merge_serving(old, part(["duet colocated"], {"output_len": 128}))["runs"] == {"duet colocated": {"1": "duet colocated"}}
     assert merge_serving(None, old) is old
+
+
+def test_int8_activations_get_their_own_ratio_column_and_note():
+    res = _result("S", [50.0], [100.0])
+    e = res["engine"]
+    e["sides"] = ["duet fp32", "duet int8", "llama.cpp"]
+    e["decode"]["duet int8"], e["prefill"]["duet int8"] = [80.0], [300.0]
+    assert "decode 0.50x (int8 0.80x), prefill 2.00x (int8 5.00x)" in ratio_lines({"s": res})[0]
+    table = markdown({"s": res})
+    assert "| prefill, 512 tokens | 120.0 | 300.0 | 60.0 | 2.00x | 5.00x |" in table
+    assert "| best of 2 (tok/s) | duet fp32 | duet int8 | llama.cpp | duet fp32 / llama.cpp | duet int8 / llama.cpp |" in table

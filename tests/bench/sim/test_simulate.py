@@ -283,6 +283,24 @@ def test_sim_mover_finishes_a_job_when_the_clock_passes_bytes_over_bandwidth():
     assert [c.job_id for c in mover.completions()] == [1] and mover.next_completion_s() is None
 
 
+def test_an_int8_host_tier_holds_more_blocks_and_moves_fewer_bytes():
+    """Arm (e): the same host bytes hold 256 / 132 the blocks of a bf16 device cache (GPU scenario: head_dim 128),
+    and each store, load and peer fetch moves the int8 block's bytes."""
+    from bench.sim.scenarios import gpu_scenario
+    from bench.sim.tiers_study import arm_spec, int8_scale
+
+    scale = int8_scale(gpu_scenario())
+    assert scale == pytest.approx(132 / 256)
+    c, e = arm_spec("c", 2048, 0), arm_spec("e", 2048, 0, scale)
+    assert e.peers and e.host_blocks == int(2048 * 256 / 132) and c.lower_bytes_scale == 1.0
+    full, small = SimMover(c, bytes_per_block=1e6), SimMover(e, bytes_per_block=1e6)
+    load = Op("load", 0, (0,), 0, 0)
+    assert small.op_time_s(load) == pytest.approx(full.op_time_s(load) * scale)
+    fetch = Job(0, [Op("fetch", 7, (7,), 2)] * 4)
+    assert small.job_time_s(fetch, "nic") - e.peer_fixed_s == pytest.approx(
+        (full.job_time_s(fetch, "nic") - c.peer_fixed_s) * scale)
+
+
 def _tier_workload(num_prefixes: int = 8, rounds: int = 3) -> list[BenchRequest]:
     """Each prefix (16 blocks) comes back every ``num_prefixes`` requests: too late for a 48-block device
     cache, in time for a host tier."""

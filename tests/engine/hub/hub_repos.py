@@ -8,7 +8,9 @@ Repositories:
 - ``duet-test/tiny-GGUF``: the seed-0 model as Q8_0 and F16 GGUF files (written as llama.cpp writes them) and a
   vision projector;
 - ``duet-test/gated`` (gated), ``duet-test/private`` (private): the seed-0 model behind the token ``hf_good``;
-- ``duet-test/pickles-only``: config, tokenizer and ``pytorch_model.bin``.
+- ``duet-test/pickles-only``: config, tokenizer and ``pytorch_model.bin``;
+- ``duet-test/tiny-lora``: a PEFT LoRA adapter of the seed-0 model written by peft (plus a README and a pickled copy
+  duet must never fetch); ``duet-test/lora-pickle``: only ``adapter_config.json`` and ``adapter_model.bin``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tests.engine.loading.gguf_files import write_gguf
 TOKEN = "hf_good"
 LLAMA, SHARDED, GGUF = "duet-test/tiny-llama", "duet-test/tiny-sharded", "duet-test/tiny-GGUF"
 GATED, PRIVATE, PICKLES = "duet-test/gated", "duet-test/private", "duet-test/pickles-only"
+LORA, LORA_PICKLE = "duet-test/tiny-lora", "duet-test/lora-pickle"
 JUNK = {"pytorch_model.bin": b"\x80pickle" * 100, "README.md": b"# tiny\n", "original/params.json": b"{}"}
 
 
@@ -35,7 +38,15 @@ def hub_models(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def fake_hub(hub_models):
+def hub_lora(hub_models, tmp_path_factory):
+    """A PEFT adapter of the seed-0 model, written by peft."""
+    from tests.engine.lora.peft_saved import save_peft_adapter
+
+    return save_peft_adapter(hub_models[0], tmp_path_factory.mktemp("hub-lora") / "lora", seed=7, std=0.3)
+
+
+@pytest.fixture(scope="session")
+def fake_hub(hub_models, hub_lora):
     old, new, sharded, ggufs = hub_models
     hub = FakeHub()
     hub.old = hub.add_commit(LLAMA, {"": old, **JUNK}, refs=("main", "v1"))
@@ -49,6 +60,9 @@ def fake_hub(hub_models):
     hub.repos[GATED].tokens = hub.repos[PRIVATE].tokens = (TOKEN,)
     hub.add_commit(PICKLES, {"config.json": (old / "config.json"), "tokenizer.json": (old / "tokenizer.json"),
                              "pytorch_model.bin": b"\x80pickle"})
+    hub.lora = hub.add_commit(LORA, {"": hub_lora, "README.md": b"# lora\n", "adapter_model.bin": b"\x80pickle"})
+    hub.add_commit(LORA_PICKLE, {"adapter_config.json": hub_lora / "adapter_config.json",
+                                 "adapter_model.bin": b"\x80pickle"})
     with hub:
         yield hub
 

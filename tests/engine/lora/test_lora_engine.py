@@ -10,9 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ConfigError, InvalidRequestError
-from engine.lora.adapter import LoraAdapterError
-from engine.lora.slots import NoFreeLoraSlot
+from engine.errors import ConfigError, InvalidRequestError, LoraAdapterError, LoraAdapterNotFoundError
 from engine.request import SamplingParams
 from tests.engine.lora.peft_saved import peft_reference, save_peft_adapter
 
@@ -141,8 +139,13 @@ def test_unknown_adapter_and_bad_config_are_refused(setup):
     engine = Engine(EngineConfig(model=str(model), num_blocks=64, lora_modules={"a": str(adapters["every-proj"])}))
     with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'zzz'"):
         engine.add_request(prompt_token_ids=[5, 6], params=SamplingParams(lora="zzz"))
-    with pytest.raises(ConfigError, match="max_loras 1 < 2"):
-        EngineConfig(model=str(model), lora_modules={k: str(v) for k, v in adapters.items()}, max_loras=1)
+    with pytest.raises(ConfigError, match="max_cpu_loras 1 must be >= max_loras 1 and >= the 2 lora_modules"):
+        EngineConfig(model=str(model), lora_modules={k: str(v) for k, v in adapters.items()}, max_loras=1,
+                     max_cpu_loras=1)
+    with pytest.raises(ConfigError, match="pinned_loras \\['zz'\\] are not lora_modules"):
+        EngineConfig(model=str(model), lora_modules={"a": "/x"}, pinned_loras=["zz"])
+    with pytest.raises(ConfigError, match="1 pinned_loras leave no slot of max_loras 1"):
+        EngineConfig(model=str(model), lora_modules={"a": "/x", "b": "/y"}, max_loras=1, pinned_loras=["a"])
     with pytest.raises(Exception, match="rank 8 > max_lora_rank 4"):
         Engine(EngineConfig(model=str(model), num_blocks=64, max_lora_rank=4,
                             lora_modules={"b": str(adapters["qv-rslora"])}))
@@ -157,11 +160,14 @@ def test_load_and_unload_at_run_time(setup):
     engine = Engine(EngineConfig(model=str(model), num_blocks=128, max_loras=1, max_lora_rank=8))
     with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'every-proj'"):
         engine.add_request(prompt_token_ids=prompt, params=SamplingParams(lora="every-proj"))
-    assert engine.load_lora("every-proj", str(adapters["every-proj"])) == 0
+    digest = engine.load_lora("every-proj", str(adapters["every-proj"]))
+    assert digest == engine.runner.lora.digest("every-proj") and engine.runner.lora.slots.slot_of == {"every-proj": 0}
     with pytest.raises(LoraAdapterError, match="already loaded"):
         engine.load_lora("every-proj", str(adapters["every-proj"]))
-    with pytest.raises(NoFreeLoraSlot):
+    with pytest.raises(LoraAdapterError, match="max_cpu_loras: 1 LoRA adapters are loaded"):
         engine.load_lora("qv-rslora", str(adapters["qv-rslora"]))
+    with pytest.raises(LoraAdapterNotFoundError, match="no LoRA adapter directory at /no/such"):
+        engine.load_lora("x", "/no/such")
     engine.add_request(request_id="r", prompt_token_ids=prompt, params=SamplingParams(
         max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora="every-proj"))
     engine.step()
@@ -171,9 +177,12 @@ def test_load_and_unload_at_run_time(setup):
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
     assert len(tokens) == NUM_TOKENS - 1  # the first token came with the step above
-    assert engine.unload_lora("every-proj") == 0
+    engine.unload_lora("every-proj")
+    with pytest.raises(LoraAdapterNotFoundError, match="'every-proj' is not loaded"):
+        engine.unload_lora("every-proj")
     with pytest.raises(LoraAdapterError, match="served with other weights before"):
         engine.load_lora("every-proj", str(adapters["qv-rslora"]))
-    assert engine.load_lora("qv-rslora", str(adapters["qv-rslora"])) == 0  # the freed slot, overwritten
+    engine.load_lora("qv-rslora", str(adapters["qv-rslora"]))
+    assert engine.runner.lora.slots.slot_of == {"qv-rslora": 0}  # the freed slot, overwritten
     assert _run(engine, [prompt], ["qv-rslora"])[0][0] == want["qv-rslora"]
     assert want["qv-rslora"] != want["every-proj"]
