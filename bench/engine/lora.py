@@ -2,23 +2,48 @@
 run.
 
     python -m bench.engine.lora [--tiny] [--batch 16] [--max-tokens 64] [--rank 16] [--adapters 8]
-    make bench-lora [TINY=1]
+                                [--lora-dtype auto|bfloat16|float16] [--lora-ops kernel|torch] [--waves 3] [--profile]
+    make bench-lora [TINY=1] [LORA_DTYPE=bfloat16]
 
 SmolLM2-135M-Instruct as a Hugging Face directory (bench/hf_model.py; ``--tiny``: the tiny random Llama), fp32, on
 the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, every attention and MLP
 projection, random weights; built once under .cache/bench/lora-adapters), ``max_lora_rank`` = ``--rank``. Two fresh
-engines, the same ``--batch``
-random-token prompts of 32 tokens, greedy, ``--max-tokens`` each, after one warm-up wave: the base engine (no LoRA
-slots) with every request on the base model, then an engine holding every adapter with request i on adapter
-i mod ``--adapters``. Reported: each side's output tok/s (output tokens / wall seconds of the measured wave).
-Last line: ``ratio: <LoRA tok/s / base tok/s>``; goal (issue 50): >= 0.9.
+engines, the same ``--batch`` random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the base engine (no
+LoRA slots) with every request on the base model, then an engine holding every adapter with request i on adapter
+i mod ``--adapters``. Each engine runs a warm-up wave, then ``--waves`` measured ones; reported: each side's median
+output tok/s (output tokens / wall seconds of a wave). Last line: ``ratio: <LoRA tok/s / base tok/s>``; goal (issue
+50): >= 0.9. ``--lora-ops torch`` runs the adapters on engine/lora/ops.py's torch forms instead of the kernel
+backend's ``lora_add`` (the path before the kernels); ``--profile`` adds one wave per engine timed by part
+(``profile_parts``).
 
-Measured on the 2-core dev VM (bench lock held, ``make bench-lora``'s defaults: batch 16, 64 tokens, 8 adapters of
-rank 16, max_lora_rank 16), with the torch shrink / expand of engine/lora/ops.py:
-- grouped form only (two GEMMs per adapter per projection): base 260.4, LoRA 145.1 output tok/s, ratio 0.557;
-- masked form for steps of <= 64 tokens (decode), grouped for longer ones: base 239.9, LoRA 166.3, ratio 0.693.
-(With max_lora_rank 64 for rank-16 adapters, the padding cost 4x: ratio 0.389 grouped, 0.407 masked.) Short of the
-0.9 goal: batched C / Triton kernels are still to come.
+Where the time went before the kernels (``python -m bench.engine.lora --profile --lora-ops torch``, 2026-11-28 21:01
+UTC, the 2-vCPU Intel Xeon dev VM, bench lock held, at 4ee8794): base 178.8, LoRA 127.0 output tok/s, ratio 0.710; in
+the profiled wave the decode steps' forwards took 4.91 s (base) and 7.35 s (LoRA), of which the projections 3.21 and
+5.74 s and the adapters' delta (the masked torch form: two GEMMs and a multiply per projection over every slot)
+2.50 s; prefill 0.33 against 0.47 s. So the whole gap was the delta's GEMMs: the masked form computes all 8 slots
+for every token (at decode about 0.55x the base's multiply-adds per layer). Not the lost CPU recordings: an fp32
+model's projections are oneDNN GEMMs, torch operators a recording cannot hold, so the base decodes eagerly too
+("decode recordings off" on both sides; engine/model_runner.py ``_cpu_graph_refusal``). Not the Python per
+projection either: with the kernel swapped for a no-op a wave took the base's time (3.81 s vs 3.85 s, a one-off
+check, 2026-11-28). Recordings matter for
+packed (GGUF / GPTQ) bases, where they stay on with LoRA now (tests/engine/lora/test_lora_recorded.py).
+
+With the C kernel (kernels/cpu/lora.c, SGMV: each adapter's A and B read once per call, only the diagonal blocks of
+a fused B), same machine, 2026-11-28 21:01-21:10 UTC, bench lock held, at 4ee8794, ``python -m bench.engine.lora``
+(what ``make bench-lora`` runs):
+- fp32 slots (``--lora-dtype auto``), four runs: ratio 0.865, 0.793, 0.887, 0.828 (base 193.9-226.5, LoRA
+  167.6-190.4 tok/s); the profiled wave: decode forwards 4.62 s (base) and 5.56 s (LoRA), the delta 0.92 s of it;
+- bf16 slots (``--lora-dtype bfloat16``, the adapters rounded to bf16 once), three runs: 0.898, 0.858, 0.850.
+Short of the 0.9 goal, by a margin the VM's run-to-run noise (base 179-227 tok/s over the same 10 minutes) blurs.
+What is left is bandwidth: a decode step of 16 tokens on 8 adapters reads every adapter's weights once (156 MB fp32,
+78 MB bf16) right after the base's GEMMs have streamed ~425 MB past them, i.e. from memory; between those GEMMs the
+kernel adds 11.7 ms (fp32) / 10.1 ms (bf16) to a 39 ms step of GEMMs (``python -m bench.kernels.lora_cpu``, same
+session): 13 GB/s fp32, but only 8 GB/s in bf16 (not bandwidth-bound there yet), against the 23.6 GB/s plain reads
+of both cores (kernels/cpu_quant_isa.py).
+
+The figures this docstring held before the kernels (the torch forms, one measured wave each): grouped form only
+0.557, masked form for steps of <= 64 tokens 0.693; with max_lora_rank 64 for rank-16 adapters the padding cost 4x
+(0.389 grouped, 0.407 masked), which the kernels still pay (an adapter of rank r < R costs rank R).
 """
 from __future__ import annotations
 
@@ -64,6 +89,8 @@ def measure(model: Path, prompts, loras, lora_modules, args) -> tuple[float, dic
 
     engine = Engine(EngineConfig(model=str(model), max_num_seqs=len(prompts), lora_modules=lora_modules,
                                  max_lora_rank=args.rank, lora_dtype=args.lora_dtype))
+    if args.lora_ops == "torch" and engine.runner.lora is not None:  # the torch forms, as before the kernels
+        engine.runner.lora.pool.kernel = None
 
     def wave() -> float:
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, lora=lo) for lo in loras]
@@ -123,6 +150,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--lora-dtype", default="auto", help="EngineConfig.lora_dtype (auto: the model's, fp32)")
+    ap.add_argument("--lora-ops", choices=("kernel", "torch"), default="kernel",
+                    help="the adapters' delta by the kernel backend's lora_add, or engine/lora/ops.py's torch forms")
     ap.add_argument("--waves", type=int, default=3, help="measured waves per engine (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="one more wave per engine, timed by part")
     args = ap.parse_args()
@@ -139,7 +168,7 @@ def main() -> None:
     base, base_parts = measure(model, prompts, [None] * args.batch, None, args)
     lora, lora_parts = measure(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
     print(f"model {model.name}, batch {args.batch}, {args.max_tokens} tokens each, {len(names)} adapters of rank "
-          f"{args.rank}, lora_dtype {args.lora_dtype}, median of {args.waves} waves")
+          f"{args.rank}, lora_dtype {args.lora_dtype}, LoRA ops {args.lora_ops}, median of {args.waves} waves")
     for name, parts in (("base", base_parts), ("lora", lora_parts)):
         if parts is not None:
             recorded = "on" if parts.pop("decode recordings") else "off"

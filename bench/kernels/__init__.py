@@ -9,4 +9,5 @@ Pieces (each module's docstring is its design note):
 - quant_group_gemv.py  group-quantized GEMVs (GPTQ / AWQ / compressed-tensors: kernels/cpu_quant_group.py) vs GGUF's
 - quant_gemm.py      W4A16 / W8A16 Triton GEMMs (kernels/quant_gemm.py) vs bf16 cuBLAS, and their crossover M
 - fp8_gemm.py        FP8 checkpoints' W8A8 linears (torch._scaled_mm) vs bf16 cuBLAS, Llama-8B shapes (GPU)
+- lora_cpu.py        the CPU LoRA kernel between a decode step's oneDNN GEMMs: what 8 adapters add to the step
 """

@@ -10,13 +10,15 @@
 //
 // The tokens are grouped by slot once per call (a counting sort), so each adapter's A and B are read once per
 // call for all its tokens, never once per token. Work items: (slot, 32 tokens, 16 rows of A) for the shrink,
-// (slot, 32 tokens, shard, 1024 columns) for the expand; OpenMP (dynamic) over each list, the shrink's items all
-// done before the expand's (the barrier between the two loops). The shrink: register tiles of 4 tokens x 4 A rows
-// (AVX-512) / 4 x 2 (AVX2), the next tile's rows prefetched; a tile short of tokens or rows repeats its last one
-// (results dropped). The expand: 4 B rows a pass (4 streams at once), FMAs into out's rows held in L1, then the
-// rows past a multiple of 4 one at a time. So every h[t, j] and out[t, c] is computed by the same instructions in
-// the same order wherever it falls: a token's result depends on its slot and its row of x only, not on the batch
-// around it nor the thread count (a padded, recorded step and the eager one agree to the bit).
+// (slot, 32 tokens, shard, 1024 columns) for the expand; OpenMP over each list, the shrink's items all done before
+// the expand's (the barrier between the two loops). Static schedule: each thread takes a contiguous run of items,
+// one stretch of the slots' weights (``schedule(dynamic, 1)`` measured the same within the 2-vCPU dev VM's noise:
+// python -m bench.kernels.lora_cpu, 2026-11-28). The shrink: register tiles of 4 tokens x 4 A rows (AVX-512) /
+// 4 x 2 (AVX2), the next tile's rows prefetched; a tile short of tokens or rows repeats its last one (results
+// dropped). The expand: 4 B rows a pass (4 streams at once, the next pass's prefetched), FMAs into out's rows held
+// in L1, then the rows past a multiple of 4 one at a time. So every h[t, j] and out[t, c] is computed by the same
+// instructions in the same order wherever it falls: a token's result depends on its slot and its row of x only, not
+// on the batch around it nor the thread count (a padded, recorded step and the eager one agree to the bit).
 //
 // Instruction sets (quant_common.h): every variant compiled into every build with gcc target attributes, the
 // level chosen per call (``isa``: the best this CPU takes unless forced lower): ISA_AVX512 and above run the
@@ -230,9 +232,9 @@ int duet_lora_add_f32(float *out, int64_t out_s, const float *x, int64_t x_s, in
     const int parallel = num_threads > 1 && lora_tokens * (K + N) * R >= 65536;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (int64_t i = 0; i < n_shrink; i++) shrink_fn(&p, &shrink[i]);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (int64_t i = 0; i < n_expand; i++) expand_fn(&p, &expand[i]);
     }
     free(counts), free(order), free(h), free(items);
