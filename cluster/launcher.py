@@ -89,8 +89,7 @@ class Cluster:
         metrics = RouterMetrics(config.model_name, min(i.max_model_len for i in infos))
         backend = _make_backend(config, prefill, decode, infos, metrics)
         for c in clients:  # each loaded the --lora-modules at start: the router records their digests (the same)
-            async with backend.lora.joining(c):
-                pass
+            await backend.lora.join(c)
         for c in clients:
             rec = backend.registry.get(c.worker_id)
             rec.pid, rec.node = c.info.pid, c.info.node

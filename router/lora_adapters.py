@@ -186,6 +186,12 @@ class LoraAdapters:
             self.counters["joins"] += 1
             yield
 
+    async def join(self, target: LoraTarget) -> None:
+        """``joining`` for a worker that is made routable elsewhere (the launcher's start-up set): the served set
+        given, the digests recorded."""
+        async with self.joining(target):
+            return
+
     async def _sync(self, target: LoraTarget) -> None:
         held = await target.lora_adapters()
         for name in sorted(set(held) - set(self.served)):
