@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -58,18 +59,19 @@ ADAPTER_DIR = Path(".cache/bench/lora-adapters")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def ensure_adapters(model: Path, n: int, rank: int) -> dict[str, str]:
+def ensure_adapters(model: Path, n: int, rank: int, targets: tuple[str, ...] = TARGETS) -> dict[str, str]:
     import peft
     import torch
     import transformers
 
     out = {}
+    only = "" if set(targets) == set(TARGETS) else "-" + "+".join(sorted(targets))
     for i in range(n):
-        d = ADAPTER_DIR / f"{model.name}-r{rank}-{i}"
+        d = ADAPTER_DIR / f"{model.name}-r{rank}{only}-{i}"
         if not (d / "adapter_model.safetensors").exists():
             torch.manual_seed(i)
             base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-            pm = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS),
+            pm = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
                                                            init_lora_weights=False))
             with torch.no_grad():
                 for name, p in pm.named_parameters():
@@ -80,32 +82,40 @@ def ensure_adapters(model: Path, n: int, rank: int) -> dict[str, str]:
     return out
 
 
-def measure(model: Path, prompts, loras, lora_modules, args) -> tuple[float, dict[str, float] | None]:
-    """The median output tok/s over ``args.waves`` waves after a warm-up one; with ``args.profile`` also the last
-    wave's seconds by part (``profile_parts``)."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.request import SamplingParams
+class Side:
+    """One engine of the comparison (the base alone, or the one holding the adapters) and its waves."""
 
-    engine = Engine(EngineConfig(model=str(model), max_num_seqs=len(prompts), lora_modules=lora_modules,
-                                 max_lora_rank=args.rank, lora_dtype=args.lora_dtype))
-    if args.lora_ops == "torch" and engine.runner.lora is not None:  # the torch forms, as before the kernels
-        engine.runner.lora.pool.kernel = None
+    def __init__(self, model: Path, prompts, loras, lora_modules, args) -> None:
+        from engine.config import EngineConfig
+        from engine.engine import Engine
 
-    def wave() -> float:
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, lora=lo) for lo in loras]
+        self.engine = Engine(EngineConfig(model=str(model), max_num_seqs=len(prompts), lora_modules=lora_modules,
+                                          max_lora_rank=args.max_lora_rank or args.rank, lora_dtype=args.lora_dtype))
+        self.prompts, self.loras, self.max_tokens = prompts, loras, args.max_tokens
+        self.rates: list[float] = []
+
+    def wave(self) -> float:
+        """Output tok/s of one wave: every prompt, greedy, ``max_tokens`` each."""
+        from engine.request import SamplingParams
+
+        params = [SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True, lora=lo)
+                  for lo in self.loras]
         t0 = time.perf_counter()
-        res = engine.generate(prompts, params)
+        res = self.engine.generate(self.prompts, params)
         return sum(len(r["token_ids"]) for r in res) / (time.perf_counter() - t0)
 
-    wave()  # warm-up
-    rates = sorted(wave() for _ in range(args.waves))
-    parts = None
-    if args.profile:
-        with profile_parts(engine) as parts:
-            wave()
-    engine.close()
-    return rates[len(rates) // 2], parts
+
+def measure(base: Side, lora: Side, waves: int) -> list[float]:
+    """A warm-up wave each, then ``waves`` rounds of one wave each, the order alternating (base first, then LoRA
+    first), so a drift of the machine's speed falls on both sides alike; returns each round's LoRA / base."""
+    base.wave(), lora.wave()
+    ratios = []
+    for i in range(waves):
+        pair = (base, lora) if i % 2 == 0 else (lora, base)
+        for side in pair:
+            side.rates.append(side.wave())
+        ratios.append(lora.rates[-1] / base.rates[-1])
+    return ratios
 
 
 @contextlib.contextmanager
@@ -149,10 +159,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="the pool's (default: --rank)")
+    ap.add_argument("--targets", default=",".join(TARGETS), help="the projections the adapters touch")
     ap.add_argument("--lora-dtype", default="auto", help="EngineConfig.lora_dtype (auto: the model's, fp32)")
-    ap.add_argument("--lora-ops", choices=("kernel", "torch"), default="kernel",
-                    help="the adapters' delta by the kernel backend's lora_add, or engine/lora/ops.py's torch forms")
-    ap.add_argument("--waves", type=int, default=3, help="measured waves per engine (the median is reported)")
+    ap.add_argument("--waves", type=int, default=6, help="measured rounds (a wave per engine each; medians reported)")
     ap.add_argument("--profile", action="store_true", help="one more wave per engine, timed by part")
     args = ap.parse_args()
     if args.tiny:
@@ -161,22 +171,28 @@ def main() -> None:
     else:
         from bench.hf_model import ensure_hf_model
         model = ensure_hf_model()
-    adapters = ensure_adapters(model, args.adapters, args.rank)
+    adapters = ensure_adapters(model, args.adapters, args.rank, tuple(args.targets.split(",")))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(32)] for _ in range(args.batch)]
     names = sorted(adapters)
-    base, base_parts = measure(model, prompts, [None] * args.batch, None, args)
-    lora, lora_parts = measure(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
+    base = Side(model, prompts, [None] * args.batch, None, args)
+    lora = Side(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
+    ratios = measure(base, lora, args.waves)
     print(f"model {model.name}, batch {args.batch}, {args.max_tokens} tokens each, {len(names)} adapters of rank "
-          f"{args.rank}, lora_dtype {args.lora_dtype}, LoRA ops {args.lora_ops}, median of {args.waves} waves")
-    for name, parts in (("base", base_parts), ("lora", lora_parts)):
-        if parts is not None:
+          f"{args.rank} on {args.targets} (max_lora_rank {args.max_lora_rank or args.rank}), lora_dtype {args.lora_dtype}, {args.waves} rounds of a wave each, "
+          "alternating")
+    for name, side in (("base", base), ("lora", lora)):
+        if args.profile:
+            with profile_parts(side.engine) as parts:
+                side.wave()
             recorded = "on" if parts.pop("decode recordings") else "off"
             print(f"{name} profile (s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items()))
                   + f"; decode recordings {recorded}")
-    print(f"base: {base:.1f} output tok/s")
-    print(f"lora: {lora:.1f} output tok/s")
-    print(f"ratio: {lora / base:.3f}")
+        side.engine.close()
+    print("per-round ratios: " + " ".join(f"{r:.3f}" for r in ratios))
+    print(f"base: {statistics.median(base.rates):.1f} output tok/s (median)")
+    print(f"lora: {statistics.median(lora.rates):.1f} output tok/s (median)")
+    print(f"ratio: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

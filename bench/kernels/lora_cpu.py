@@ -37,21 +37,18 @@ def main() -> None:
     projections = []
     for _ in range(30):
         for k, shards in SHAPES:
-            n, s = sum(shards), len(shards)
-            bt = torch.zeros(n_slots, s * r, n)
-            for i, c0 in enumerate(sum(shards[:i]) for i in range(s)):  # block-diagonal, as the pool writes it
-                bt[:, i * r:(i + 1) * r, c0:c0 + shards[i]] = torch.randn(n_slots, r, shards[i]) * 0.02
-            cols = torch.tensor([sum(shards[:i]) for i in range(s + 1)])
-            projections.append((torch.randn(t, k), cpu_native.pack_linear(torch.randn(n, k) * 0.02),
-                                (torch.randn(n_slots, s * r, k) * 0.02).to(dtype), bt.to(dtype), cols))
+            store = cpu_lora.LoraSlots(n_slots, k, list(shards), r, dtype)  # the engine's layout (engine/lora/pool.py)
+            for slot in range(n_slots):
+                store.write(slot, [(torch.randn(r, k) * 0.02, torch.randn(n, r) * 0.02) for n in shards])
+            projections.append((torch.randn(t, k), cpu_native.pack_linear(torch.randn(sum(shards), k) * 0.02), store))
     scaling = torch.full((n_slots,), 2.0)
     slots = torch.arange(t) % n_slots
 
     def step(lora: bool) -> None:
-        for x, w, a, bt, cols in projections:
+        for x, w, store in projections:
             out = cpu_native.linear_packed(x, w)
             if lora:
-                cpu_lora.lora_add(out, x, a, bt, scaling, slots, cols, isa=args.isa)
+                store.add_(out, x, scaling, slots, isa=args.isa)
 
     best = {}
     for lora in (False, True, False, True):
@@ -61,8 +58,7 @@ def main() -> None:
             t0 = time.perf_counter()
             step(lora)
             best[lora] = min(best.get(lora, 1e9), time.perf_counter() - t0)
-    lora_bytes = sum(a.numel() * a.element_size() + r * bt.shape[2] * n_slots * bt.element_size()
-                     for _, _, a, bt, _ in projections)
+    lora_bytes = sum(store.w.numel() * store.w.element_size() for _, _, store in projections)
     print(f"{t} tokens, {n_slots} adapters of rank {r}, weights {args.lora_dtype} ({lora_bytes / 1e6:.0f} MB read "
           f"per step), {args.threads} threads, isa {args.isa or 'default'}")
     print(f"base GEMMs: {best[False] * 1e3:.2f} ms per step; with LoRA: {best[True] * 1e3:.2f} ms; "

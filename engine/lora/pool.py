@@ -1,12 +1,18 @@
 """LoraPool: the adapters' weights on the model's device, ``max_loras`` slots of rank up to ``max_lora_rank`` in
 every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the step's ``LoraBatch``.
 
-Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``): ``a`` [max_loras, S*R, in] and ``bt``
-[max_loras, S*R, out] (B transposed) for its S shards (1 unless fused) at R = ``max_lora_rank``, zero where an
-adapter has a smaller rank or does not target a shard, so an adapter of rank r < R costs the same as one of rank R. Loading an
-adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights are never
-touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Which adapter is in
-which slot, and when one is written, is engine/lora/manager.py's (between steps, on the engine thread).
+Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``) holding its S shards' (1 unless fused) slots in one of
+two layouts:
+- the kernel backend's own (``KernelOps.lora_slots``; the ``cpu`` backend's kernels/cpu_lora.py ``LoraSlots``): each
+  slot packed at its adapter's own rank, nothing stored for a shard the adapter does not target, so an adapter
+  costs its own bytes;
+- else the logical one for ``KernelOps.lora_add`` (Triton) and the torch forms: ``a`` [max_loras, S*R, in] and
+  ``bt`` [max_loras, S*R, out] (B transposed) at R = ``max_lora_rank``, zero where an adapter has a smaller rank or
+  does not target a shard, so an adapter of rank r < R costs the same as one of rank R.
+Loading an adapter writes its slot (the previous occupant's values overwritten, the rest zeroed); the base weights
+are never touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Which
+adapter is in which slot, and when one is written, is engine/lora/manager.py's (between steps, on the engine
+thread).
 """
 from __future__ import annotations
 
@@ -27,24 +33,37 @@ class LoraWeights:
 
     def __init__(self, pool: LoraPool, in_features: int, shard_sizes: list[int], dtype, device) -> None:
         self.pool = pool
-        self.shard_sizes = shard_sizes
+        self.shard_sizes, self.in_features = shard_sizes, in_features
         n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
+        self.slots = None  # the kernel backend's layout (KernelOps.lora_slots), or None: a / bt below
+        factory = getattr(pool, "slots_factory", None)
+        if factory is not None:
+            self.slots = factory(n, in_features, shard_sizes, r, dtype)
+            return
         self.a = torch.zeros(n, len(shard_sizes) * r, in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(n, len(shard_sizes) * r, out, dtype=dtype, device=device)
         # the shards' column offsets in the output, for the kernels (they read bt's diagonal blocks only)
         self.shard_cols = torch.tensor([sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)], dtype=torch.int64,
                                        device=device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots.dtype if self.slots is not None else self.a.dtype
+
     def write(self, slot: int, shards: dict) -> None:
+        parts = [shards.get(s if len(self.shard_sizes) > 1 else None) for s in range(len(self.shard_sizes))]
+        for s, (size, w) in enumerate(zip(self.shard_sizes, parts)):
+            if w is not None and (w.b.shape[0] != size or w.a.shape[1] != self.in_features):
+                raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit "
+                                       f"a projection of {self.in_features} → {size}")
+        if self.slots is not None:
+            self.slots.write(slot, [None if w is None else (w.a, w.b) for w in parts])
+            return
         self.a[slot].zero_()
         self.bt[slot].zero_()
         r_max, row0 = self.pool.max_lora_rank, 0
-        for s, size in enumerate(self.shard_sizes):
-            w = shards.get(s if len(self.shard_sizes) > 1 else None)
+        for s, (size, w) in enumerate(zip(self.shard_sizes, parts)):
             if w is not None:
-                if w.b.shape[0] != size or w.a.shape[1] != self.a.shape[2]:
-                    raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit "
-                                           f"a projection of {self.a.shape[2]} → {size}")
                 r = w.a.shape[0]
                 self.a[slot, s * r_max:s * r_max + r] = w.a
                 self.bt[slot, s * r_max:s * r_max + r, row0:row0 + size] = w.b.T
@@ -54,6 +73,8 @@ class LoraWeights:
         batch = self.pool.batch
         if batch is None or batch.empty:
             return out
+        if self.slots is not None:
+            return self.slots.add_(out, x, self.pool.scaling, batch.token_slots)
         if batch.token_slots is not None:  # the kernel backend's (engine/lora/ops.py)
             return self.pool.kernel(out, x, self.a, self.bt, self.pool.scaling, batch.token_slots, self.shard_cols)
         mask = None if batch.token_scale is None else self.pool.column_mask(batch, self.a.shape[1])
@@ -72,6 +93,7 @@ class LoraPool:
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
         self.batch: LoraBatch | None = None
         self.kernel = lora_kernel(model)  # KernelOps.lora_add, or None: the torch forms
+        self.slots_factory = model.ops.lora_slots  # the kernel's own layout of the slots, or None: a / bt
         weights = weight_dtype(lora_dtype, dtype, self.kernel)  # the slots' storage (EngineConfig.lora_dtype)
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.device = device

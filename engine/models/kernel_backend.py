@@ -80,6 +80,10 @@ class KernelOps:
     # ``lora_add(out, x, a, bt, scaling, token_slots, shard_cols)``: LoRA adapters' deltas added per token
     # (kernels/cpu_lora.py in C, kernels/lora.py in Triton); None: engine/lora/ops.py's torch forms
     lora_add: Callable | None = None
+    # ``lora_slots(n_slots, in_features, shard_sizes, max_rank, dtype)``: a projection's adapter slots in the
+    # kernel's own layout (``write(slot, shards)``, ``add_(out, x, scaling, token_slots)``; kernels/cpu_lora.py
+    # ``LoraSlots``); None: engine/lora/pool.py holds the logical ``a`` / ``bt`` for ``lora_add``
+    lora_slots: Callable | None = None
 
 
 def resolve_backend(requested: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
@@ -249,7 +253,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
             pack_quant=_cpu_pack_quant, quant_rows=cpu_quant.rows,
             quant_linear=_cpu_quant_linear(quantized_activations), quantized_activations=quantized_activations,
-            lora_add=cpu_lora.lora_add,
+            lora_add=cpu_lora.lora_add, lora_slots=cpu_lora.LoraSlots,
         )
     if backend == "torch":
         from kernels import quant, quant_group

@@ -107,7 +107,7 @@ def test_bf16_slots_equal_peft_on_the_rounded_weights(setup):
     loras = ["every-proj", "qv-rslora", "every-proj"]
     engine = Engine(EngineConfig(model=str(model), num_blocks=256, lora_modules={k: str(v) for k, v in
                                  adapters.items()}, max_lora_rank=8, lora_dtype="bfloat16"))
-    assert engine.runner.model.layers[0].self_attn.qkv_proj.lora.a.dtype == torch.bfloat16
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.lora.dtype == torch.bfloat16
     ours, our_lps, _ = _run(engine, prompts, loras)
     for p, lora, toks, lps in zip(prompts, loras, ours, our_lps):
         ref = peft_reference(model, adapters[lora])

@@ -54,7 +54,7 @@ def test_recorded_decode_with_adapters_equals_eager(packed_with_adapters):
     assert {b for b, (rec, _) in graphs.graphs.items() if rec is not None} == {1, 2, 4, 8}  # batches 5 .. 1
     assert graphs.replays >= max(MAX_TOKENS) - 1
     calls = [fn.__name__ for fn, _ in graphs.graphs[8][0].calls]
-    assert calls.count("duet_lora_add_f32") == 4 * recorded.model_config.num_layers  # every projection's adapters
+    assert calls.count("duet_lora_packed_f32") == 4 * recorded.model_config.num_layers  # every projection's adapters
     for k, (mine, theirs) in enumerate(zip(got, want)):
         assert mine[0] == theirs[0], k
         torch.testing.assert_close(torch.tensor(mine[1]), torch.tensor(theirs[1]), rtol=0, atol=1e-4)
