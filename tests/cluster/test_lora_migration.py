@@ -1,0 +1,64 @@
+"""LoRA adapters through a migration (issue 50: "role flips and migration keep working"): a real cluster (1 prefill,
+2 decode workers, two peft adapters served), requests on both adapters and on the base streaming, greedy and seeded;
+the decode worker streaming an adapter's request is SIGKILLed mid-stream. The requests it held continue on the other
+worker with their adapter (the continuation is prefilled under the adapter's block namespace and decoded through its
+slot), so every request's tokens and text equal a fault-free engine's with the same adapters, and the migrations are
+counted."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from engine.request import SamplingParams
+from router.routing.policy import Role
+from tests.engine.lora.peft_saved import save_peft_adapter
+
+pytestmark = pytest.mark.slow
+ON = (None, "ad-all", "ad-qv", "ad-all", "ad-qv", None)  # each request's adapter
+
+
+def test_requests_on_adapters_migrate_with_their_adapters(cluster_factory, loop_thread, tiny_model, tmp_path):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    model = tiny_model()
+    adapters = {"ad-all": str(save_peft_adapter(model, tmp_path / "all", seed=11, std=0.3, target_modules=(
+                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
+                "ad-qv": str(save_peft_adapter(model, tmp_path / "qv", seed=12, r=8, std=0.3))}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(20, 60))] for _ in ON]
+    params = [SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=300 + i,
+                             lora=lora) for i, lora in enumerate(ON)]
+    want = Engine(EngineConfig(model=str(model), num_blocks=512, lora_modules=adapters)).generate(prompts, params)
+    assert len({tuple(w["token_ids"]) for w in want}) == len(ON)  # the adapters change the outputs
+    cluster = cluster_factory(model, **{"decode.num_workers": 2, "router.local_prefill_max_tokens": 0,
+                                        "engine.lora_modules": adapters, "engine.max_loras": 2})
+    backend = cluster.backend
+    killed = {}
+
+    async def one(i):
+        tokens, text = [], ""
+        async for out in backend.generate(f"lora-mig-{i}", prompts[i], params[i]):
+            tokens += out.new_token_ids
+            text += out.new_text
+            if not killed and i == 1 and len(tokens) >= 8:  # request 1 (ad-all) mid-stream: its worker dies
+                victim = next(r for r in cluster.registry.ready(Role.DECODE)
+                              if f"lora-mig-{i}" in backend.tracker.requests_on(r.worker_id))
+                killed.update(worker=victim.worker_id, busy=backend.inflight[victim.worker_id])
+                os.kill(victim.pid, signal.SIGKILL)
+            last = out
+        return tokens, text, last
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(len(ON))))
+
+    results = loop_thread.run(run(), timeout=180)
+    for i, ((tokens, text, last), ref) in enumerate(zip(results, want)):
+        assert last.finished and last.finish_reason == "length", (i, ON[i], last.error)
+        assert tokens == ref["token_ids"], (i, ON[i])  # continued under its own adapter: nothing changed
+        assert text == ref["text"], (i, ON[i])
+    assert killed["busy"] >= 1 and backend.counters["migrated"] >= 1, backend.counters
