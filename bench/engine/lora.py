@@ -2,48 +2,46 @@
 run.
 
     python -m bench.engine.lora [--tiny] [--batch 16] [--max-tokens 64] [--rank 16] [--adapters 8]
-                                [--lora-dtype auto|bfloat16|float16] [--lora-ops kernel|torch] [--waves 3] [--profile]
+                                [--max-lora-rank R] [--targets q_proj,v_proj,...]
+                                [--lora-dtype auto|bfloat16|float16] [--waves 6] [--profile]
     make bench-lora [TINY=1] [LORA_DTYPE=bfloat16]
 
 SmolLM2-135M-Instruct as a Hugging Face directory (bench/hf_model.py; ``--tiny``: the tiny random Llama), fp32, on
-the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, every attention and MLP
-projection, random weights; built once under .cache/bench/lora-adapters), ``max_lora_rank`` = ``--rank``. Two fresh
-engines, the same ``--batch`` random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the base engine (no
-LoRA slots) with every request on the base model, then an engine holding every adapter with request i on adapter
-i mod ``--adapters``. Each engine runs a warm-up wave, then ``--waves`` measured ones; reported: each side's median
-output tok/s (output tokens / wall seconds of a wave). Last line: ``ratio: <LoRA tok/s / base tok/s>``; goal (issue
-50): >= 0.9. ``--lora-ops torch`` runs the adapters on engine/lora/ops.py's torch forms instead of the kernel
-backend's ``lora_add`` (the path before the kernels); ``--profile`` adds one wave per engine timed by part
-(``profile_parts``).
+the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, on ``--targets``: every
+attention and MLP projection by default; random weights; built once under .cache/bench/lora-adapters),
+``max_lora_rank`` = ``--max-lora-rank`` (default ``--rank``). Two engines in one process, the same ``--batch``
+random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the base engine (no LoRA slots) with every
+request on the base model, and an engine holding every adapter with request i on adapter i mod ``--adapters``. A
+warm-up wave each, then ``--waves`` rounds of one wave per engine, the order alternating (base first, then LoRA
+first), so the VM's drifting speed falls on both alike. Reported: each round's ratio, each side's median output
+tok/s (output tokens / wall seconds of a wave); last line ``ratio: <median of the rounds' LoRA / base>``; goal
+(issue 50): >= 0.9. ``--profile`` adds one wave per engine timed by part (``profile_parts``).
 
-Where the time went before the kernels (``python -m bench.engine.lora --profile --lora-ops torch``, 2026-11-28 21:01
-UTC, the 2-vCPU Intel Xeon dev VM, bench lock held, at 4ee8794): base 178.8, LoRA 127.0 output tok/s, ratio 0.710; in
-the profiled wave the decode steps' forwards took 4.91 s (base) and 7.35 s (LoRA), of which the projections 3.21 and
-5.74 s and the adapters' delta (the masked torch form: two GEMMs and a multiply per projection over every slot)
-2.50 s; prefill 0.33 against 0.47 s. So the whole gap was the delta's GEMMs: the masked form computes all 8 slots
-for every token (at decode about 0.55x the base's multiply-adds per layer). Not the lost CPU recordings: an fp32
-model's projections are oneDNN GEMMs, torch operators a recording cannot hold, so the base decodes eagerly too
-("decode recordings off" on both sides; engine/model_runner.py ``_cpu_graph_refusal``). Not the Python per
-projection either: with the kernel swapped for a no-op a wave took the base's time (3.81 s vs 3.85 s, a one-off
-check, 2026-11-28). Recordings matter for
-packed (GGUF / GPTQ) bases, where they stay on with LoRA now (tests/engine/lora/test_lora_recorded.py).
+Measured (the 2-vCPU Intel Xeon dev VM, AVX-512, 2 threads, GLIBC hugepages as ``make`` sets them, nothing else
+running), 2026-11-28 22:57-23:06 UTC, at 997f34a (the slots packed per adapter, kernels/cpu/lora.c):
+- fp32 slots (``--lora-dtype auto``, what ``make bench-lora`` runs), two runs: **0.840** (rounds 0.833-0.889; base
+  218.3, LoRA 184.8 tok/s) and **0.852** (0.807-0.885; 247.2 / 210.9);
+- bf16 slots (``LORA_DTYPE=bfloat16``, the adapters rounded to bf16 once, widened exactly in the kernel), two
+  runs: **0.897** (0.864-0.923; 250.4 / 228.5) and **0.901** (0.867-0.932; 229.2 / 207.8);
+- rank-8 adapters in a rank-16 pool (``--rank 8 --max-lora-rank 16``, fp32): 0.879 (each slot read at its own
+  rank: before the packed slots an adapter of rank r < R cost rank R);
+- rank-16 adapters on q_proj and v_proj only (``--targets q_proj,v_proj``, PEFT's default for Llama, fp32): 0.948
+  (nothing stored or read for the projections an adapter leaves alone).
+So the goal holds for bf16 slots and for adapters of typical targets, not for fp32 slots on every projection. Why:
+on SmolLM2-135M (hidden 576) eight rank-16 adapters on all seven projections are 156 MB fp32, 37 % of the bytes the
+base's projections read per step (425 MB), and a decode step reads them from memory; the kernel adds 10.7 ms fp32
+and 5.7-8.1 ms bf16 to a 39 ms step of GEMMs (``python -m bench.kernels.lora_cpu``, 23:06), where a plain read of
+the same bytes takes 6-7.5 ms (fp32) / 3.5-4.7 ms (bf16) in the same position (a C loop of vector adds, measured in
+the same harness). On a model of hidden 4096 (an 8B Llama) the same eight adapters are ~5 % of the base's bytes.
+``--profile`` (fp32, 23:10, ratio 0.844): in the profiled wave the LoRA engine's decode forwards took 4.91 s against
+the base's 4.16 s, the adapters' calls 0.74 s of it (11.8 ms a step) and the base GEMMs about the same as alone
+(3.68 - 0.74 against 2.93 s).
 
-With the C kernel (kernels/cpu/lora.c, SGMV: each adapter's A and B read once per call, only the diagonal blocks of
-a fused B), same machine, 2026-11-28 21:01-21:10 UTC, bench lock held, at 4ee8794, ``python -m bench.engine.lora``
-(what ``make bench-lora`` runs):
-- fp32 slots (``--lora-dtype auto``), four runs: ratio 0.865, 0.793, 0.887, 0.828 (base 193.9-226.5, LoRA
-  167.6-190.4 tok/s); the profiled wave: decode forwards 4.62 s (base) and 5.56 s (LoRA), the delta 0.92 s of it;
-- bf16 slots (``--lora-dtype bfloat16``, the adapters rounded to bf16 once), three runs: 0.898, 0.858, 0.850.
-Short of the 0.9 goal, by a margin the VM's run-to-run noise (base 179-227 tok/s over the same 10 minutes) blurs.
-What is left is bandwidth: a decode step of 16 tokens on 8 adapters reads every adapter's weights once (156 MB fp32,
-78 MB bf16) right after the base's GEMMs have streamed ~425 MB past them, i.e. from memory; between those GEMMs the
-kernel adds 11.7 ms (fp32) / 10.1 ms (bf16) to a 39 ms step of GEMMs (``python -m bench.kernels.lora_cpu``, same
-session): 13 GB/s fp32, but only 8 GB/s in bf16 (not bandwidth-bound there yet), against the 23.6 GB/s plain reads
-of both cores (kernels/cpu_quant_isa.py).
-
-The figures this docstring held before the kernels (the torch forms, one measured wave each): grouped form only
-0.557, masked form for steps of <= 64 tokens 0.693; with max_lora_rank 64 for rank-16 adapters the padding cost 4x
-(0.389 grouped, 0.407 masked), which the kernels still pay (an adapter of rank r < R costs rank R).
+Before (2026-11-28 21:01-21:10 UTC, at 4ee8794, one engine after the other, 3 waves each): the torch forms (masked
+over every slot) 0.710; the first C kernel (logical zero-padded slots, a shrink and an expand phase per call)
+fp32 0.793-0.887, bf16 0.850-0.898. The CPU decode recordings play no part here: an fp32 model's oneDNN GEMMs are
+torch operators a recording cannot hold, so both sides decode eagerly; recordings matter for packed (GGUF / GPTQ)
+bases, where they stay on with LoRA (tests/engine/lora/test_lora_recorded.py).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the 
 
 Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``) holding its S shards' (1 unless fused) slots in one of
 two layouts:
-- the kernel backend's own (``KernelOps.lora_slots``; the ``cpu`` backend's kernels/cpu_lora.py ``LoraSlots``): each
+- the kernel backend's own (``KernelOps.lora_slots``; the ``cpu`` backend's kernels/cpu_lora.py ``PackedLoraSlots``): each
   slot packed at its adapter's own rank, nothing stored for a shard the adapter does not target, so an adapter
   costs its own bytes;
 - else the logical one for ``KernelOps.lora_add`` (Triton) and the torch forms: ``a`` [max_loras, S*R, in] and

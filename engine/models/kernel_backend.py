@@ -82,7 +82,7 @@ class KernelOps:
     lora_add: Callable | None = None
     # ``lora_slots(n_slots, in_features, shard_sizes, max_rank, dtype)``: a projection's adapter slots in the
     # kernel's own layout (``write(slot, shards)``, ``add_(out, x, scaling, token_slots)``; kernels/cpu_lora.py
-    # ``LoraSlots``); None: engine/lora/pool.py holds the logical ``a`` / ``bt`` for ``lora_add``
+    # ``PackedLoraSlots``); None: engine/lora/pool.py holds the logical ``a`` / ``bt`` for ``lora_add``
     lora_slots: Callable | None = None
 
 
@@ -253,7 +253,7 @@ def get_ops(backend: str, device: str = "cpu", quantized_activations: str = "fp3
             quant_formats=frozenset(cpu_quant.GGUF_BLOCKS) | cpu_quant.GROUP_FORMAT_NAMES,  # kernels/cpu/quant*.c
             pack_quant=_cpu_pack_quant, quant_rows=cpu_quant.rows,
             quant_linear=_cpu_quant_linear(quantized_activations), quantized_activations=quantized_activations,
-            lora_add=cpu_lora.lora_add, lora_slots=cpu_lora.LoraSlots,
+            lora_add=cpu_lora.lora_add, lora_slots=cpu_lora.PackedLoraSlots,
         )
     if backend == "torch":
         from kernels import quant, quant_group

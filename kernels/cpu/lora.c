@@ -7,7 +7,7 @@
 // the weights are stored fp32, bf16 or fp16 (LoraGeom.w_type), widened exactly on load (lora_kernels.h: one set of
 // kernels per storage type), so 16-bit weights halve the bytes read and change nothing else.
 //
-// The weights live in the slots' packed layout (kernels/cpu_lora.py ``LoraSlots`` writes it): one region of
+// The weights live in the slots' packed layout (kernels/cpu_lora.py ``PackedLoraSlots`` writes it): one region of
 // ``slot_len`` elements per slot, in it for each shard in order, at its adapter's own rank r (0: the adapter does
 // not touch that shard; nothing stored, nothing read):
 //   A: ceil(r / 4) tiles of 4 rows; tile i is KC = ceil(K / 16) chunks of [4 rows][16 k], rows past r and k past K 0

@@ -2,7 +2,7 @@
 in fp32, bf16 and fp16, against the torch forms of engine/lora/ops.py (grouped and masked, in fp32 on the same
 stored values) and kernels/lora.py's reference: mixed slots with -1 tokens, fused projections whose B is
 block-diagonal over uneven shards, ranks below the pool's, K and N off the vector width, more than one work item
-per slot; and the engine's packed store (``LoraSlots``) at each adapter's own rank per shard against the logical
+per slot; and the engine's packed store (``PackedLoraSlots``) at each adapter's own rank per shard against the logical
 layout. A token's result is the same bits whatever batch it is in and however many threads run (what a recorded
 decode step relies on); bad slots, shard offsets, shapes and ranks are refused."""
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_bad_input_is_refused_by_name():
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ISAS)
 def test_slots_at_each_adapters_own_rank_equal_the_logical_layout(isa, weights, two_threads):
-    """The engine's store (``LoraSlots``, packed at each adapter's own rank per shard, nothing for an untargeted
+    """The engine's store (``PackedLoraSlots``, packed at each adapter's own rank per shard, nothing for an untargeted
     shard) against the logical layout of the same adapters (engine/lora/pool.py's zero-padded a / bt) and the
     reference: ranks below the pool's, a shard left out, a slot holding nothing in this projection."""
     need(isa)
@@ -112,7 +112,7 @@ def test_slots_at_each_adapters_own_rank_equal_the_logical_layout(isa, weights, 
     adapters = [(5, None, 3), (8, 8, 8), (None, None, None), (1, 2, None)]
     pool = SimpleNamespace(max_loras=len(adapters), max_lora_rank=max_rank)
     logical = LoraWeights(pool, k, list(shards), torch.float32, "cpu")
-    packed = cpu_lora.LoraSlots(len(adapters), k, list(shards), max_rank, weights)
+    packed = cpu_lora.PackedLoraSlots(len(adapters), k, list(shards), max_rank, weights)
     for slot, ranks in enumerate(adapters):
         parts = {i: None if r is None else LoraShard(a=torch.randn(r, k, generator=g) / k ** 0.5,
                                                      b=torch.randn(n, r, generator=g))
@@ -134,7 +134,7 @@ def test_slots_at_each_adapters_own_rank_equal_the_logical_layout(isa, weights, 
 
 
 def test_slots_refuse_what_they_cannot_hold():
-    slots = cpu_lora.LoraSlots(2, 16, [8, 8], 4)
+    slots = cpu_lora.PackedLoraSlots(2, 16, [8, 8], 4)
     with pytest.raises(ValueError, match="do not fit"):
         slots.write(0, [(torch.randn(5, 16), torch.randn(8, 5)), None])  # rank 5 > 4
     with pytest.raises(ValueError, match="do not fit"):
