@@ -76,6 +76,19 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t a_elems(int64_t r, int64_t KC) { return (r + 3) / 4 * KC * 64; }
 static inline int64_t b_elems(int64_t r, int64_t cols) { return (cols + 15) / 16 * r * 16; }
 
+// the expand's token tile from token i0 of the task: each token's out row at column `col` and h row at h0; returns
+// how many tokens (1 .. TB)
+static inline int tile_rows(const Lora *p, const Task *tk, int64_t i0, int64_t col, int64_t h0, float **o,
+                            const float **h) {
+    const int nt = (int)min64(TB, tk->count - i0);
+    for (int q = 0; q < nt; q++) {
+        const int64_t t = p->order[tk->first + i0 + q];
+        o[q] = p->out + t * p->out_s + col;
+        h[q] = p->h + t * p->SR + h0;
+    }
+    return nt;
+}
+
 static inline float bf16_at(const uint16_t *p, int64_t i) {
     const uint32_t bits = (uint32_t)p[i] << 16;
     float f;

@@ -138,14 +138,9 @@ AVX512 static void W_NAME(expand_avx512)(const Lora *p, const Task *tk, const W_
         const __mmask16 last = bl + nb == blocks ? partial : (__mmask16)0xffff;
         const W_T *b = B + bl * r * 16;
         for (int64_t i0 = 0; i0 < tk->count; i0 += TB) {
-            const int nt = (int)min64(TB, tk->count - i0);
             float *o[TB];
             const float *h[TB];
-            for (int q = 0; q < nt; q++) {
-                const int64_t t = p->order[tk->first + i0 + q];
-                o[q] = p->out + t * p->out_s + c0 + bl * 16;
-                h[q] = p->h + t * p->SR + h0;
-            }
+            const int nt = tile_rows(p, tk, i0, c0 + bl * 16, h0, o, h);
             switch ((nt - 1) * 4 + nb - 1) {  // nb <= 2 once there are more than 2 tokens
                 case 0: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 1, last); break;
                 case 1: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 2, last); break;
@@ -242,14 +237,9 @@ AVX2 static void W_NAME(expand_avx2)(const Lora *p, const Task *tk, const W_T *B
         const W_T *b = B + (c - c0) / 16 * r * 16;
         const int64_t cols = min64(16, c1 - c);
         for (int64_t i0 = 0; i0 < tk->count; i0 += TB) {
-            const int nt = (int)min64(TB, tk->count - i0);
             float *o[TB];
             const float *h[TB];
-            for (int q = 0; q < nt; q++) {
-                const int64_t t = p->order[tk->first + i0 + q];
-                o[q] = p->out + t * p->out_s + c;
-                h[q] = p->h + t * p->SR + h0;
-            }
+            const int nt = tile_rows(p, tk, i0, c, h0, o, h);
             switch (nt) {
                 case 1: W_NAME(expand_tile_avx2)(b, r, o, h, 1, cols); break;
                 case 2: W_NAME(expand_tile_avx2)(b, r, o, h, 2, cols); break;

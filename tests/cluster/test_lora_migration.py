@@ -7,14 +7,12 @@ counted."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 
 import pytest
 
 from engine.request import SamplingParams
-from router.routing.policy import Role
+from tests.cluster.test_operating import stream_killing
 from tests.engine.lora.peft_saved import save_peft_adapter
 
 pytestmark = pytest.mark.slow
@@ -37,24 +35,11 @@ def test_requests_on_adapters_migrate_with_their_adapters(cluster_factory, loop_
     assert len({tuple(w["token_ids"]) for w in want}) == len(ON)  # the adapters change the outputs
     cluster = cluster_factory(model, **{"decode.num_workers": 2, "router.local_prefill_max_tokens": 0,
                                         "engine.lora_modules": adapters, "engine.max_loras": 2})
-    backend = cluster.backend
-    killed = {}
+    backend, killed = cluster.backend, {}
 
-    async def one(i):
-        tokens, text = [], ""
-        async for out in backend.generate(f"lora-mig-{i}", prompts[i], params[i]):
-            tokens += out.new_token_ids
-            text += out.new_text
-            if not killed and i == 1 and len(tokens) >= 8:  # request 1 (ad-all) mid-stream: its worker dies
-                victim = next(r for r in cluster.registry.ready(Role.DECODE)
-                              if f"lora-mig-{i}" in backend.tracker.requests_on(r.worker_id))
-                killed.update(worker=victim.worker_id, busy=backend.inflight[victim.worker_id])
-                os.kill(victim.pid, signal.SIGKILL)
-            last = out
-        return tokens, text, last
-
-    async def run():
-        return await asyncio.gather(*(one(i) for i in range(len(ON))))
+    async def run():  # request 1 (ad-all) mid-stream: its worker dies
+        return await asyncio.gather(*(stream_killing(cluster, f"lora-mig-{i}", prompts[i], params[i], killed,
+                                                     8 if i == 1 else None) for i in range(len(ON))))
 
     results = loop_thread.run(run(), timeout=180)
     for i, ((tokens, text, last), ref) in enumerate(zip(results, want)):

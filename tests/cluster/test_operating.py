@@ -140,6 +140,23 @@ def tool_call_constraint():
     return ToolPlan.of([tool], "required", False, FORMATS["generic"]).constraint
 
 
+async def stream_killing(cluster, rid: str, prompt, params, killed: dict, kill_after: int | None):
+    """(tokens, text, last output) of one request streamed through ``cluster.backend``; once it has ``kill_after``
+    tokens (None: never), and nothing was killed yet, SIGKILL the decode worker streaming it (``killed``: its id, when,
+    and how many requests it held)."""
+    backend, tokens, text = cluster.backend, [], ""
+    async for out in backend.generate(rid, prompt, params):
+        tokens += out.new_token_ids
+        text += out.new_text
+        if not killed and kill_after is not None and len(tokens) >= kill_after:
+            victim = next(r for r in cluster.registry.ready(Role.DECODE)
+                          if rid in backend.tracker.requests_on(r.worker_id))
+            killed.update(worker=victim.worker_id, at=time.monotonic(), busy=backend.inflight[victim.worker_id])
+            os.kill(victim.pid, signal.SIGKILL)
+        last = out
+    return tokens, text, last
+
+
 def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_recovers(cluster_factory, loop_thread,
                                                                                       tiny_model):
     """SIGKILL a decode worker's process while seeded requests stream from it (2 decode workers): every
@@ -164,21 +181,9 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
     want = Engine(EngineConfig(model=str(tiny_model()), num_blocks=512)).generate(prompts, params)
     killed = {}
 
-    async def one(i):
-        tokens, text = [], ""
-        async for out in backend.generate(f"mig-{i}", prompts[i], params[i]):
-            tokens += out.new_token_ids
-            text += out.new_text
-            if not killed and i == TOOL_REQUESTS[0] and len(tokens) >= 6:  # mid-call: the victim is its worker
-                victim = next(r for r in cluster.registry.ready(Role.DECODE)
-                              if f"mig-{i}" in backend.tracker.requests_on(r.worker_id))
-                killed.update(worker=victim.worker_id, at=time.monotonic(), busy=backend.inflight[victim.worker_id])
-                os.kill(victim.pid, signal.SIGKILL)
-            last = out
-        return tokens, text, last
-
-    async def run():
-        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    async def run():  # mid-call: the victim is the tool call's worker
+        return await asyncio.gather(*(stream_killing(cluster, f"mig-{i}", prompts[i], params[i], killed,
+                                                     6 if i == TOOL_REQUESTS[0] else None) for i in range(len(prompts))))
 
     results = loop_thread.run(run(), timeout=180)
     for i, ((tokens, text, last), ref) in enumerate(zip(results, want)):
