@@ -38,6 +38,7 @@ from kernels.lora import check_lora_args
 
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 MAX_SHARDS = 8  # kernels/cpu/lora.c LORA_MAX_SHARDS
+_GROUP = 4  # kernels/cpu/lora.c GROUP: B's blocks interleaved row by row in groups of 4
 _declared: ctypes.CDLL | None = None
 _ERRORS = {2: "a geometry the packed layout does not hold", 3: "no scratch memory", 4: "an unknown weight type",
            5: "a slot's rank outside [0, max_rank]"}
@@ -77,11 +78,13 @@ def pack_a(a: torch.Tensor) -> torch.Tensor:
 
 
 def pack_b(b: torch.Tensor) -> torch.Tensor:
-    """B [n, r] (PEFT's lora_B) as the layout's blocks of [r][16 columns], flat, columns zero padded to 16."""
+    """B [n, r] (PEFT's lora_B) as the layout's 16-column blocks in groups of 4 (the last group what is left), each
+    group [r][its blocks][16], flat, columns zero padded to 16."""
     n, r = b.shape
     blocks = b.new_zeros(r, (n + 15) // 16 * 16)
     blocks[:, :n] = b.T
-    return blocks.reshape(r, -1, 16).permute(1, 0, 2).reshape(-1)
+    blocks = blocks.reshape(r, -1, 16)
+    return torch.cat([blocks[:, g:g + _GROUP].reshape(-1) for g in range(0, blocks.shape[1], _GROUP)])
 
 
 class PackedLoraSlots:

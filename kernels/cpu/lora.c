@@ -11,7 +11,8 @@
 // ``slot_len`` elements per slot, in it for each shard in order, at its adapter's own rank r (0: the adapter does
 // not touch that shard; nothing stored, nothing read):
 //   A: ceil(r / 4) tiles of 4 rows; tile i is KC = ceil(K / 16) chunks of [4 rows][16 k], rows past r and k past K 0
-//   B: ceil(n_sh / 16) blocks of [r][16 columns]: block b, row j = B[16b .. 16b + 15, j], columns past n_sh 0
+//   B: ceil(n_sh / 16) blocks of 16 columns, in groups of GROUP (the last group what is left), a group of g blocks
+//      stored [r][g][16]: row j of all its blocks side by side (B[16b .. 16b + 15, j]), columns past n_sh 0
 // so one slot's work reads one contiguous run of memory front to back, exactly its adapter's bytes (no zero blocks
 // of a fused projection, no rank padding): at decode, where every adapter's weights come from memory, the bytes
 // read are what bounds the kernel (kernels/cpu_lora.py has the figures).
@@ -20,9 +21,10 @@
 // halved until there are at least as many tasks as threads (a lone adapter's tokens still split). A task does its
 // slot's shrink then expand shard by shard: each adapter's weights read once per task, never once per token, and
 // no barrier between the two. OpenMP: each thread one contiguous run of tasks of about equal cost (weights read and
-// multiply-adds: adapters of different ranks are different work). The shrink: register tiles of 4 tokens x 4 A rows (AVX-512) / 4 x 2 (AVX2), a tile short of tokens repeats
-// its last one (results dropped). The expand: 2 column blocks x up to 4 tokens at a time, out's 16 columns held in
-// a register per token while the rank runs. Every h[t, j] and out[t, c] is computed by the same instructions in the
+// multiply-adds: adapters of different ranks are different work). The shrink: register tiles of up to 4 tokens x 4
+// A rows (AVX-512: as many tokens as the tile has; AVX2: 4 x 2, a short tile repeating its last token). The expand: a group's 4 column blocks x
+// up to 2 tokens (2 blocks x up to 4 tokens), out's 16 columns held in a register per token and block while the rank
+// runs, the group's rows read in order. Every h[t, j] and out[t, c] is computed by the same instructions in the
 // same order wherever it falls: a token's result depends on its slot and its row of x only, not on the batch around
 // it nor the thread count (a padded, recorded step and the eager one agree to the bit).
 //
@@ -41,6 +43,7 @@
 
 #define TB 4             // tokens per register tile
 #define TASK_TOKENS 32   // tokens per task at most
+#define GROUP 4          // B's column blocks interleaved row by row in groups of this many
 #define PREFETCH 2048    // bytes ahead of the loads in a slot's weights, fetched meanwhile
 #define LORA_MAX_SHARDS 8
 #define W_F32 0  // the weights' storage types (w_type)

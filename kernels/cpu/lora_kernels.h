@@ -30,14 +30,16 @@ static void W_NAME(shrink_scalar)(const Lora *p, const Task *tk, const W_T *A, i
 
 static void W_NAME(expand_scalar)(const Lora *p, const Task *tk, const W_T *B, int64_t r, int64_t h0, int64_t c0,
                                   int64_t c1) {
+    const int64_t blocks = (c1 - c0 + 15) / 16;
     for (int64_t i = 0; i < tk->count; i++) {
         const int64_t t = p->order[tk->first + i];
         const float *h = p->h + t * p->SR + h0;
         float *o = p->out + t * p->out_s;
         for (int64_t c = c0; c < c1; c++) {
-            const W_T *b = B + (c - c0) / 16 * r * 16 + (c - c0) % 16;
+            const int64_t bk = (c - c0) / 16, gs = min64(GROUP, blocks - bk / GROUP * GROUP);
+            const W_T *b = B + bk / GROUP * GROUP * r * 16 + bk % GROUP * 16 + (c - c0) % 16;
             float acc = o[c];
-            for (int64_t j = 0; j < r; j++) acc += h[j] * W_AT(b, j * 16);
+            for (int64_t j = 0; j < r; j++) acc += h[j] * W_AT(b, j * gs * 16);
             o[c] = acc;
         }
     }
@@ -57,7 +59,8 @@ AVX512 static inline __attribute__((always_inline)) void W_NAME(shrink_tile_avx5
         for (int i = 0; i < 4; i++) acc[q][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kv; c++) {
         const W_T *ac = a + c * 64;
-        for (int l = 0; l < (int)(64 * sizeof(W_T)); l += 64) _mm_prefetch((const char *)ac + PREFETCH + l, _MM_HINT_T0);
+        for (int l = 0; l < (int)(64 * sizeof(W_T)); l += 64)
+            _mm_prefetch((const char *)ac + PREFETCH + l, _MM_HINT_T0);
         __m512 av[4];
         for (int i = 0; i < 4; i++) av[i] = W_LOAD16(ac + i * 16);
         for (int q = 0; q < nt; q++) {
@@ -101,11 +104,11 @@ AVX512 static void W_NAME(shrink_avx512)(const Lora *p, const Task *tk, const W_
     }
 }
 
-// nb column blocks of B (its block stride r * 16) into nt tokens' out rows o[q] (at the blocks' first column);
-// ``last``: the lanes of the last block that are columns. nt * nb <= 8 independent chains of FMAs over the rank,
-// nt and nb constants in each expansion, so the accumulators stay registers.
+// nb column blocks of a group of gs (row j of block b at B + (j * gs + b) * 16) into nt tokens' out rows o[q] (at the
+// blocks' first column); ``last``: the lanes of the last block that are columns. nt * nb <= 8 independent chains of
+// FMAs over the rank, nt and nb constants in each expansion, so the accumulators stay registers.
 AVX512 static inline __attribute__((always_inline)) void W_NAME(expand_tile_avx512)(
-        const W_T *B, int64_t r, float *const *o, const float *const *h, const int nt, const int nb,
+        const W_T *B, int64_t r, int64_t gs, float *const *o, const float *const *h, const int nt, const int nb,
         __mmask16 last) {
     __m512 acc[4][TB];
     for (int b = 0; b < nb; b++)
@@ -114,7 +117,7 @@ AVX512 static inline __attribute__((always_inline)) void W_NAME(expand_tile_avx5
     for (int64_t j = 0; j < r; j++) {
         __m512 bv[4];
         for (int b = 0; b < nb; b++) {
-            const W_T *bj = B + (b * r + j) * 16;
+            const W_T *bj = B + (j * gs + b) * 16;
             if (!((j * 16 * sizeof(W_T)) & 63)) _mm_prefetch((const char *)bj + PREFETCH, _MM_HINT_T0);
             bv[b] = W_LOAD16(bj);
         }
@@ -132,28 +135,34 @@ AVX512 static void W_NAME(expand_avx512)(const Lora *p, const Task *tk, const W_
                                          int64_t c0, int64_t c1) {
     const int64_t blocks = (c1 - c0 + 15) / 16;
     const __mmask16 partial = (c1 - c0) % 16 ? (__mmask16)((1u << ((c1 - c0) % 16)) - 1u) : (__mmask16)0xffff;
-    const int group = tk->count <= 2 ? 4 : 2;  // blocks at a time: about 8 chains of FMAs with the tokens
-    for (int64_t bl = 0; bl < blocks; bl += group) {  // a group of blocks (2-4 KB at rank 16) over every token tile
-        const int nb = (int)min64(group, blocks - bl);
-        const __mmask16 last = bl + nb == blocks ? partial : (__mmask16)0xffff;
-        const W_T *b = B + bl * r * 16;
+    for (int64_t g0 = 0; g0 < blocks; g0 += GROUP) {  // a group of blocks (4 KB at rank 16) over every token tile
+        const int64_t gs = min64(GROUP, blocks - g0);
+        const W_T *g = B + g0 * r * 16;
         for (int64_t i0 = 0; i0 < tk->count; i0 += TB) {
             float *o[TB];
             const float *h[TB];
-            const int nt = tile_rows(p, tk, i0, c0 + bl * 16, h0, o, h);
-            switch ((nt - 1) * 4 + nb - 1) {  // nb <= 2 once there are more than 2 tokens
-                case 0: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 1, last); break;
-                case 1: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 2, last); break;
-                case 2: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 3, last); break;
-                case 3: W_NAME(expand_tile_avx512)(b, r, o, h, 1, 4, last); break;
-                case 4: W_NAME(expand_tile_avx512)(b, r, o, h, 2, 1, last); break;
-                case 5: W_NAME(expand_tile_avx512)(b, r, o, h, 2, 2, last); break;
-                case 6: W_NAME(expand_tile_avx512)(b, r, o, h, 2, 3, last); break;
-                case 7: W_NAME(expand_tile_avx512)(b, r, o, h, 2, 4, last); break;
-                case 8: W_NAME(expand_tile_avx512)(b, r, o, h, 3, 1, last); break;
-                case 9: W_NAME(expand_tile_avx512)(b, r, o, h, 3, 2, last); break;
-                case 12: W_NAME(expand_tile_avx512)(b, r, o, h, 4, 1, last); break;
-                default: W_NAME(expand_tile_avx512)(b, r, o, h, 4, 2, last); break;
+            const int nt = tile_rows(p, tk, i0, c0 + g0 * 16, h0, o, h);
+            const int64_t sub = nt <= 2 ? gs : 2;  // blocks at a time: about 8 chains of FMAs with the tokens
+            for (int64_t b0 = 0; b0 < gs; b0 += sub) {
+                const int nb = (int)min64(sub, gs - b0);
+                const __mmask16 last = g0 + b0 + nb == blocks ? partial : (__mmask16)0xffff;
+                float *ob[TB];
+                for (int q = 0; q < nt; q++) ob[q] = o[q] + b0 * 16;
+                const W_T *b = g + b0 * 16;
+                switch ((nt - 1) * 4 + nb - 1) {  // nb <= 2 once there are more than 2 tokens
+                    case 0: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 1, 1, last); break;
+                    case 1: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 1, 2, last); break;
+                    case 2: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 1, 3, last); break;
+                    case 3: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 1, 4, last); break;
+                    case 4: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 2, 1, last); break;
+                    case 5: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 2, 2, last); break;
+                    case 6: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 2, 3, last); break;
+                    case 7: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 2, 4, last); break;
+                    case 8: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 3, 1, last); break;
+                    case 9: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 3, 2, last); break;
+                    case 12: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 4, 1, last); break;
+                    default: W_NAME(expand_tile_avx512)(b, r, gs, ob, h, 4, 2, last); break;
+                }
             }
         }
     }
@@ -210,7 +219,7 @@ AVX2 static void W_NAME(shrink_avx2)(const Lora *p, const Task *tk, const W_T *A
 
 // one column block (two 8-wide halves) into nt tokens' rows
 AVX2 static inline __attribute__((always_inline)) void W_NAME(expand_tile_avx2)(
-        const W_T *B, int64_t r, float *const *o, const float *const *h, const int nt, int64_t cols) {
+        const W_T *B, int64_t r, int64_t stride, float *const *o, const float *const *h, const int nt, int64_t cols) {
     const __m256i m_lo = lanes_avx2(cols), m_hi = lanes_avx2(cols - 8);
     __m256 acc[TB][2];
     for (int q = 0; q < nt; q++) {
@@ -218,7 +227,7 @@ AVX2 static inline __attribute__((always_inline)) void W_NAME(expand_tile_avx2)(
         acc[q][1] = _mm256_maskload_ps(o[q] + 8, m_hi);
     }
     for (int64_t j = 0; j < r; j++) {
-        const __m256 bl = W_LOAD8(B + j * 16), bh = W_LOAD8(B + j * 16 + 8);
+        const __m256 bl = W_LOAD8(B + j * stride), bh = W_LOAD8(B + j * stride + 8);
         for (int q = 0; q < nt; q++) {
             const __m256 hv = _mm256_set1_ps(h[q][j]);
             acc[q][0] = _mm256_fmadd_ps(hv, bl, acc[q][0]);
@@ -233,18 +242,20 @@ AVX2 static inline __attribute__((always_inline)) void W_NAME(expand_tile_avx2)(
 
 AVX2 static void W_NAME(expand_avx2)(const Lora *p, const Task *tk, const W_T *B, int64_t r, int64_t h0, int64_t c0,
                                      int64_t c1) {
+    const int64_t blocks = (c1 - c0 + 15) / 16;
     for (int64_t c = c0; c < c1; c += 16) {
-        const W_T *b = B + (c - c0) / 16 * r * 16;
+        const int64_t bk = (c - c0) / 16, stride = min64(GROUP, blocks - bk / GROUP * GROUP) * 16;
+        const W_T *b = B + bk / GROUP * GROUP * r * 16 + bk % GROUP * 16;
         const int64_t cols = min64(16, c1 - c);
         for (int64_t i0 = 0; i0 < tk->count; i0 += TB) {
             float *o[TB];
             const float *h[TB];
             const int nt = tile_rows(p, tk, i0, c, h0, o, h);
             switch (nt) {
-                case 1: W_NAME(expand_tile_avx2)(b, r, o, h, 1, cols); break;
-                case 2: W_NAME(expand_tile_avx2)(b, r, o, h, 2, cols); break;
-                case 3: W_NAME(expand_tile_avx2)(b, r, o, h, 3, cols); break;
-                default: W_NAME(expand_tile_avx2)(b, r, o, h, 4, cols); break;
+                case 1: W_NAME(expand_tile_avx2)(b, r, stride, o, h, 1, cols); break;
+                case 2: W_NAME(expand_tile_avx2)(b, r, stride, o, h, 2, cols); break;
+                case 3: W_NAME(expand_tile_avx2)(b, r, stride, o, h, 3, cols); break;
+                default: W_NAME(expand_tile_avx2)(b, r, stride, o, h, 4, cols); break;
             }
         }
     }
@@ -277,8 +288,12 @@ static void W_NAME(run_task)(const Lora *p, const Task *tk, W_NAME(ShrinkFn) shr
 static void W_NAME(run_tasks)(const Lora *p, const Task *tasks, const double *cost, int64_t n, int v, int parallel,
                               int num_threads) {
 #ifdef HAVE_X86
-    const W_NAME(ShrinkFn) shrink = v == 2 ? W_NAME(shrink_avx512) : v == 1 ? W_NAME(shrink_avx2) : W_NAME(shrink_scalar);
-    const W_NAME(ExpandFn) expand = v == 2 ? W_NAME(expand_avx512) : v == 1 ? W_NAME(expand_avx2) : W_NAME(expand_scalar);
+    const W_NAME(ShrinkFn) shrink = v == 2   ? W_NAME(shrink_avx512)
+                                    : v == 1 ? W_NAME(shrink_avx2)
+                                             : W_NAME(shrink_scalar);
+    const W_NAME(ExpandFn) expand = v == 2   ? W_NAME(expand_avx512)
+                                    : v == 1 ? W_NAME(expand_avx2)
+                                             : W_NAME(expand_scalar);
 #else
     (void)v;
     const W_NAME(ShrinkFn) shrink = W_NAME(shrink_scalar);
