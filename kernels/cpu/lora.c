@@ -22,11 +22,12 @@
 // slot's shrink then expand shard by shard: each adapter's weights read once per task, never once per token, and
 // no barrier between the two. OpenMP: each thread one contiguous run of tasks of about equal cost (weights read and
 // multiply-adds: adapters of different ranks are different work). The shrink: register tiles of up to 4 tokens x 4
-// A rows (AVX-512: as many tokens as the tile has; AVX2: 4 x 2, a short tile repeating its last token). The expand: a group's 4 column blocks x
-// up to 2 tokens (2 blocks x up to 4 tokens), out's 16 columns held in a register per token and block while the rank
-// runs, the group's rows read in order. Every h[t, j] and out[t, c] is computed by the same instructions in the
-// same order wherever it falls: a token's result depends on its slot and its row of x only, not on the batch around
-// it nor the thread count (a padded, recorded step and the eager one agree to the bit).
+// A rows (AVX-512: as many tokens as the tile has; AVX2: 4 x 2, a short tile repeating its last token). The
+// expand: a group's 4 column blocks x up to 2 tokens (2 blocks x up to 4 tokens), out's 16 columns held in a
+// register per token and block while the rank runs, the group's rows read in order. Every h[t, j] and out[t, c] is
+// computed by the same instructions in the same order wherever it falls: a token's result depends on its slot and
+// its row of x only, not on the batch around it nor the thread count (a padded, recorded step and the eager one
+// agree to the bit).
 //
 // Instruction sets (quant_common.h): every variant compiled into every build with gcc target attributes, the
 // level chosen per call (``isa``: the best this CPU takes unless forced lower): ISA_AVX512 and above run the
