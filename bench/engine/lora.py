@@ -27,6 +27,8 @@ running), 2026-11-28 22:57-23:06 UTC, at 997f34a (the slots packed per adapter, 
   rank: before the packed slots an adapter of rank r < R cost rank R);
 - rank-16 adapters on q_proj and v_proj only (``--targets q_proj,v_proj``, PEFT's default for Llama, fp32): 0.948
   (nothing stored or read for the projections an adapter leaves alone).
+Then with B's blocks interleaved in groups of 4 (the expand reads one stream; 23:52-23:57, at 7f1c543): fp32
+**0.851** (rounds 0.823-0.872; base 207.1, LoRA 178.4) and **0.867** (0.830-0.871), bf16 0.895 (0.761-0.960).
 So the goal holds for bf16 slots and for adapters of typical targets, not for fp32 slots on every projection. Why:
 on SmolLM2-135M (hidden 576) eight rank-16 adapters on all seven projections are 156 MB fp32, 37 % of the bytes the
 base's projections read per step (425 MB), and a decode step reads them from memory; the kernel adds 10.7 ms fp32
