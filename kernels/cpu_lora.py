@@ -1,11 +1,12 @@
 """The CPU path's batched LoRA shrink / expand (kernels/cpu/lora.c), fp32 activations, one C call per projection.
 
-``PackedLoraSlots``: one projection's adapter slots in the C kernel's packed layout (the C file's docstring draws it): per
-slot one contiguous region holding each shard's A in 4-row tiles and its B in 16-column blocks, at the adapter's own
-rank, so a decode step reads exactly each adapter's bytes front to back (no zero blocks of a fused projection, no
-padding to ``max_lora_rank``, nothing for a projection the adapter does not target). The weights are stored fp32,
-or bf16 / fp16 (``lora_dtype``: half the bytes read, widened exactly on load). engine/lora/pool.py holds one per
-projection on the ``cpu`` kernel backend (``KernelOps.lora_slots``); ``add_`` is the per-step call.
+``PackedLoraSlots``: one projection's adapter slots in the C kernel's packed layout (the C file's docstring draws
+it): per slot one contiguous region holding each shard's A in 4-row tiles and its B in 16-column blocks (grouped by
+4), at the adapter's own rank, so a decode step reads exactly each adapter's bytes front to back (no zero blocks of
+a fused projection, no padding to ``max_lora_rank``, nothing for a projection the adapter does not target). The
+weights are stored fp32, or bf16 / fp16 (``lora_dtype``: half the bytes read, widened exactly on load).
+engine/lora/pool.py holds one per projection on the ``cpu`` kernel backend (``KernelOps.lora_slots``); ``add_`` is
+the per-step call.
 
 ``lora_add``: kernels/lora.py's signature and semantics (its reference ``lora_add_ref``) over the logical layout
 (``a`` [slots, S*R, K], ``bt`` [slots, S*R, N] block-diagonal), packing into a ``PackedLoraSlots`` on every call: for

@@ -179,7 +179,8 @@ def main() -> None:
     lora = Side(model, prompts, [names[i % len(names)] for i in range(args.batch)], adapters, args)
     ratios = measure(base, lora, args.waves)
     print(f"model {model.name}, batch {args.batch}, {args.max_tokens} tokens each, {len(names)} adapters of rank "
-          f"{args.rank} on {args.targets} (max_lora_rank {args.max_lora_rank or args.rank}), lora_dtype {args.lora_dtype}, {args.waves} rounds of a wave each, "
+          f"{args.rank} on {args.targets} (max_lora_rank {args.max_lora_rank or args.rank}), lora_dtype "
+          f"{args.lora_dtype}, {args.waves} rounds of a wave each, "
           "alternating")
     for name, side in (("base", base), ("lora", lora)):
         if args.profile:

@@ -6,7 +6,8 @@ gate/up 576 -> 2x1536, down 1536 -> 576), batch 16, 8 adapters of rank 16 (2 tok
 
 Random weights: the base's packed for oneDNN (kernels/cpu_native.py, as the engine packs an fp32 model), the
 adapters' in the slots' layout (engine/lora/pool.py: 157 MB fp32, 78 MB in 16 bits). One step = each projection's
-GEMM then its ``PackedLoraSlots.add_``; the base GEMMs stream ~425 MB, so every step reads the adapters' weights from memory,
+GEMM then its ``PackedLoraSlots.add_``; the base GEMMs stream ~425 MB, so every step reads the adapters' weights from
+memory,
 as in the engine. Reported: the best of 8 steps of the GEMMs alone and with the LoRA calls, and their difference
 (what LoRA adds to a decode step, the Python per call included), after two warm-up steps each.
 """
@@ -37,7 +38,8 @@ def main() -> None:
     projections = []
     for _ in range(30):
         for k, shards in SHAPES:
-            store = cpu_lora.PackedLoraSlots(n_slots, k, list(shards), r, dtype)  # the engine's layout (engine/lora/pool.py)
+            # the engine's layout (engine/lora/pool.py)
+            store = cpu_lora.PackedLoraSlots(n_slots, k, list(shards), r, dtype)
             for slot in range(n_slots):
                 store.write(slot, [(torch.randn(r, k) * 0.02, torch.randn(n, r) * 0.02) for n in shards])
             projections.append((torch.randn(t, k), cpu_native.pack_linear(torch.randn(sum(shards), k) * 0.02), store))

@@ -3,9 +3,9 @@ every projection of the dense decoder layers (q/k/v, o, gate/up, down), and the 
 
 Each such ``Linear`` gets a ``LoraWeights`` (``Linear.lora``) holding its S shards' (1 unless fused) slots in one of
 two layouts:
-- the kernel backend's own (``KernelOps.lora_slots``; the ``cpu`` backend's kernels/cpu_lora.py ``PackedLoraSlots``): each
-  slot packed at its adapter's own rank, nothing stored for a shard the adapter does not target, so an adapter
-  costs its own bytes;
+- the kernel backend's own (``KernelOps.lora_slots``; the ``cpu`` backend's kernels/cpu_lora.py
+  ``PackedLoraSlots``): each slot packed at its adapter's own rank, nothing stored for a shard the adapter does not
+  target, so an adapter costs its own bytes;
 - else the logical one for ``KernelOps.lora_add`` (Triton) and the torch forms: ``a`` [max_loras, S*R, in] and
   ``bt`` [max_loras, S*R, out] (B transposed) at R = ``max_lora_rank``, zero where an adapter has a smaller rank or
   does not target a shard, so an adapter of rank r < R costs the same as one of rank R.

@@ -183,7 +183,8 @@ def test_a_decode_worker_killed_mid_stream_its_requests_migrate_and_the_pool_rec
 
     async def run():  # mid-call: the victim is the tool call's worker
         return await asyncio.gather(*(stream_killing(cluster, f"mig-{i}", prompts[i], params[i], killed,
-                                                     6 if i == TOOL_REQUESTS[0] else None) for i in range(len(prompts))))
+                                                     6 if i == TOOL_REQUESTS[0] else None)
+                                      for i in range(len(prompts))))
 
     results = loop_thread.run(run(), timeout=180)
     for i, ((tokens, text, last), ref) in enumerate(zip(results, want)):
