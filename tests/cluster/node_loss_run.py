@@ -162,8 +162,9 @@ def phases_at(load: Load, tracker, victims: dict[str, str]) -> list[dict]:
 
 def lose_node(ray_cluster, node) -> int:
     """The node is lost as a machine is: its raylet killed without grace (``remove_node``) and, in the same
-    moment, every process that raylet started (the duet workers among them). With the raylet alone, its workers
-    notice only 1-3 s later and go on prefilling and streaming meanwhile — a slow death, not a lost node."""
+    moment, every process that raylet started (the duet workers among them; the round stops them all first, so
+    nothing runs on while this kills). With the raylet alone, its workers notice only 1-3 s later and go on
+    prefilling and streaming meanwhile — a slow death, not a lost node."""
     import psutil
     from ray._private import ray_constants
 
@@ -283,11 +284,12 @@ async def fault_round(cluster, ray_cluster, node, mode: str, args) -> dict:
     tasks += [asyncio.create_task(asyncio.wait_for(load.one(i), HANG_BOUND_S))
               for i in range(args.n_short, len(prompts))]
     result["prefilling_before_fault"] = await until(lambda: inflight[victim_p[0]] > 0, 30)
-    result["phases_at_fault"] = phases_at(load, tracker, victims)
     fault_at = time.monotonic()
-    if mode == "freeze":
-        result["processes_stopped"] = len(await asyncio.to_thread(freeze_node, node))
-    else:
+    # the node's processes stop at once (SIGSTOP), so the phases read next are those the fault meets: killing takes
+    # a while (remove_node), during which a fast prefill would otherwise finish and leave nothing to place again
+    result["processes_stopped"] = len(await asyncio.to_thread(freeze_node, node))
+    result["phases_at_fault"] = phases_at(load, tracker, victims)
+    if mode == "kill":
         result["processes_killed"] = await asyncio.to_thread(lose_node, ray_cluster, node)
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     result["hung"] = [i for i, o in enumerate(outcomes) if isinstance(o, asyncio.TimeoutError)]
