@@ -8,6 +8,12 @@ as differences per interval (cluster/observe.py; the forecast that uses them: cl
 ``max_tokens`` is what a request may generate, not what it will: the finished requests' generated / asked tokens
 scale the asks (the forecast's ``output_ratio``). A request that failed or was aborted says nothing of how long
 outputs run and is not counted as finished.
+
+Decode's share is every token but the first: the prefill's step writes the first token (on a prefill worker, or on a
+decode worker prefilling a short prompt itself), so a request of ``max_tokens`` 1 never reaches a decode step and
+asks decode for nothing (it is not counted as a decode arrival); one of ``max_tokens`` n asks n - 1 decode steps,
+holding prompt + 1 + (n - 1) / 2 tokens of KV at mid-output. A 1-token prefill burst read as decode demand sized
+decode for 11,000 workers (tests/cluster/test_operating.py's autoscaler soak).
 """
 from __future__ import annotations
 
@@ -24,19 +30,23 @@ def kv_block_tokens(prompt_tokens: int, max_tokens: int, block_size: int) -> int
 class DecodeDemand:
     block_size: int
     requests: int = 0
-    output_tokens: int = 0  # max_tokens of the placed requests
-    kv_block_tokens: int = 0  # kv_block_tokens() of the placed requests
-    finished_tokens: int = 0  # tokens the finished requests generated ...
-    finished_requested: int = 0  # ... of the max_tokens they asked
+    output_tokens: int = 0  # decode tokens the placed requests may ask (max_tokens - 1 each)
+    kv_block_tokens: int = 0  # kv_block_tokens() of the placed requests' decode steps
+    finished_tokens: int = 0  # decode tokens the finished requests generated ...
+    finished_requested: int = 0  # ... of those they asked
 
     def placed(self, prompt_tokens: int, max_tokens: int) -> None:
+        if max_tokens <= 1:  # its one token is the prefill's
+            return
         self.requests += 1
-        self.output_tokens += max_tokens
-        self.kv_block_tokens += kv_block_tokens(prompt_tokens, max_tokens, self.block_size)
+        self.output_tokens += max_tokens - 1
+        self.kv_block_tokens += kv_block_tokens(prompt_tokens + 1, max_tokens - 1, self.block_size)
 
     def finished(self, generated: int, max_tokens: int) -> None:
-        self.finished_tokens += generated
-        self.finished_requested += max_tokens
+        if max_tokens <= 1:
+            return
+        self.finished_tokens += max(0, generated - 1)
+        self.finished_requested += max_tokens - 1
 
     def counters(self) -> dict[str, int]:
         """The Observation fields these counters feed (cumulative: the observer takes differences)."""

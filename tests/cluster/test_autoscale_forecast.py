@@ -144,12 +144,14 @@ def test_the_live_observer_reads_the_routers_counters_per_interval():
     demand = DecodeDemand(block_size=16)
     observer = PoolObserver(WorkerRegistry(), SimpleNamespace(prefill_tokens_routed=0, demand=demand), None,
                             AutoscalerConfig())
-    demand.placed(100, 50)
-    demand.placed(2000, 256)
+    demand.placed(100, 51)
+    demand.placed(2000, 257)
+    demand.placed(5000, 1)  # its only token is the prefill's: nothing asked of decode
     first = observer.observe(10.0)
-    assert (first.decode_requests_arrived, first.output_tokens_requested) == (2, 306)
-    assert first.kv_block_tokens_requested == 8 * 50 + 133 * 256  # ceil(125 / 16), ceil(2128 / 16) blocks
-    demand.finished(120, 256)
+    assert (first.decode_requests_arrived, first.output_tokens_requested) == (2, 306)  # the first tokens: prefill's
+    assert first.kv_block_tokens_requested == 8 * 50 + 134 * 256  # ceil(252 / 32), ceil(4258 / 32) blocks
+    demand.finished(121, 257)
+    demand.finished(1, 1)
     second = observer.observe(20.0)  # per interval, not cumulative
     assert second.decode_requests_arrived == 0 and second.kv_block_tokens_requested == 0
     assert (second.output_tokens_finished, second.output_tokens_finished_requested) == (120, 256)

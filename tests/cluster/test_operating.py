@@ -69,7 +69,8 @@ def test_autoscaler_follows_the_traffic_mix_and_drains_back(cluster_factory, loo
         assert wait_for(watch_prefill, timeout_s=60, interval_s=0.2), pools.autoscaler_view()
     finally:
         loop_thread.run(prefill_burst.stop())
-    assert max_decode_during_prefill_burst == 1, "prefill pressure scaled the decode pool"
+    assert max_decode_during_prefill_burst == 1, "prefill pressure scaled the decode pool: " + "; ".join(
+        f"{d['role']} {d['direction']}: {d['reason']} {d['signals']}" for d in pools.autoscaler_view()["decisions"])
 
     decode_burst = Load(cluster.backend, clients=16, prompt_len=20, max_tokens=160, seed=2)
     loop_thread.run(decode_burst.start())
