@@ -161,7 +161,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.lora_modules": dict(args.lora_modules) if args.lora_modules else None,
         "engine.max_loras": args.max_loras, "engine.max_lora_rank": args.max_lora_rank,
         "engine.max_cpu_loras": args.max_cpu_loras, "engine.pinned_loras": args.pinned_loras,
-        "engine.lora_dtype": args.lora_dtype,
+        "engine.lora_dtype": args.lora_dtype, "router.lora_resolver_dir": args.lora_resolver_dir,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -249,6 +249,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the adapters' weights as stored in the slots (default auto: the model's dtype; bfloat16 / "
                         "float16 halve the bytes the LoRA kernels read)")
+    p.add_argument("--lora-resolver-dir", metavar="DIR",
+                   help="PEFT LoRA adapters a request may name in \"model\" without a load first: DIR/NAME is loaded "
+                        "on first use, idle ones unloaded for room (vLLM's filesystem resolver; needs --max-loras)")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 

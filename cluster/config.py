@@ -97,9 +97,16 @@ class RouterConfig:
     # the format tool calls are written in (router/openai/tool_parsers.py: hermes, mistral, llama3_json, generic);
     # None: detected from the model's chat template (docs/operating.md "Tool calling")
     tool_call_parser: str | None = None
+    # a directory of PEFT LoRA adapters a request may name in "model" without a load first: <dir>/<name> is loaded on
+    # first use, idle ones unloaded for room (router/lora_resolver.py; vLLM's filesystem resolver). Needs LoRA slots
+    # (engine.max_loras); every worker must read it at the same path. None: only adapters loaded by name are served
+    lora_resolver_dir: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.lora_resolver_dir is not None and (not isinstance(self.lora_resolver_dir, str)
+                                                   or not self.lora_resolver_dir):
+            raise ConfigError(f"router.lora_resolver_dir must be a directory path, got {self.lora_resolver_dir!r}")
         if self.tool_call_parser is not None:
             from router.openai.tool_parsers import FORMATS
 
@@ -227,6 +234,8 @@ class ClusterConfig:
         if kwargs["decode"].num_workers < 1:
             raise ConfigError("decode.num_workers must be >= 1")
         _check_kv_pairing(engine.kv_cache_dtype, kwargs["prefill"], kwargs["decode"])
+        if kwargs["router"].lora_resolver_dir is not None and not engine.lora_slots:
+            raise ConfigError("router.lora_resolver_dir needs LoRA slots: engine.max_loras (--max-loras) >= 1")
         if engine.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size is set per pool (prefill.tensor_parallel_size, "
                               "decode.tensor_parallel_size; --prefill-tp / --decode-tp), not in the engine section")

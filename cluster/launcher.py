@@ -42,6 +42,7 @@ from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
 from router.lora_adapters import ServedAdapter
+from router.lora_resolver import LoraResolver
 from router.metrics.collector import ClusterCollector, RouterMetrics
 from router.routing.feed import IndexFeed
 from router.routing.policy import Role, make_policy
@@ -100,7 +101,7 @@ class Cluster:
             bounds=lambda: {r.value: pools.bounds(r) for r in pools.targets},
             feed_counters=lambda: asdict(feed.counters) if feed is not None else {},
             pool_counters=lambda: pools.counters, index_blocks=backend.index.block_counts,
-            peer_fetches=lambda: backend.peer_fetches))
+            peer_fetches=lambda: backend.peer_fetches, lora_counters=lambda: backend.lora.counters))
         cluster = cls(config, backend, pools, metrics, feed, started_ray=started_ray)
         pools.feeds.update({c.worker_id: t for c, t in zip(clients, feed_tasks)} if start_feed else {})
         cluster.feed_tasks = [] if start_feed else feed_tasks
@@ -185,7 +186,8 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
         decode_policy=make_policy(config.router.decode_policy, B, tier_weights=config.router.weights),
         local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics,
         lora_modules=[ServedAdapter(name, path, name in (config.engine.pinned_loras or ()))
-                      for name, path in config.engine.lora_modules or ()])
+                      for name, path in config.engine.lora_modules or ()],
+        lora_resolver=LoraResolver(config.router.lora_resolver_dir) if config.router.lora_resolver_dir else None)
 
 
 def _pool_hasher(engine: EngineConfig) -> BlockHasher:

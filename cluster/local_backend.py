@@ -16,10 +16,11 @@ from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from router.backend import Backend, Health, ModelCard
 from router.lora_adapters import LoraAdapters, ServedAdapter
+from router.lora_resolver import LoraResolver
 
 
 class LocalBackend(Backend):
-    def __init__(self, engine: Engine, model_id: str | None = None) -> None:
+    def __init__(self, engine: Engine, model_id: str | None = None, lora_resolver: LoraResolver | None = None) -> None:
         self.engine = engine
         engine.capture_decode_graphs()  # a colocated engine decodes: every bucket before serving (CUDA only)
         self.async_engine = AsyncEngine(engine)
@@ -32,11 +33,12 @@ class LocalBackend(Backend):
         pinned = set(engine.config.pinned_loras or ())
         self.lora = LoraAdapters(lambda: [_EngineTarget(self.async_engine)], [
             ServedAdapter(name, path, name in pinned, engine.runner.lora.digest(name))
-            for name, path in engine.config.lora_modules or ()])
+            for name, path in engine.config.lora_modules or ()], lora_resolver)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model_id: str | None = None) -> LocalBackend:
-        return cls(Engine(config), model_id)
+    def from_config(cls, config: EngineConfig, model_id: str | None = None,
+                    lora_resolver: LoraResolver | None = None) -> LocalBackend:
+        return cls(Engine(config), model_id, lora_resolver)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

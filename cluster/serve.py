@@ -65,8 +65,10 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: resolved and fetched once, here
     if colocated:
         from cluster.local_backend import LocalBackend
+        from router.lora_resolver import LoraResolver
 
-        backend = LocalBackend.from_config(config.engine, model_id=config.model_name)
+        resolver = LoraResolver(config.router.lora_resolver_dir) if config.router.lora_resolver_dir else None
+        backend = LocalBackend.from_config(config.engine, model_id=config.model_name, lora_resolver=resolver)
     else:
         from cluster.launcher import Cluster
 

@@ -28,5 +28,17 @@ class LoraAdapterError(DuetError, ValueError):
     or the limit (max_cpu_loras, max_lora_rank, a pin) that refused it."""
 
 
+class LoraCapacityError(LoraAdapterError):
+    """Every adapter a worker may hold (``max_cpu_loras``) is loaded: unload one first (a resolver's idle adapter is
+    unloaded for it: router/lora_adapters.py). HTTP 429 / RESOURCE_EXHAUSTED when nothing can make room."""
+
+
+class LoraAdaptersBusyError(LoraCapacityError):
+    """A request's adapter could be loaded (router/lora_resolver.py) but no loaded adapter can make room now: every one
+    the resolver loaded has running requests. HTTP 429 with Retry-After / RESOURCE_EXHAUSTED: retry."""
+
+    retry_after_s = 1
+
+
 class LoraAdapterNotFoundError(LoraAdapterError):
     """No such adapter: an unknown name (unload), or no directory at the path (load). HTTP 404 / NOT_FOUND."""

@@ -1,6 +1,6 @@
 """router: the front doors (HTTP, gRPC), the OpenAI layer, routing and dispatch. Torch-free (tested). A floor
 imports only the floors below it: dispatch/ → http/, grpc/, metrics/ → workers/, admission → openai/, routing/,
-tenancy, access, backend → lora_adapters.
+tenancy, access, backend → lora_adapters → lora_resolver.
 
 Pieces (each module's docstring is its design note):
 - backend.py    Backend: the seam every front door uses, over whatever runs the model
@@ -8,6 +8,7 @@ Pieces (each module's docstring is its design note):
 - tenancy.py    the salt derived from a request's API key (tenant isolation)
 - access.py     who may change the server: the admin-key rule both front doors apply to writes
 - lora_adapters.py  LoraAdapters: the LoRA adapters served, the same on every worker, loaded / unloaded at run time
+- lora_resolver.py  LoraResolver: a directory where an adapter a request names is found and loaded on first use
 - openai/       the OpenAI wire format: requests, tools, tool-call parsers, assistant messages, responses
 - http/         the HTTP front door: the app, errors, /admin, /openapi.json, /v1/responses, choice streams
 - grpc/         the gRPC front door and its chats

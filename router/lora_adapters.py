@@ -24,6 +24,13 @@ what a request may name in ``model``. A target is anything with the worker's thr
 - Joining (scale-up, a replacement, a role flip's new id): ``joining(worker)`` gives it the served set (loads what it
   lacks, drops what is not served) and holds the set still until the block returns, inside which the caller makes
   it routable: a load can never miss a worker that is becoming ready.
+- Resolve (``--lora-resolver-dir``, router/lora_resolver.py): a request naming an adapter nobody loaded, found in the
+  resolver's directory, loads it on first use (one load however many requests name it at once; then it is served
+  like any other). Adapters the resolver loaded are a cache: when the workers hold ``max_cpu_loras`` adapters, a load
+  (a resolve, or an admin's) unloads the least recently used of them with no running request first (counted
+  ``resolve_evictions``); adapters loaded by name (``--lora-modules``, the endpoints) are never unloaded for room.
+  With no such adapter idle the request is refused with 429 (``LoraAdaptersBusyError``; retry). A request admitted between
+  its check and its adapter's eviction is 404'd at admission: the eviction takes the least recently named first.
 A ``lora_path`` that reads as a Hub id is pinned to its commit here, before any worker is asked (``pin_hub_adapter``).
 Per name, loads and unloads are serialized (vLLM's per-name lock); the worker calls of all of them and joins
 are serialized by one lock. Torch-free (router process).
@@ -34,13 +41,22 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from engine.errors import DuetError, LoraAdapterError, LoraAdapterNotFoundError
+from engine.errors import (
+    DuetError,
+    LoraAdapterError,
+    LoraAdapterNotFoundError,
+    LoraAdaptersBusyError,
+    LoraCapacityError,
+)
+from router.lora_resolver import LoraResolver
 
 log = logging.getLogger(__name__)
+MAX_EVICTIONS = 4  # a load that found no room unloads at most this many idle resolved adapters (others race for it)
 
 
 class LoraTarget(Protocol):
@@ -81,12 +97,18 @@ async def pin_hub_adapter(path: str) -> str:
 
 
 class LoraAdapters:
-    def __init__(self, targets: Callable[[], Sequence[LoraTarget]], served: Iterable[ServedAdapter] = ()) -> None:
+    def __init__(self, targets: Callable[[], Sequence[LoraTarget]], served: Iterable[ServedAdapter] = (),
+                 resolver: LoraResolver | None = None) -> None:
         self._targets = targets
         self.served: dict[str, ServedAdapter] = {a.name: a for a in served}
+        self.resolver = resolver
+        self.resolved: set[str] = set()  # served names the resolver loaded: unloaded for room when idle
+        self.last_named: dict[str, float] = {}  # served name -> when a request last named it (monotonic)
         self.inflight: collections.Counter[str] = collections.Counter()  # requests admitted per adapter, not ended
         self.digests: dict[str, str] = {}  # every name ever served -> its digest (kept after unload)
-        self.counters = collections.Counter()  # loads, unloads, load_failures, unload_failures, joins
+        # loads, unloads, load_failures, unload_failures, joins; resolved, resolve_misses, resolve_failures,
+        # resolve_evictions, resolve_busy
+        self.counters = collections.Counter()
         self._apply = asyncio.Lock()  # worker calls of loads, unloads and joins, one at a time
         self._names: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._idle = asyncio.Condition()
@@ -103,6 +125,7 @@ class LoraAdapters:
         if name not in self.served:
             raise LoraAdapterNotFoundError(f"LoRA adapter {name!r} is not served (unloaded?)")
         self.inflight[name] += 1
+        self.last_named[name] = time.monotonic()
 
     def end(self, name: str | None) -> None:
         if name is None:
@@ -125,30 +148,87 @@ class LoraAdapters:
         async with self._names[name]:
             if name in self.served:
                 raise LoraAdapterError(f"the LoRA adapter {name!r} has already been loaded")
-            async with self._apply:
-                targets = list(self._targets())
-                results = await asyncio.gather(*(t.load_lora(name, path, pinned) for t in targets),
-                                               return_exceptions=True)
-                loaded = [t for t, r in zip(targets, results) if isinstance(r, str)]
-                error = next((_named(t, r) for t, r in zip(targets, results) if isinstance(r, BaseException)), None)
-                digests = {r for r in results if isinstance(r, str)}
-                seen = self.digests.get(name)
-                if error is None and len(digests) > 1:
-                    error = LoraAdapterError(f"the workers read different bytes at {path} for {name!r}")
-                if error is None and seen is not None and digests and digests != {seen}:
-                    error = LoraAdapterError(f"LoRA adapter name {name!r} was served with other weights before: "
-                                             f"blocks cached under that name would be reused; load {path} under a "
-                                             "new name")
-                if error is not None:
-                    self.counters["load_failures"] += 1
-                    await asyncio.gather(*(t.unload_lora(name) for t in loaded), return_exceptions=True)
-                    raise error
-                digest = digests.pop() if digests else seen
-                adapter = ServedAdapter(name, path, pinned, digest)
-                if digest is not None:
-                    self.digests[name] = digest
-                self.served[name] = adapter
-                self.counters["loads"] += 1
+            return await self._load_making_room(name, path, pinned)
+
+    async def resolve(self, name: str) -> bool:
+        """Whether ``name`` is served now: one already served (its use noted), or one the resolver finds, loaded here
+        (the module's docstring). False: no resolver, or none by that name. Raises what a load raises
+        (``LoraAdapterError``: an adapter duet cannot serve, 400) and ``LoraAdaptersBusyError`` (429) when no
+        room can be made."""
+        if name in self.served:
+            self.last_named[name] = time.monotonic()
+            return True
+        if self.resolver is None:
+            return False
+        try:
+            path = self.resolver.find(name)
+        except LoraAdapterError:
+            self.counters["resolve_failures"] += 1
+            raise
+        if path is None:
+            self.counters["resolve_misses"] += 1
+            return False
+        async with self._names[name]:
+            if name not in self.served:  # else another request's resolve loaded it meanwhile
+                try:
+                    await self._load_making_room(name, path, False)
+                except LoraCapacityError as e:
+                    self.counters["resolve_busy"] += 1
+                    raise LoraAdaptersBusyError(f"LoRA adapter {name!r} cannot be loaded now: {e}; every adapter "
+                                                "loaded by the resolver has running requests") from None
+                except LoraAdapterError:
+                    self.counters["resolve_failures"] += 1
+                    raise
+                self.resolved.add(name)
+                self.counters["resolved"] += 1
+                log.info("LoRA adapter %r resolved to %s on first use", name, path)
+            self.last_named[name] = time.monotonic()
+        return True
+
+    async def _load_making_room(self, name: str, path: str, pinned: bool) -> ServedAdapter:
+        """``_load`` (under ``name``'s lock); when the workers are full, the least recently named idle adapter the
+        resolver loaded is unloaded and the load tried again (the last refusal raised when none is left)."""
+        for _ in range(MAX_EVICTIONS):
+            try:
+                return await self._load(name, path, pinned)
+            except LoraCapacityError:
+                victim = min((n for n in self.resolved if not self.inflight[n] and n in self.served),
+                             key=lambda n: self.last_named.get(n, 0.0), default=None)
+                if victim is None:
+                    raise
+                log.info("LoRA adapter %r unloaded to make room for %r (resolved, least recently named, idle)",
+                         victim, name)
+                with contextlib.suppress(LoraAdapterNotFoundError):  # another load unloaded it first
+                    await self.unload(victim)
+                    self.counters["resolve_evictions"] += 1
+        return await self._load(name, path, pinned)
+
+    async def _load(self, name: str, path: str, pinned: bool) -> ServedAdapter:
+        """Load on every live worker, or on none (the caller holds ``name``'s lock)."""
+        async with self._apply:
+            targets = list(self._targets())
+            results = await asyncio.gather(*(t.load_lora(name, path, pinned) for t in targets),
+                                           return_exceptions=True)
+            loaded = [t for t, r in zip(targets, results) if isinstance(r, str)]
+            error = next((_named(t, r) for t, r in zip(targets, results) if isinstance(r, BaseException)), None)
+            digests = {r for r in results if isinstance(r, str)}
+            seen = self.digests.get(name)
+            if error is None and len(digests) > 1:
+                error = LoraAdapterError(f"the workers read different bytes at {path} for {name!r}")
+            if error is None and seen is not None and digests and digests != {seen}:
+                error = LoraAdapterError(f"LoRA adapter name {name!r} was served with other weights before: "
+                                         f"blocks cached under that name would be reused; load {path} under a "
+                                         "new name")
+            if error is not None:
+                self.counters["load_failures"] += 1
+                await asyncio.gather(*(t.unload_lora(name) for t in loaded), return_exceptions=True)
+                raise error
+            digest = digests.pop() if digests else seen
+            adapter = ServedAdapter(name, path, pinned, digest)
+            if digest is not None:
+                self.digests[name] = digest
+            self.served[name] = adapter
+            self.counters["loads"] += 1
         log.info("LoRA adapter %r loaded on %d workers from %s%s", name, len(targets), path,
                  " (pinned)" if pinned else "")
         return adapter
@@ -160,6 +240,8 @@ class LoraAdapters:
             if name not in self.served:
                 raise LoraAdapterNotFoundError(f"the LoRA adapter {name!r} cannot be found")
             del self.served[name]  # new requests naming it are refused from here on
+            self.resolved.discard(name)
+            self.last_named.pop(name, None)
             if self.inflight[name]:
                 log.info("LoRA adapter %r unloads after its %d running requests", name, self.inflight[name])
             async with self._idle:

@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from engine.errors import LoraAdapterError, LoraAdapterNotFoundError
+from engine.errors import LoraAdapterError, LoraAdapterNotFoundError, LoraCapacityError
 from engine.lora.adapter import LoraAdapter, load_adapter
 from engine.lora.pool import LoraPool
 from engine.lora.slots import LoraSlots, NoFreeLoraSlot
@@ -91,7 +91,7 @@ class LoraManager:
         if name in self.adapters:
             raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded (from {self.adapters[name].path})")
         if len(self.adapters) >= self.max_cpu_loras:
-            raise LoraAdapterError(f"max_cpu_loras: {len(self.adapters)} LoRA adapters are loaded "
+            raise LoraCapacityError(f"max_cpu_loras: {len(self.adapters)} LoRA adapters are loaded "
                                    f"({', '.join(self.names())}); unload one before loading {name!r}")
         self._check_pin_room(name, pinned)
         self.pool.check(adapter)

@@ -60,6 +60,7 @@ from router.backend import Backend, Health, ModelCard
 from router.dispatch.faults import WorkerFaults, _Lost, _quietly
 from router.dispatch.migration import MAX_MIGRATIONS, SentSoFar, with_seed
 from router.lora_adapters import LoraAdapters, ServedAdapter
+from router.lora_resolver import LoraResolver
 from router.metrics.collector import RequestTiming, RouterMetrics
 from router.routing.demand import DecodeDemand
 from router.routing.index import PrefixIndex
@@ -93,6 +94,7 @@ class ClusterBackend(WorkerFaults, Backend):
         metrics: RouterMetrics | None = None,
         prefill_hasher: BlockHasher | None = None,
         lora_modules: Sequence[ServedAdapter] = (),
+        lora_resolver: LoraResolver | None = None,
     ) -> None:
         self.card = card
         self.tokenizer = tokenizer
@@ -112,7 +114,7 @@ class ClusterBackend(WorkerFaults, Backend):
         self.prefill_tokens_routed = 0  # uncached prompt tokens of requests that needed a prefill (cumulative)
         self.demand = DecodeDemand(hasher.block_size)  # what the requests ask of decode (cumulative)
         self.inflight: collections.Counter[str] = collections.Counter()  # worker -> requests placed, not done
-        self.lora = LoraAdapters(self._lora_targets, lora_modules)  # the same adapters on every worker
+        self.lora = LoraAdapters(self._lora_targets, lora_modules, lora_resolver)  # the same adapters on every worker
         for client in (*prefill, *decode):
             self.registry.add(client.worker_id, client.descriptor.role, time.monotonic())
             self.activate(client)

@@ -49,7 +49,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import DuetError, InvalidRequestError, LoraAdapterNotFoundError
+from engine.errors import DuetError, InvalidRequestError, LoraAdapterNotFoundError, LoraAdaptersBusyError
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.sampling.structured import structured_output
@@ -141,7 +141,7 @@ def _top_logprobs_pb(top: dict[int, float]) -> pb.TopLogprobs:
 
 def _status_of(e: DuetError) -> grpc.StatusCode:
     """One status per condition (router/admission.py's table); anything else the caller got wrong."""
-    if isinstance(e, OverloadedError):
+    if isinstance(e, (OverloadedError, LoraAdaptersBusyError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(e, (QueueTimeoutError, DeadlineExceededError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED
@@ -176,10 +176,13 @@ class GenerateServicer(LoraAdminRpcs, pb_grpc.GenerateServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
+            if request.model not in ("", self.backend.card.model_id) and self.backend.lora is not None:
+                # an adapter the resolver finds (router/lora_resolver.py) is loaded on first use
+                await self.backend.lora.resolve(request.model)
             request_id, prompt_ids, params, turn = await asyncio.to_thread(self._prepare, request,
                                                                            self._tenant_salt(context))
         except DuetError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(_status_of(e), str(e))
         try:
             async with contextlib.aclosing(self.backend.generate(request_id, prompt_ids, params)) as outputs:
                 async for out in outputs:

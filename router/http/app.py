@@ -92,7 +92,8 @@ def create_app(backend: Backend, *, api_keys: Sequence[str] = (),
     app.include_router(admin_router(operator, metrics, api_keys=api_keys, admin_key=admin_key, bind_host=bind_host))
     app.include_router(lora_router(backend, access_checks(api_keys, admin_key, bind_host)[1]))
     install_error_handlers(app)
-    document(app, [*server.model_names, *backend.lora_adapters()])
+    document(app, lambda: [*server.model_names, *backend.lora_adapters()],
+             resolves=backend.lora is not None and backend.lora.resolver is not None)
     return app
 
 
@@ -117,7 +118,7 @@ class _OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, self.max_request_bytes)
-        self.check_model(body.model)
+        await self.resolve_model(body.model)
         tokenizer = self.backend.tokenizer
         prompts = body.prompts()
         prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -126,7 +127,7 @@ class _OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
-        self.check_model(body.model)
+        await self.resolve_model(body.model)
         prompt_ids, shaping = self.chat_prompt(body)
         if shaping.plan is not None and self.metrics is not None:
             self.metrics.tool_requests.labels(shaping.plan.fmt.name, shaping.plan.metric_mode).inc()
@@ -209,6 +210,13 @@ class _OpenAIServer:
         if not self.salt_by_api_key:
             return None
         return tenant_salt(bearer_token(request.headers.get("authorization", "")) or "")
+
+    async def resolve_model(self, name: str) -> None:
+        """``check_model`` for a generation: a LoRA adapter the backend's resolver finds is loaded first (the
+        request's 404 otherwise; an adapter found but not servable 400; no room now 429)."""
+        if name not in self._accepted_names and self.backend.lora is not None:
+            await self.backend.lora.resolve(name)
+        self.check_model(name)
 
     def check_model(self, name: str) -> None:
         if name not in self._accepted_names and name not in self.lora_names:

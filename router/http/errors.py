@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import InvalidRequestError, LoraAdapterError, LoraAdapterNotFoundError
+from engine.errors import InvalidRequestError, LoraAdapterError, LoraAdapterNotFoundError, LoraAdaptersBusyError
 from router.admission import DeadlineExceededError, OverloadedError, QueueTimeoutError
 from router.openai.base import BadRequest, error_body
 from router.openai.protocol import GenerationRequest
@@ -127,6 +127,9 @@ def _as_api_error(exc: Exception) -> Exception:
         return ApiError(503, str(exc), "server_error", code="no_workers")
     if isinstance(exc, ClientTooSlow):
         return ApiError(408, str(exc), "timeout_error", code="client_too_slow")
+    if isinstance(exc, LoraAdaptersBusyError):  # a resolver's adapter, and no room for it now
+        return ApiError(429, str(exc), "rate_limit_error", code="lora_adapters_busy",
+                        headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, LoraAdapterNotFoundError):  # vLLM's NotFoundError (an adapter unloaded, or never there)
         return ApiError(404, str(exc), "NotFoundError", code="lora_adapter_not_found")
     if isinstance(exc, LoraAdapterError):

@@ -8,6 +8,7 @@ nothing undocumented comes back.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -62,20 +63,26 @@ _LORA_BODIES = {
 }
 
 
-def document(app: FastAPI, model_names: list[str]) -> None:
-    """Replace ``app.openapi`` with one that publishes request bodies and error responses. ``model_names``:
-    the names this server answers to at start (valid requests name one; anything else is a 404); LoRA adapters
-    loaded later are not in the document (GET /v1/models lists what is served now)."""
+def document(app: FastAPI, model_names: Callable[[], list[str]], resolves: bool = False) -> None:
+    """Replace ``app.openapi`` with one that publishes request bodies and error responses. ``model_names()``: the
+    names this server answers to now (valid requests name one; anything else is a 404): the document is made again
+    when they change (LoRA adapters loaded and unloaded at run time). ``resolves``: a LoRA resolver may load other
+    names on first use (router/lora_resolver.py), so ``model`` is any string, the served names its examples."""
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema:
+        names = list(model_names())
+        if app.openapi_schema and app.openapi_schema.get("x-duet-models") == names:
             return app.openapi_schema
+        name_schema = ({"type": "string", "examples": names, "description": "a served model or LoRA adapter, or "
+                        "an adapter the server's resolver finds (404 when it does not)"} if resolves
+                       else {"type": "string", "enum": names})
         schema = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+        schema["x-duet-models"] = names
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["ErrorResponse"] = _ERROR
         for path, model in _GENERATION.items():
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            body["properties"]["model"] = {"type": "string", "enum": list(model_names), "title": "Model"}
+            body["properties"]["model"] = {**name_schema, "title": "Model"}
             for name, part in {**body.pop("$defs", {}), model.__name__: body}.items():
                 components[name] = _null_means_default(part)
             operation = schema["paths"][path]["post"]
@@ -87,7 +94,7 @@ def document(app: FastAPI, model_names: list[str]) -> None:
                 "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}}}}
         for parameter in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
             if parameter["name"] == "model_id":
-                parameter["schema"] = {"type": "string", "enum": list(model_names)}
+                parameter["schema"] = {"type": "string", "enum": names}
         pools = schema["paths"].get("/admin/pools/{role}", {}).get("post")
         if pools is not None:
             for parameter in pools.get("parameters", []):

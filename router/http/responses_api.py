@@ -258,7 +258,7 @@ def usage_of(choice: ChoiceState, num_prompt_tokens: int) -> dict:
 async def serve_response(server, request, body: ResponsesRequest) -> Response:
     """Run ``body`` on ``server`` (router/http/app.py's): the chat path, shaped into Responses output."""
     chat = body.chat_body()
-    server.check_model(chat.model)
+    await server.resolve_model(chat.model)
     prompt_ids, shaping = server.chat_prompt(chat)
     [params] = chat.sampling_params(len(prompt_ids), server.backend.card.max_model_len, server.salt_for(request),
                                     shaping.plan.constraint if shaping.plan else None, shaping.keep_special_tokens)

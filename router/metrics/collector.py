@@ -30,7 +30,7 @@ from prometheus_client.utils import floatToGoString
 from engine.histogram import ITL_BUCKETS_S, LATENCY_BUCKETS_S, TTFT_BUCKETS_S, token_buckets
 from engine.outputs import RequestOutput
 from router.metrics.cache_config import cache_config_family
-from router.metrics.lora import lora_families
+from router.metrics.lora import adapter_events_family, lora_families
 from router.metrics.speculative import spec_families
 from router.metrics.tiers import tier_families
 from router.metrics.weights import weight_family
@@ -238,7 +238,8 @@ class ClusterCollector:
                  feed_counters: Callable[[], Mapping[str, int]] = dict,
                  pool_counters: Callable[[], Mapping[str, int]] = dict,
                  index_blocks: Callable[[], Mapping[tuple[str, str], int]] = dict,
-                 peer_fetches: Callable[[], Mapping[str, int]] = dict) -> None:
+                 peer_fetches: Callable[[], Mapping[str, int]] = dict,
+                 lora_counters: Callable[[], Mapping[str, int]] = dict) -> None:
         self.model_name = model_name
         self.workers = registry
         self.targets = targets
@@ -247,6 +248,7 @@ class ClusterCollector:
         self.pool_counters = pool_counters
         self.index_blocks = index_blocks  # {(worker, tier): blocks}: PrefixIndex.block_counts
         self.peer_fetches = peer_fetches  # ClusterBackend.peer_fetches
+        self.lora_counters = lora_counters  # LoraAdapters.counters
 
     def describe(self) -> list:
         return []  # families vary with the workers; nothing to pre-declare
@@ -272,6 +274,7 @@ class ClusterCollector:
         yield from tier_families(live, self._labels, WORKER_LABELS, self.peer_fetches())
         yield from spec_families(live, self._labels, WORKER_LABELS)
         yield from lora_families(live, self._labels, WORKER_LABELS)
+        yield adapter_events_family(self.lora_counters())
         pools = GaugeMetricFamily("duet_workers", "Workers by role and lifecycle state.", labels=("role", "state"))
         for (role, state), n in sorted(self.workers.counts().items()):
             pools.add_metric((role.value, state.value), n)

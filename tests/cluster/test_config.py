@@ -1,5 +1,5 @@
 """cluster/config.py: the router section's KV tier weights, the transfer section's lease bounds, the lifecycle
-section's probe misses and the pools' KV dtypes (validated when the config is built)."""
+section's probe misses, the pools' KV dtypes and the LoRA resolver (validated when the config is built)."""
 import pytest
 
 from cluster.config import ClusterConfig
@@ -71,3 +71,13 @@ def test_a_pool_may_store_its_own_kv_dtype_when_the_pull_converts_it():
                                  "decode": {"kv_cache_dtype": "fp8_e4m3"}})
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
         ClusterConfig.from_dict({"model": "m", "decode": {"kv_cache_dtype": "int4"}})
+
+
+def test_a_lora_resolver_needs_lora_slots_and_a_path():
+    with pytest.raises(ConfigError, match=r"router.lora_resolver_dir needs LoRA slots: engine.max_loras \(--max-loras\)"):
+        ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": "/adapters"}})
+    with pytest.raises(ConfigError, match="router.lora_resolver_dir must be a directory path, got 3"):
+        ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": 3}, "engine": {"max_loras": 2}})
+    config = ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": "/adapters"},
+                                      "engine": {"max_loras": 2}})
+    assert config.router.lora_resolver_dir == "/adapters"

@@ -12,6 +12,10 @@ prompt prefilled on the prefill worker, its KV pulled by the decode worker).
 - Workers that join: a decode worker started by a scale-up holds the served set (the run-time adapter included, the
   unloaded one not) before it is routed to and serves it; a role flip's worker keeps it; a later load reaches it.
   The dashboard shows each worker's adapters (a Chromium screenshot: build/screenshots/dashboard-lora.png).
+- The resolver (``--lora-resolver-dir``): adapters nobody loaded, named in a request, load on first use (one load for
+  requests naming one at once) and serve peft's text over HTTP and gRPC; at ``--max-cpu-loras`` the least recently
+  named idle resolved adapter is unloaded for the next, never a named one; none idle: 429, then served once one is;
+  unknown and path-like names 404, a directory that is no LoRA adapter 400; /openapi.json and /metrics say so.
 """
 from __future__ import annotations
 
@@ -44,8 +48,9 @@ LONG = 600  # tokens of the request an unload waits for (~2 s here)
 
 
 class Served:
-    def __init__(self, model, adapters, port, grpc_port, ray) -> None:
+    def __init__(self, model, adapters, port, grpc_port, ray, resolvable) -> None:
         self.model, self.adapters, self.port, self.grpc_port, self.ray = model, adapters, port, grpc_port, ray
+        self.resolvable = resolvable  # adapters under --lora-resolver-dir, by the name a request gives
         self.url = f"http://127.0.0.1:{port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="-", max_retries=0, timeout=300)
         self.tok = transformers.AutoTokenizer.from_pretrained(str(model))
@@ -90,14 +95,20 @@ def served(tiny_model, ray_session, tmp_path_factory):
         "ad-rt": save_peft_adapter(model, tmp / "rt", seed=3, std=0.3),  # loaded at run time
         "ad-late": save_peft_adapter(model, tmp / "late", seed=4, std=0.3),
     }
+    resolver_dir = tmp / "resolvable"
+    resolvable = {name: save_peft_adapter(model, resolver_dir / name, seed=seed, std=0.3)
+                  for name, seed in (("org/ad-res", 5), ("ad-res2", 6))}
+    (resolver_dir / "not-lora").mkdir()
+    (resolver_dir / "not-lora" / "adapter_config.json").write_text('{"peft_type": "IA3"}')
     port, grpc_port = free_port(), free_port()
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--served-model-name", "tiny",
             "--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0", "--num-blocks", "96",
             "--address", ray_session.get_runtime_context().gcs_address, "--port", str(port),
             "--grpc-port", str(grpc_port), "--admin-key", "adm", "--max-loras", "2", "--max-cpu-loras", "4",
+            "--lora-resolver-dir", str(resolver_dir),
             "--lora-modules", *(f"{k}={adapters[k]}" for k in ("ad-every", "ad-qv"))]
     with serving(argv, tmp / "serve.log", port, signal.SIGINT):
-        yield Served(model, adapters, port, grpc_port, ray_session)
+        yield Served(model, adapters, port, grpc_port, ray_session, resolvable)
 
 
 def test_served_adapters_equal_transformers_and_peft(served):
@@ -225,3 +236,58 @@ def test_workers_that_join_get_the_adapters(served, browser):  # noqa: F811 (bro
     assert r.status_code == 200
     assert all(names == ["ad-every", "ad-late", "ad-rt"] for names in served.loaded().values()), served.loaded()
     assert served.complete(prompt, "ad-late").choices[0].text == served.reference(prompt, served.adapters["ad-late"])
+
+
+def test_adapters_the_resolver_finds_load_on_first_use(served):
+    """At this point the workers hold ad-every, ad-late and ad-rt (named loads) of --max-cpu-loras 4."""
+    from router.grpc.server import pb, pb_grpc
+
+    prompt = random_prompts(512, lens=(21,), seed=11)[0]
+    want = {name: served.reference(prompt, path) for name, path in served.resolvable.items()}
+    named = ["ad-every", "ad-late", "ad-rt"]
+    assert "org/ad-res" not in [m for m, _ in served.models()]
+    with ThreadPoolExecutor(3) as pool:  # three requests name it at once: one load
+        got = list(pool.map(lambda _: served.complete(prompt, "org/ad-res").choices[0].text, range(3)))
+    assert got == [want["org/ad-res"]] * 3
+    assert ("org/ad-res", "tiny") in served.models()
+    assert all(names == sorted([*named, "org/ad-res"]) for names in served.loaded().values()), served.loaded()
+
+    # full: the next one unloads the idle resolved adapter, never a named one; gRPC resolves as HTTP does
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        out = list(pb_grpc.GenerateStub(channel).Generate(pb.GenerateRequest(
+            model="ad-res2", token_ids=pb.TokenIds(ids=prompt), max_tokens=NUM_TOKENS, temperature=0,
+            ignore_eos=True)))
+    assert served.tok.decode([t for o in out for t in o.token_ids]) == want["ad-res2"]
+    assert all(names == sorted([*named, "ad-res2"]) for names in served.loaded().values()), served.loaded()
+
+    # none idle: while a request of ad-res2 streams, another adapter is refused with 429, then served
+    chunks = []
+
+    def stream() -> None:
+        for chunk in served.client.completions.create(model="ad-res2", prompt=prompt, max_tokens=LONG, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True}):
+            chunks.append(chunk.choices[0].text)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert wait_for(lambda: chunks, timeout_s=60, interval_s=0.01)
+    busy = httpx.post(served.url + "/v1/completions", json={"model": "org/ad-res", "prompt": prompt, "max_tokens": 2})
+    streamer.join(120)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1", busy.text
+    assert busy.json()["error"]["code"] == "lora_adapters_busy"
+    assert len("".join(chunks)) > 0 and not streamer.is_alive()
+    assert served.complete(prompt, "org/ad-res").choices[0].text == want["org/ad-res"]  # ad-res2 idle now: room
+
+    for name in ("nope", "../ad-late", "org/../ad-res2", "/etc"):  # unknown, or a path: 404
+        with pytest.raises(openai.NotFoundError):
+            served.complete(prompt, name)
+    with pytest.raises(openai.BadRequestError, match="peft_type 'IA3'"):
+        served.complete(prompt, "not-lora")
+    model = httpx.get(served.url + "/openapi.json").json()["components"]["schemas"]["CompletionRequest"][
+        "properties"]["model"]
+    assert "enum" not in model and "org/ad-res" in model["examples"]
+    metrics = httpx.get(served.url + "/metrics").text
+    events = {e: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              for e in ("resolved", "resolve_evictions", "resolve_busy", "resolve_failures")
+              if line.startswith(f'duet_lora_adapter_events_total{{event="{e}"}}')}
+    assert events == {"resolved": 3, "resolve_evictions": 2, "resolve_busy": 1, "resolve_failures": 1}

@@ -109,9 +109,10 @@ async def test_disaggregated_request_streams_first_token_then_decode_and_clears_
     assert backend.tracker.num_inflight() == 0
     assert ("release", "r") not in p0.calls + p1.calls  # finished normally: the lease ended by the pull
     # what it asked of decode and what it generated: the autoscaler's forecast (router/routing/demand.py)
-    assert backend.demand.counters() == {"decode_requests_arrived": 1, "output_tokens_requested": 3,
-                                         "kv_block_tokens_requested": -(-(2 * 19 + 3) // (2 * B)) * 3,
-                                         "output_tokens_finished": 4, "output_tokens_finished_requested": 3}
+    # (decode's share: every token but the prefill's first; the script's workers send 4 for max_tokens 3)
+    assert backend.demand.counters() == {"decode_requests_arrived": 1, "output_tokens_requested": 2,
+                                         "kv_block_tokens_requested": -(-(2 * 20 + 2) // (2 * B)) * 2,
+                                         "output_tokens_finished": 3, "output_tokens_finished_requested": 2}
 
 
 async def test_short_uncached_prompt_is_prefilled_on_the_decode_worker():
