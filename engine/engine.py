@@ -244,7 +244,7 @@ class Engine(EmitMixin, RemoteKVMixin):
             return None
         sched = self.scheduler
         waiting = [*sched.waiting, *sched.loading.values(), *self.remote_pending.values()]
-        return {**self.runner.lora.info(),
+        return {**self.runner.lora.info(), "reserves": sched.num_lora_reserves,
                 "running_adapters": sorted({r.params.lora for r in sched.running if r.params.lora is not None}),
                 "waiting_adapters": sorted({r.params.lora for r in waiting if r.params.lora is not None})}
 

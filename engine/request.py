@@ -287,6 +287,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
+    lora_passed_over: int = 0  # requests of other adapters that took a slot while its adapter found none
+    lora_reserved: bool = False  # it was passed over enough to reserve the next slot (engine/sched/scheduler.py)
     stop_reason: int | str | None = None
     error: str | None = None
     detokenizer: object | None = None  # engine.text.tokenizer.IncrementalDetokenizer when text is produced

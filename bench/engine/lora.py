@@ -1,13 +1,14 @@
 """LoRA's cost (issue 50 must-show 4): output tok/s with 8 adapters mixed in one batch vs the base model alone, in one
 run.
 
-    python -m bench.engine.lora [--tiny] [--batch 16] [--max-tokens 64] [--rank 16] [--adapters 8]
+    python -m bench.engine.lora [--tiny | --llama-1b] [--batch 16] [--max-tokens 64] [--rank 16] [--adapters 8]
                                 [--max-lora-rank R] [--targets q_proj,v_proj,...]
                                 [--lora-dtype auto|bfloat16|float16] [--waves 6] [--profile]
     make bench-lora [TINY=1] [LORA_DTYPE=bfloat16]
 
-SmolLM2-135M-Instruct as a Hugging Face directory (bench/hf_model.py; ``--tiny``: the tiny random Llama), fp32, on
-the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, on ``--targets``: every
+SmolLM2-135M-Instruct as a Hugging Face directory (bench/hf_model.py; ``--tiny``: the tiny random Llama;
+``--llama-1b``: random weights in Llama-3.2-1B's layers, hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, with a 32,000
+token vocabulary, built once under .cache/bench), fp32, on the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, on ``--targets``: every
 attention and MLP projection by default; random weights; built once under .cache/bench/lora-adapters),
 ``max_lora_rank`` = ``--max-lora-rank`` (default ``--rank``). Two engines in one process, the same ``--batch``
 random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the base engine (no LoRA slots) with every
@@ -64,22 +65,21 @@ def ensure_adapters(model: Path, n: int, rank: int, targets: tuple[str, ...] = T
     import torch
     import transformers
 
-    out = {}
     only = "" if set(targets) == set(TARGETS) else "-" + "+".join(sorted(targets))
-    for i in range(n):
-        d = ADAPTER_DIR / f"{model.name}-r{rank}{only}-{i}"
-        if not (d / "adapter_model.safetensors").exists():
+    dirs = [ADAPTER_DIR / f"{model.name}-r{rank}{only}-{i}" for i in range(n)]
+    missing = [i for i, d in enumerate(dirs) if not (d / "adapter_model.safetensors").exists()]
+    if missing:  # the base read once: a 1B fp32 model takes a while
+        base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        pm = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                                                       init_lora_weights=False))
+        for i in missing:
             torch.manual_seed(i)
-            base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-            pm = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
-                                                           init_lora_weights=False))
             with torch.no_grad():
                 for name, p in pm.named_parameters():
                     if "lora_" in name:
                         p.normal_(0.0, 0.02)
-            pm.save_pretrained(d)
-        out[f"adapter-{i}"] = str(d)
-    return out
+            pm.save_pretrained(dirs[i])
+    return {f"adapter-{i}": str(d) for i, d in enumerate(dirs)}
 
 
 class Side:
@@ -155,6 +155,7 @@ def profile_parts(engine):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--llama-1b", action="store_true", help="random weights in Llama-3.2-1B's layers (32k vocab)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
@@ -168,6 +169,12 @@ def main() -> None:
     if args.tiny:
         from engine.loading.tiny import make_tiny_model
         model = make_tiny_model(Path(".cache/bench/tiny-llama-lora"))
+    elif args.llama_1b:
+        from engine.loading.tiny import make_tiny_model
+        model = Path(".cache/bench/llama-1b-shaped")
+        if not (model / "config.json").exists():
+            make_tiny_model(model, vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                            intermediate_size=8192, max_position_embeddings=4096)
     else:
         from bench.hf_model import ensure_hf_model
         model = ensure_hf_model()

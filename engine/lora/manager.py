@@ -17,8 +17,8 @@ The scheduler's gate (engine/sched/scheduler.py): a request enters the running b
 adapter succeeds (its slot held; if the adapter was not in one, the least recently used idle slot is overwritten
 with it, counted as an eviction), and ``release`` when it leaves the batch (finished, preempted, handed off). A
 request whose adapter finds no slot (every slot held by other adapters' running requests, or pinned) stays waiting;
-requests behind it whose adapters have slots may go first (vLLM's rule: a busy adapter can delay another's requests
-while every slot stays held). A load puts the adapter in a free slot at once if one is free (never evicting), so a
+requests behind it whose adapters have slots may go first (vLLM's rule), until a batch's worth of them did: then it
+reserves the next slot that goes idle (engine/sched/lora_pass.py). A load puts the adapter in a free slot at once if one is free (never evicting), so a
 start-up set that fits is warm.
 
 A name always means the same bytes (``digests``, kept after unload): blocks cached under a name (the block-hash salt

@@ -2,5 +2,6 @@
 
 Pieces (each module's docstring is its design note):
 - scheduler.py  Scheduler: continuous batching, chunked prefill under a token budget, preemption by recompute
+- lora_pass.py  LoraPass: which waiting requests may take an adapter slot (vLLM's rule, and a reserve against starving)
 - output.py     SchedulerOutput, ScheduledRequest, PeerImporter: the contract a step hands the model runner
 """

@@ -23,6 +23,8 @@ LoRA adapters (``lora``, a ``LoraGate``): a request of an adapter enters the run
 device slot, and gives it back when it leaves the batch (finished, preempted, handed off), so a batch mixes at most
 ``max_loras`` adapters. One whose adapter gets no slot (all held by other adapters' running requests) stays waiting
 without blocking the requests behind it (vLLM's rule); nothing running means no slot is held, so it never waits alone.
+Passed over by a batch's worth of other adapters' requests, it reserves the next slot that goes idle, so a stream of
+requests on the adapters holding the slots cannot keep it waiting for good (engine/sched/lora_pass.py).
 
 Bookkeeping only (no torch): the engine runs the model on the ``SchedulerOutput`` and then calls
 ``on_step_computed``; sampling and stop checks are the engine's.
@@ -38,6 +40,7 @@ from engine.kv.handoff import PeerBlocks
 from engine.kv.hashing import BlockHasher
 from engine.kv.tiers import TierManager
 from engine.request import Request, RequestStatus
+from engine.sched.lora_pass import LoraPass
 from engine.sched.output import LoraGate, PeerImporter, ScheduledRequest, SchedulerOutput
 
 
@@ -76,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # prefix blocks in flight from a lower tier
         self.num_preemptions = 0
+        self.num_lora_reserves = 0  # requests passed over for an adapter slot until they reserved one
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
         self.num_tier_hit_tokens = 0  # prompt tokens whose KV was loaded back from a lower tier
@@ -138,6 +142,7 @@ class Scheduler:
             i += 1
 
         blocked = False  # an earlier request that must compute its prompt did not fit: FCFS among those
+        slots = LoraPass(self.lora, self.max_num_seqs)
         for request in list(self.waiting):
             if budget <= 0 or out.preempted or len(self.running) >= self.max_num_seqs:
                 break
@@ -146,7 +151,7 @@ class Scheduler:
                 need = self.blocks_needed(request.num_computed_tokens + num_new) - len(request.blocks)
                 if need > 0 and not self.pool.can_allocate(need):
                     continue  # others holding their KV may still fit; never wait behind them
-                if not self._acquire_lora(request):
+                if not slots.acquire(request):
                     continue
                 self.waiting.remove(request)
                 if need > 0:
@@ -182,7 +187,7 @@ class Scheduler:
             if not self.pool.can_allocate(num_new_blocks + num_revived):
                 blocked = True
                 continue
-            if not self._acquire_lora(request):
+            if not slots.acquire(request):
                 continue  # its adapter has no slot now; later requests may run (their adapters have slots)
             self.waiting.remove(request)
             self.pool.touch(hits)
@@ -198,6 +203,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.num_lora_reserves += slots.reserves
         if not self.running and not out.scheduled and self.waiting:
             self._break_deadlock(out)
         return out
@@ -357,9 +363,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def _acquire_lora(self, request: Request) -> bool:
-        return request.params.lora is None or self.lora is None or self.lora.acquire(request.params.lora)
-
     def _release_lora(self, request: Request) -> None:
         if request.params.lora is not None and self.lora is not None:
             self.lora.release(request.params.lora)
@@ -370,3 +373,4 @@ class Scheduler:
         request.blocks = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
+

@@ -86,3 +86,38 @@ def test_pinned_adapter_keeps_its_slot(three):
     engine.load_lora("solo", adapters["ad0"], pinned=True)  # every adapter pinned: no slot left is fine
     with pytest.raises(LoraAdapterError, match="every one of the 2 LoRA slots is pinned"):
         engine.load_lora("ad2", adapters["ad2"])
+
+
+def test_a_stream_on_the_held_adapter_does_not_starve_another(three):
+    """One slot, max_num_seqs 4: ad0's requests keep arriving (one more every step) while an ad1 request waits. Under
+    vLLM's rule alone ad1 would wait as long as ad0's stream lasts (each admitted ad0 request extends ad0's hold);
+    passed over by a batch's worth (4), it reserves the slot: ad0's running requests end, ad1 runs, with the tokens
+    of an engine that serves it alone (engine/sched/lora_pass.py)."""
+    model, adapters = three
+
+    def params(lora):
+        return SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora=lora)
+
+    engine = Engine(EngineConfig(model=str(model), num_blocks=256, lora_modules=adapters, max_loras=1,
+                                 max_num_seqs=4))
+    engine.add_request(prompt_token_ids=list(range(5, 30)), params=params("ad0"))
+    engine.step()  # ad0 holds the slot
+    prompt = list(range(7, 33))
+    waiting = engine.add_request(prompt_token_ids=prompt, params=params("ad1")).request_id
+    tokens, mixes = [], []
+    for step in range(200):
+        engine.add_request(prompt_token_ids=list(range(3 + step % 5, 30)), params=params("ad0"))  # the stream goes on
+        for out in engine.step():
+            if out.request_id == waiting:
+                tokens += out.new_token_ids
+        mixes.append({r.params.lora for r in engine.scheduler.running})
+        if len(tokens) == NUM_TOKENS:
+            break
+    assert len(tokens) == NUM_TOKENS, "ad1 waited for a slot as long as ad0's requests kept coming"
+    # passed over by 4 (ad0's requests admitted as slots in the batch freed: ~NUM_TOKENS steps), the running ones
+    # ended (~NUM_TOKENS more), then its own NUM_TOKENS
+    assert step < 5 * NUM_TOKENS, step
+    assert all(len(m - {None}) <= 1 for m in mixes)
+    assert tokens == _serve(Engine(EngineConfig(model=str(model), num_blocks=256, lora_modules=adapters)),
+                            [(prompt, "ad1")])[0]
+    assert engine.lora_stats()["reserves"] == 1
