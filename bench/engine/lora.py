@@ -30,7 +30,11 @@ running), 2026-11-28 22:57-23:06 UTC, at 997f34a (the slots packed per adapter, 
   (nothing stored or read for the projections an adapter leaves alone).
 Then with B's blocks interleaved in groups of 4 (the expand reads one stream; 23:52-23:57, at 7f1c543): fp32
 **0.851** (rounds 0.823-0.872; base 207.1, LoRA 178.4) and **0.867** (0.830-0.871), bf16 0.895 (0.761-0.960).
-So the goal holds for bf16 slots and for adapters of typical targets, not for fp32 slots on every projection. Why:
+On a model of Llama-3.2-1B's layers (``--llama-1b``, 2026-11-29 01:44-01:49 UTC, at 2a1f64b; the same 8 rank-16
+adapters on all seven projections, fp32 slots): **0.943** (rounds 0.898-0.979; base 56.1, LoRA 52.4 tok/s); with
+``--max-tokens 32 --waves 4`` 0.947. SmolLM2 again at that time: 0.847 (rounds 0.829-0.877; base 264.4, LoRA 224.6).
+So the goal holds for bf16 slots, for adapters of typical targets and at 1B, not for fp32 slots on every projection
+of the 135M model. Why:
 on SmolLM2-135M (hidden 576) eight rank-16 adapters on all seven projections are 156 MB fp32, 37 % of the bytes the
 base's projections read per step (425 MB), and a decode step reads them from memory; the kernel adds 10.7 ms fp32
 and 5.7-8.1 ms bf16 to a 39 ms step of GEMMs (``python -m bench.kernels.lora_cpu``, 23:06), where a plain read of
