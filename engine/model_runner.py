@@ -120,7 +120,8 @@ class ModelRunner:
         # LoRA adapters (engine/lora/): their deltas added to the projections' outputs, per token
         self.lora: LoraManager | None = None
         if cfg.lora_slots and kv_blocks:
-            self.lora = LoraManager.build(self.model, cfg, self.dtype, self.device)
+            self.lora = LoraManager.build(self.model, cfg, self.dtype, self.device)  # every rank: the start-up set
+            self.lora.pool.mirror = self.tp.enabled  # later writes: rank 0's, sent (the others follow its steps)
         self.num_kv_heads = self.tp.heads(model_cfg.num_heads, model_cfg.num_kv_heads, 1)[1].length  # this rank's
         self.bytes_per_block = self.kv_dtype.bytes_per_block(model_cfg.num_layers, cfg.block_size, self.num_kv_heads,
                                                              model_cfg.head_dim)
@@ -253,11 +254,12 @@ class ModelRunner:
             if s.completes_sequence:
                 sample_rows.extend(range(cu_q[-1] - 1 - s.num_draft_tokens, cu_q[-1]))
                 sampled.append(s)
-        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills), prompt_ends)
+        step = (input_ids, positions, slots, cu_q, tables, seq_lens, len(prefills), prompt_ends,
+                token_slots if self.lora is not None else None)
         self.tp.send(("step", step))
         if self.lora is not None:
             self.lora.pool.set_batch(token_slots)
-        self.forward(*step, lora_slots=token_slots if self.lora is not None else None)
+        self.forward(*step)
         row = 0
         for s in ordered:
             if s.request.needs_prompt_logprobs:
@@ -319,7 +321,13 @@ class ModelRunner:
         while True:
             kind, arg = self.tp.recv()
             if kind == "step":
+                if self.lora is not None:
+                    self.lora.pool.set_batch(arg[-1])
                 self.forward(*arg)
+            elif kind == "lora_write":
+                self.lora.pool.write(*arg)
+            elif kind == "lora_clear":
+                self.lora.pool.clear(arg)
             elif kind == "logits":
                 self.logits(arg)
             elif kind == "stop":

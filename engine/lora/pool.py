@@ -13,6 +13,13 @@ Loading an adapter writes its slot (the previous occupant's values overwritten, 
 are never touched. The model runner sets the step's token slots (``set_batch``) before the forward pass. Which
 adapter is in which slot, and when one is written, is engine/lora/manager.py's (between steps, on the engine
 thread).
+
+Tensor parallelism (vLLM's split): each rank holds its part of a slot, cut as the base weight is (``Linear.tp_split``):
+a column-parallel projection (q/k/v, gate/up) the rows of B its output columns are, with A whole; a row-parallel one
+(o, down) the columns of A its input features are, with B whole, so its delta is a partial sum like the base output
+and the projection's all-reduce adds the ranks' (``Linear.forward`` adds the delta before it). Rank 0's manager decides
+what goes where; once the other ranks follow its steps (``mirror``), each ``write`` / ``clear`` is sent to them
+(``TensorParallel.send``) and the step's token slots travel with the step (engine/model_runner.py).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import logging
 import torch
 
 from engine.errors import LoraAdapterError
-from engine.lora.adapter import LoraAdapter
+from engine.lora.adapter import LoraAdapter, LoraShard
 from engine.lora.ops import LoraBatch, lora_add_, lora_kernel, weight_dtype
 
 log = logging.getLogger(__name__)
@@ -31,9 +38,11 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 class LoraWeights:
     """One linear's slots. ``add_(x, out)`` adds the step's adapters' deltas to the base output ``out``."""
 
-    def __init__(self, pool: LoraPool, in_features: int, shard_sizes: list[int], dtype, device) -> None:
+    def __init__(self, pool: LoraPool, in_features: int, shard_sizes: list[int], dtype, device,
+                 tp_split: tuple | None = None) -> None:
         self.pool = pool
         self.shard_sizes, self.in_features = shard_sizes, in_features
+        self.tp_split = tp_split  # the base weight's (dim, splits) under tensor parallelism (Linear.tp_split)
         n, r, out = pool.max_loras, pool.max_lora_rank, sum(shard_sizes)
         self.slots = None  # the kernel backend's layout (KernelOps.lora_slots), or None: a / bt below
         factory = getattr(pool, "slots_factory", None)
@@ -52,6 +61,7 @@ class LoraWeights:
 
     def write(self, slot: int, shards: dict) -> None:
         parts = [shards.get(s if len(self.shard_sizes) > 1 else None) for s in range(len(self.shard_sizes))]
+        parts = [w if w is None or self.tp_split is None else self._local(s, w) for s, w in enumerate(parts)]
         for s, (size, w) in enumerate(zip(self.shard_sizes, parts)):
             if w is not None and (w.b.shape[0] != size or w.a.shape[1] != self.in_features):
                 raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit "
@@ -69,6 +79,19 @@ class LoraWeights:
                 self.bt[slot, s * r_max:s * r_max + r, row0:row0 + size] = w.b.T
             row0 += size
 
+    def _local(self, s: int, w: LoraShard) -> LoraShard:
+        """This rank's part of shard ``s``: B's rows of a column-parallel projection, A's columns of a row-parallel
+        one (engine/models/tensor_parallel.py ``Split``)."""
+        dim, splits = self.tp_split
+        split = splits[s] if dim == 0 else splits[0]
+        full = w.b.shape[0] if dim == 0 else w.a.shape[1]
+        if full != split.total:
+            raise LoraAdapterError(f"LoRA shard {s}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not fit a "
+                                   f"projection of {split.total} {'outputs' if dim == 0 else 'inputs'}")
+        if dim == 0:
+            return LoraShard(w.a, split.narrow(w.b, 0).contiguous())
+        return LoraShard(split.narrow(w.a, 1).contiguous(), w.b)
+
     def add_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         batch = self.pool.batch
         if batch is None or batch.empty:
@@ -84,8 +107,6 @@ class LoraWeights:
 class LoraPool:
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device,
                  lora_dtype: str = "auto") -> None:
-        if getattr(model, "tp", None) is not None and model.tp.enabled:
-            raise ValueError("LoRA with tensor parallelism is not implemented")
         if model.cfg.moe.num_experts:
             raise ValueError("LoRA on a mixture-of-experts model is not implemented")
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
@@ -97,10 +118,14 @@ class LoraPool:
         weights = weight_dtype(lora_dtype, dtype, self.kernel)  # the slots' storage (EngineConfig.lora_dtype)
         self._masks: dict[int, torch.Tensor] = {}  # the step's column masks by ranks per slot (S*R)
         self.device = device
+        tp = getattr(model, "tp", None)
+        self.tp = tp if tp is not None and tp.enabled else None
+        self.mirror = False  # rank 0, once the other ranks follow its steps: writes are sent to them
         for layer in model.layers:
             for name in LINEARS:
                 lin = layer.get_submodule(name)
-                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], weights, device)
+                lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], weights, device,
+                                       getattr(lin, "tp_split", None) if self.tp is not None else None)
         log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
 
     def check(self, adapter: LoraAdapter) -> None:
@@ -113,8 +138,10 @@ class LoraPool:
             raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {last}; the base has {self.num_layers}")
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights)."""
+        """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights); on every rank when mirrored."""
         self.check(adapter)
+        if self.mirror:
+            self.tp.send(("lora_write", (slot, adapter)))
         for i, layer in enumerate(self.model.layers):
             for name in LINEARS:
                 layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
@@ -123,6 +150,8 @@ class LoraPool:
     def clear(self, slot: int) -> None:
         """``slot`` holds nothing now: its scaling is 0, so the masked form adds exactly 0 for it (its weights stay
         until the next ``write``; no token names a free slot)."""
+        if self.mirror:
+            self.tp.send(("lora_clear", slot))
         self.scaling[slot] = 0.0
 
     def set_batch(self, token_slots: list[int] | None) -> None:

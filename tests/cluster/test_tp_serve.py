@@ -3,7 +3,8 @@
 each rank's KV heads pulled over NIXL by the decode worker's same-numbered rank — greedy, token for token with
 transformers; and the same between workers of different splits (a split reader: whole blocks staged, heads copied
 into place; a quantized cache's heads with their scales). Layouts that cannot exchange blocks at all are refused
-naming both."""
+naming both. P2-D2 also serves a LoRA adapter on every projection (each rank its part of a slot): peft's text.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,13 @@ def test_tensor_parallel_workers_serve_greedy_equal_to_transformers(ray_session,
             "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), "--local-prefill-max-tokens", "0", "--num-blocks", "96",
             "--address", ray_session.get_runtime_context().gcs_address, "--port", str(port),
             "--grpc-port", str(free_port())]
+    adapter = None
+    if p_tp == d_tp == 2:
+        from tests.engine.lora.peft_saved import save_peft_adapter
+
+        adapter = save_peft_adapter(model, tmp_path / "ad", seed=7, std=0.3, target_modules=(
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+        argv += ["--lora-modules", f"ad={adapter}", "--max-loras", "1"]
     with serving(argv, tmp_path / "serve.log", port, signal.SIGINT):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
         for prompt in RAW_PROMPTS:
@@ -51,8 +59,18 @@ def test_tensor_parallel_workers_serve_greedy_equal_to_transformers(ray_session,
         want = reference.greedy(reference.chat_ids(messages), MAX_TOKENS)
         got = client.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].message.content == reference.text(want)
+        if adapter is not None:
+            from tests.engine.lora.peft_saved import peft_reference
+
+            ids = reference.prompt_ids(RAW_PROMPTS[0])
+            out = peft_reference(model, adapter).generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
+                                                          do_sample=False, pad_token_id=0)
+            got = client.completions.create(model="ad", prompt=RAW_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+            assert got.choices[0].text == reference.text(out[0, len(ids):].tolist())
+            assert got.choices[0].text != client.completions.create(
+                model=model.name, prompt=RAW_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).choices[0].text
         stats = serve_worker_stats(ray_session)
-    n_requests = len(RAW_PROMPTS) + 1
+    n_requests = len(RAW_PROMPTS) + 1 + (2 if adapter is not None else 0)
     assert stats["prefill-0"]["num_handoffs"] == n_requests
     assert stats["decode-0"]["num_remote_kv_received"] == n_requests
     assert stats["decode-0"]["num_remote_recomputes"] == 0 and stats["decode-0"]["transfers_ok"] >= n_requests
