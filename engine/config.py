@@ -315,8 +315,6 @@ class EngineConfig:
                                   "other adapters")
         if self.lora_dtype not in LORA_DTYPES:
             raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
-        if (modules or self.max_loras) and self.speculative_config is not None:
-            raise ConfigError("LoRA adapters with speculative decoding are not implemented")
 
     @property
     def lora_slots(self) -> int:
