@@ -30,6 +30,7 @@ import torch
 from engine.errors import LoraAdapterError
 from engine.lora.adapter import LoraAdapter, LoraShard
 from engine.lora.ops import LoraBatch, lora_add_, lora_kernel, weight_dtype
+from engine.models.layers import Linear
 
 log = logging.getLogger(__name__)
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -107,8 +108,6 @@ class LoraWeights:
 class LoraPool:
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device,
                  lora_dtype: str = "auto") -> None:
-        if model.cfg.moe.num_experts:
-            raise ValueError("LoRA on a mixture-of-experts model is not implemented")
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
         self.num_layers = len(model.layers)
         self.scaling = torch.zeros(max_loras, dtype=dtype, device=device)
@@ -121,12 +120,16 @@ class LoraPool:
         tp = getattr(model, "tp", None)
         self.tp = tp if tp is not None and tp.enabled else None
         self.mirror = False  # rank 0, once the other ranks follow its steps: writes are sent to them
-        for layer in model.layers:
+        self.linears: dict[tuple[int, str], Linear] = {}  # (layer, projection) -> the Linear that takes a delta
+        for i, layer in enumerate(model.layers):
             for name in LINEARS:
-                lin = layer.get_submodule(name)
+                lin = _linear(layer, name)
+                if lin is None:  # a mixture-of-experts layer's MLP: experts, no gate_up_proj / down_proj
+                    continue
                 lin.lora = LoraWeights(self, lin.in_features, lin.shards or [lin.out_features], weights, device,
                                        getattr(lin, "tp_split", None) if self.tp is not None else None)
-        log.info("LoRA pool: %d slots of rank <= %d on %d linears per layer", max_loras, max_lora_rank, len(LINEARS))
+                self.linears[(i, name)] = lin
+        log.info("LoRA pool: %d slots of rank <= %d on %d linears", max_loras, max_lora_rank, len(self.linears))
 
     def check(self, adapter: LoraAdapter) -> None:
         """Refuse an adapter this pool cannot hold (its rank, or a layer the base lacks)."""
@@ -136,15 +139,20 @@ class LoraPool:
         last = max(layer for layer, _ in adapter.weights)
         if last >= self.num_layers:
             raise LoraAdapterError(f"LoRA adapter {adapter.name!r} names layer {last}; the base has {self.num_layers}")
+        experts = sorted(key for key in adapter.weights if key not in self.linears)
+        if experts:
+            layer, name = experts[0]
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} has weights for {name} of layer {layer}, a "
+                                   "mixture-of-experts layer (LoRA on experts is not implemented; on its attention "
+                                   "projections and on dense layers it is)")
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` of every linear (zero where it has no weights); on every rank when mirrored."""
         self.check(adapter)
         if self.mirror:
             self.tp.send(("lora_write", (slot, adapter)))
-        for i, layer in enumerate(self.model.layers):
-            for name in LINEARS:
-                layer.get_submodule(name).lora.write(slot, adapter.weights.get((i, name), {}))
+        for key, lin in self.linears.items():
+            lin.lora.write(slot, adapter.weights.get(key, {}))
         self.scaling[slot] = adapter.scaling
 
     def clear(self, slot: int) -> None:
@@ -166,3 +174,11 @@ class LoraPool:
             self._masks[per_slot] = batch.column_mask(per_slot)
         return self._masks[per_slot]
 
+
+
+def _linear(layer, name: str):
+    """The ``Linear`` at ``name`` in ``layer``, or None (a sparse MoE layer's MLP has no such projection)."""
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
