@@ -13,6 +13,7 @@ from engine.engine import Engine
 from engine.request import SamplingParams
 from tests.engine.lora.peft_saved import save_peft_adapter
 from tests.engine.models.test_tensor_parallel import assert_same
+from tests.engine.models.test_tensor_parallel import run as run_tp
 from tests.engine.tp_engines import tp_engine
 
 pytestmark = pytest.mark.slow
@@ -21,17 +22,8 @@ MODELS = [None, "ad-every", "ad-qv", "ad-late", "ad-every"]
 
 
 def run(engine: Engine) -> list[dict]:
-    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(
-        max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1, lora=lora)).request_id
-        for p, lora in zip(PROMPTS, MODELS)]
-    out = {i: {"tokens": [], "logprobs": [], "prompt": None} for i in ids}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id]["tokens"] += o.new_token_ids
-            out[o.request_id]["logprobs"] += o.new_logprobs
-            if o.prompt_logprobs is not None:
-                out[o.request_id]["prompt"] = o.prompt_logprobs
-    return [out[i] for i in ids]
+    return run_tp(engine, PROMPTS, [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2,
+                                                   prompt_logprobs=1, lora=lora) for lora in MODELS])
 
 
 def test_two_ranks_with_adapters_give_the_one_rank_engine_s_tokens(tiny_model, tmp_path):

@@ -22,7 +22,9 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2
 
 
 def run(engine: Engine, prompts=PROMPTS, params=PARAMS) -> list[dict]:
-    ids = [engine.add_request(prompt_token_ids=p, params=params).request_id for p in prompts]
+    """Tokens, logprobs and prompt logprobs of each prompt; ``params``: one for all, or a list (one a prompt)."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(prompt_token_ids=p, params=sp).request_id for p, sp in zip(prompts, each)]
     out = {i: {"tokens": [], "logprobs": [], "prompt": None} for i in ids}
     while engine.has_unfinished_requests():
         for o in engine.step():
