@@ -162,6 +162,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "engine.max_loras": args.max_loras, "engine.max_lora_rank": args.max_lora_rank,
         "engine.max_cpu_loras": args.max_cpu_loras, "engine.pinned_loras": args.pinned_loras,
         "engine.lora_dtype": args.lora_dtype, "router.lora_resolver_dir": args.lora_resolver_dir,
+        "router.lora_resolver_hub_repos": args.lora_resolver_hub_repos,
     }
     return ClusterConfig.load(args.config, overrides)
 
@@ -252,6 +253,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-resolver-dir", metavar="DIR",
                    help="PEFT LoRA adapters a request may name in \"model\" without a load first: DIR/NAME is loaded "
                         "on first use, idle ones unloaded for room (vLLM's filesystem resolver; needs --max-loras)")
+    p.add_argument("--lora-resolver-hub-repos", nargs="+", metavar="REPO",
+                   help="Hub adapters (org/name, or org/* for an owner's every one) a request may name in \"model\" "
+                        "without a load first: pinned and fetched on first use (vLLM's Hub resolver; needs "
+                        "--max-loras)")
     p.add_argument("--colocated", action="store_true", help="no Ray, no disaggregation: one in-process engine")
 
 

@@ -101,12 +101,18 @@ class RouterConfig:
     # first use, idle ones unloaded for room (router/lora_resolver.py; vLLM's filesystem resolver). Needs LoRA slots
     # (engine.max_loras); every worker must read it at the same path. None: only adapters loaded by name are served
     lora_resolver_dir: str | None = None
+    # Hub adapters a request may name the same way (vLLM's Hub resolver): repository ids org/name, or org/* for an
+    # owner's every repository; each first use pins and fetches the adapter (engine/hub). Empty: none
+    lora_resolver_hub_repos: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if self.lora_resolver_dir is not None and (not isinstance(self.lora_resolver_dir, str)
                                                    or not self.lora_resolver_dir):
             raise ConfigError(f"router.lora_resolver_dir must be a directory path, got {self.lora_resolver_dir!r}")
+        from router.lora_resolver import check_hub_repos
+
+        object.__setattr__(self, "lora_resolver_hub_repos", tuple(check_hub_repos(self.lora_resolver_hub_repos)))
         if self.tool_call_parser is not None:
             from router.openai.tool_parsers import FORMATS
 
@@ -140,6 +146,17 @@ class RouterConfig:
             return TierWeights.from_mapping(self.tier_weights)
         except ValueError as e:
             raise ConfigError(f"router.tier_weights: {e}") from None
+
+    @property
+    def resolves_lora(self) -> bool:
+        """Whether a request may name an adapter nobody loaded (router/lora_resolver.py)."""
+        return self.lora_resolver_dir is not None or bool(self.lora_resolver_hub_repos)
+
+    def lora_resolver(self):
+        """The LoraResolver of these settings, or None."""
+        from router.lora_resolver import LoraResolver
+
+        return LoraResolver(self.lora_resolver_dir, self.lora_resolver_hub_repos) if self.resolves_lora else None
 
     @property
     def admission(self):
@@ -234,8 +251,9 @@ class ClusterConfig:
         if kwargs["decode"].num_workers < 1:
             raise ConfigError("decode.num_workers must be >= 1")
         _check_kv_pairing(engine.kv_cache_dtype, kwargs["prefill"], kwargs["decode"])
-        if kwargs["router"].lora_resolver_dir is not None and not engine.lora_slots:
-            raise ConfigError("router.lora_resolver_dir needs LoRA slots: engine.max_loras (--max-loras) >= 1")
+        if kwargs["router"].resolves_lora and not engine.lora_slots:
+            raise ConfigError("router.lora_resolver_dir / lora_resolver_hub_repos need LoRA slots: engine.max_loras "
+                              "(--max-loras) >= 1")
         if engine.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size is set per pool (prefill.tensor_parallel_size, "
                               "decode.tensor_parallel_size; --prefill-tp / --decode-tp), not in the engine section")

@@ -42,7 +42,6 @@ from prefill_worker.base import WorkerInfo
 from router.backend import ModelCard
 from router.dispatch.cluster_backend import ClusterBackend
 from router.lora_adapters import ServedAdapter
-from router.lora_resolver import LoraResolver
 from router.metrics.collector import ClusterCollector, RouterMetrics
 from router.routing.feed import IndexFeed
 from router.routing.policy import Role, make_policy
@@ -187,7 +186,7 @@ def _make_backend(config: ClusterConfig, prefill, decode, infos: list[WorkerInfo
         local_prefill_max_tokens=config.router.local_prefill_max_tokens, metrics=metrics,
         lora_modules=[ServedAdapter(name, path, name in (config.engine.pinned_loras or ()))
                       for name, path in config.engine.lora_modules or ()],
-        lora_resolver=LoraResolver(config.router.lora_resolver_dir) if config.router.lora_resolver_dir else None)
+        lora_resolver=config.router.lora_resolver())
 
 
 def _pool_hasher(engine: EngineConfig) -> BlockHasher:

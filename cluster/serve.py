@@ -65,10 +65,8 @@ async def serve(config: ClusterConfig, *, colocated: bool = False) -> None:
     config = await asyncio.to_thread(config.with_pinned_model)  # a Hub id: resolved and fetched once, here
     if colocated:
         from cluster.local_backend import LocalBackend
-        from router.lora_resolver import LoraResolver
-
-        resolver = LoraResolver(config.router.lora_resolver_dir) if config.router.lora_resolver_dir else None
-        backend = LocalBackend.from_config(config.engine, model_id=config.model_name, lora_resolver=resolver)
+        backend = LocalBackend.from_config(config.engine, model_id=config.model_name,
+                                           lora_resolver=config.router.lora_resolver())
     else:
         from cluster.launcher import Cluster
 

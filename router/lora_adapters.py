@@ -29,8 +29,9 @@ what a request may name in ``model``. A target is anything with the worker's thr
   like any other). Adapters the resolver loaded are a cache: when the workers hold ``max_cpu_loras`` adapters, a load
   (a resolve, or an admin's) unloads the least recently used of them with no running request first (counted
   ``resolve_evictions``); adapters loaded by name (``--lora-modules``, the endpoints) are never unloaded for room.
-  With no such adapter idle the request is refused with 429 (``LoraAdaptersBusyError``; retry). A request admitted between
-  its check and its adapter's eviction is 404'd at admission: the eviction takes the least recently named first.
+  With no such adapter idle the request is refused with 429 (``LoraAdaptersBusyError``; retry). A request admitted
+  between its check and its adapter's eviction is 404'd at admission: the eviction takes the least recently named
+  first.
 A ``lora_path`` that reads as a Hub id is pinned to its commit here, before any worker is asked (``pin_hub_adapter``).
 Per name, loads and unloads are serialized (vLLM's per-name lock); the worker calls of all of them and joins
 are serialized by one lock. Torch-free (router process).
@@ -168,6 +169,11 @@ class LoraAdapters:
         if path is None:
             self.counters["resolve_misses"] += 1
             return False
+        try:
+            path = await pin_hub_adapter(path)  # a Hub id the resolver allows: pinned and fetched once, here
+        except LoraAdapterError:
+            self.counters["resolve_failures"] += 1
+            raise
         async with self._names[name]:
             if name not in self.served:  # else another request's resolve loaded it meanwhile
                 try:

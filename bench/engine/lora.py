@@ -8,15 +8,16 @@ run.
 
 SmolLM2-135M-Instruct as a Hugging Face directory (bench/hf_model.py; ``--tiny``: the tiny random Llama;
 ``--llama-1b``: random weights in Llama-3.2-1B's layers, hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, with a 32,000
-token vocabulary, built once under .cache/bench), fp32, on the engine's default kernels. ``--adapters`` adapters written by peft on it (rank ``--rank``, on ``--targets``: every
-attention and MLP projection by default; random weights; built once under .cache/bench/lora-adapters),
-``max_lora_rank`` = ``--max-lora-rank`` (default ``--rank``). Two engines in one process, the same ``--batch``
-random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the base engine (no LoRA slots) with every
-request on the base model, and an engine holding every adapter with request i on adapter i mod ``--adapters``. A
-warm-up wave each, then ``--waves`` rounds of one wave per engine, the order alternating (base first, then LoRA
-first), so the VM's drifting speed falls on both alike. Reported: each round's ratio, each side's median output
-tok/s (output tokens / wall seconds of a wave); last line ``ratio: <median of the rounds' LoRA / base>``; goal
-(issue 50): >= 0.9. ``--profile`` adds one wave per engine timed by part (``profile_parts``).
+token vocabulary, built once under .cache/bench), fp32, on the engine's default kernels. ``--adapters`` adapters
+written by peft on it (rank ``--rank``, on ``--targets``: every attention and MLP projection by default; random
+weights; built once under .cache/bench/lora-adapters), ``max_lora_rank`` = ``--max-lora-rank`` (default ``--rank``).
+Two engines in one process, the same ``--batch`` random-token prompts of 32 tokens, greedy, ``--max-tokens`` each: the
+base engine (no LoRA slots) with every request on the base model, and an engine holding every adapter with request i
+on adapter i mod ``--adapters``. A warm-up wave each, then ``--waves`` rounds of one wave per engine, the order
+alternating (base first, then LoRA first), so the VM's drifting speed falls on both alike. Reported: each round's
+ratio, each side's median output tok/s (output tokens / wall seconds of a wave); last line ``ratio: <median of the
+rounds' LoRA / base>``; goal (issue 50): >= 0.9. ``--profile`` adds one wave per engine timed by part
+(``profile_parts``).
 
 Measured (the 2-vCPU Intel Xeon dev VM, AVX-512, 2 threads, GLIBC hugepages as ``make`` sets them, nothing else
 running), 2026-11-28 22:57-23:06 UTC, at 997f34a (the slots packed per adapter, kernels/cpu/lora.c):

@@ -18,8 +18,8 @@ adapter succeeds (its slot held; if the adapter was not in one, the least recent
 with it, counted as an eviction), and ``release`` when it leaves the batch (finished, preempted, handed off). A
 request whose adapter finds no slot (every slot held by other adapters' running requests, or pinned) stays waiting;
 requests behind it whose adapters have slots may go first (vLLM's rule), until a batch's worth of them did: then it
-reserves the next slot that goes idle (engine/sched/lora_pass.py). A load puts the adapter in a free slot at once if one is free (never evicting), so a
-start-up set that fits is warm.
+reserves the next slot that goes idle (engine/sched/lora_pass.py). A load puts the adapter in a free slot at once
+if one is free (never evicting), so a start-up set that fits is warm.
 
 A name always means the same bytes (``digests``, kept after unload): blocks cached under a name (the block-hash salt
 is the name) must never be reused by other weights loaded under it later. Engine thread only.

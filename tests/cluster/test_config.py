@@ -74,10 +74,15 @@ def test_a_pool_may_store_its_own_kv_dtype_when_the_pull_converts_it():
 
 
 def test_a_lora_resolver_needs_lora_slots_and_a_path():
-    with pytest.raises(ConfigError, match=r"router.lora_resolver_dir needs LoRA slots: engine.max_loras \(--max-loras\)"):
+    with pytest.raises(ConfigError, match=r"router.lora_resolver_dir / lora_resolver_hub_repos need LoRA slots: "
+                                          r"engine.max_loras \(--max-loras\)"):
         ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": "/adapters"}})
     with pytest.raises(ConfigError, match="router.lora_resolver_dir must be a directory path, got 3"):
         ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": 3}, "engine": {"max_loras": 2}})
     config = ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_dir": "/adapters"},
                                       "engine": {"max_loras": 2}})
     assert config.router.lora_resolver_dir == "/adapters"
+    with pytest.raises(ConfigError, match="lora_resolver_hub_repos need LoRA slots"):
+        ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_hub_repos": ["acme/*"]}})
+    with pytest.raises(ConfigError, match="'acme' is not a repository id"):
+        ClusterConfig.from_dict({"model": "m", "router": {"lora_resolver_hub_repos": ["acme"]}})

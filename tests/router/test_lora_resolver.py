@@ -50,6 +50,17 @@ def test_names_find_adapter_directories_and_never_paths(root, tmp_path):
         LoraResolver(tmp_path / "nowhere")
 
 
+def test_hub_repositories_are_allowed_by_name_or_owner(root):
+    r = LoraResolver(hub_repos=["acme/sql", "tuned/*"])
+    names = ("acme/sql", "acme/sql@v2", "tuned/x", "acme/other", "acme/sql:Q4_K_M", "sql", "../acme/sql")
+    assert [r.find(n) for n in names] == ["acme/sql", "acme/sql@v2", "tuned/x", None, None, None, None]
+    both = LoraResolver(root, hub_repos=["org/*"])
+    assert both.find("org/d") == str(root / "org" / "d") and both.find("org/e") == "org/e"  # the directory first
+    for bad in (["acme"], ["acme/sql@v1"], "acme/sql", [3], ["acme/sql:Q4"]):
+        with pytest.raises(ConfigError, match="lora_resolver_hub_repos"):
+            LoraResolver(hub_repos=bad)
+
+
 class Worker:
     """A worker's three LoRA verbs with its max_cpu_loras limit; loads take a moment (others may run meanwhile)."""
 

@@ -87,3 +87,35 @@ def test_the_router_pins_a_hub_adapter_before_any_worker_loads_it(fake_hub, sett
     with pytest.raises(LoraAdapterError, match="duet-test/no-such-adapter: .*no such model repository"):
         asyncio.run(adapters.load("b", "duet-test/no-such-adapter"))
     assert target.paths == [f"{LORA}@{fake_hub.lora}"]  # the failed pin asked no worker
+
+
+def test_a_resolver_loads_an_allowed_hub_adapter_on_first_use(fake_hub, settings, hub_lora, hub_models, monkeypatch):
+    """``--lora-resolver-hub-repos duet-test/*``: a request naming the Hub adapter loads it pinned to its commit and
+    runs with it as with its directory; a repository outside the list is not looked up (404); one inside it that is
+    no adapter is refused naming why (400)."""
+    monkeypatch.setattr(hub_resolve.HubSettings, "from_env", classmethod(lambda cls: settings))
+    from cluster.local_backend import LocalBackend
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from router.lora_resolver import LoraResolver
+
+    prompt, params = [5, 9, 13, 2, 40, 7], SamplingParams(max_tokens=8, temperature=0, lora=LORA, ignore_eos=True)
+    want = Engine(EngineConfig(model=str(hub_models[0]), num_blocks=32, lora_modules={LORA: str(hub_lora)})).generate(
+        [prompt], params)[0]["token_ids"]
+    backend = LocalBackend(Engine(EngineConfig(model=str(hub_models[0]), num_blocks=32, max_loras=1)), "tiny",
+                           LoraResolver(hub_repos=["duet-test/*"]))
+
+    async def first_use() -> list[int]:
+        assert not await backend.lora.resolve("elsewhere/tiny-lora")
+        assert fake_hub.requests == []  # not asked
+        assert await backend.lora.resolve(LORA) and backend.lora_adapters() == (LORA,)
+        assert backend.lora.served[LORA].path == f"{LORA}@{fake_hub.lora}"
+        with pytest.raises(LoraAdapterError, match="no adapter_config.json or adapter_model.safetensors"):
+            await backend.lora.resolve(LLAMA)
+        return [t async for out in backend.generate("r", prompt, params) for t in out.new_token_ids]
+
+    try:
+        assert asyncio.run(first_use()) == want
+    finally:
+        backend.async_engine.shutdown()
+    assert backend.lora.counters["resolved"] == 1 and backend.lora.counters["resolve_failures"] == 1

@@ -40,7 +40,8 @@ def test_adapters_on_attention_projections_equal_peft(moe):
     prompts = [list(range(5, 30)), list(range(40, 47)), list(range(100, 140))]
     names = [None, "attn", "qv"]
     ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(
-        max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora=name)).request_id for p, name in zip(prompts, names)]
+        max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora=name)).request_id
+        for p, name in zip(prompts, names)]
     got = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for o in engine.step():

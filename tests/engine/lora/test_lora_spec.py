@@ -26,7 +26,8 @@ def setup(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-spec")
     adapters = {"ad-every": str(save_peft_adapter(model, tmp / "every", seed=1, std=0.3, target_modules=(
                     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
-                "ad-qv": str(save_peft_adapter(model, tmp / "qv", seed=2, std=0.3, target_modules=("q_proj", "v_proj")))}
+                "ad-qv": str(save_peft_adapter(model, tmp / "qv", seed=2, std=0.3,
+                                               target_modules=("q_proj", "v_proj")))}
     g = torch.Generator().manual_seed(3)
     prompts = []
     for n in (6, 14, 25):  # repeats, so the proposers find matches
