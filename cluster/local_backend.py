@@ -43,7 +43,7 @@ class LocalBackend(Backend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.check_request(prompt_token_ids, params)
-        self.lora.begin(params.lora)
+        await self.lora.admit(params.lora)
         try:
             async for out in self.async_engine.generate(prompt_token_ids=list(prompt_token_ids), params=params,
                                                         request_id=request_id):

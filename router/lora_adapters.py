@@ -4,6 +4,7 @@
     await adapters.load("sql", "/adapters/sql")                 # on every worker, or on none
     await adapters.unload("sql")                                # new requests 404 at once; running ones finish first
     async with adapters.joining(worker): activate(worker)       # a worker that joins gets the current set
+    await adapters.admit("sql"); ...; adapters.end("sql")       # a request of an adapter (resolved if evicted)
 
 The front doors' runtime endpoints (vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, gRPC
 ``LoadLoraAdapter`` / ``UnloadLoraAdapter``) call ``load`` / ``unload``; ``names()`` is what ``/v1/models`` lists and
@@ -29,9 +30,9 @@ what a request may name in ``model``. A target is anything with the worker's thr
   like any other). Adapters the resolver loaded are a cache: when the workers hold ``max_cpu_loras`` adapters, a load
   (a resolve, or an admin's) unloads the least recently used of them with no running request first (counted
   ``resolve_evictions``); adapters loaded by name (``--lora-modules``, the endpoints) are never unloaded for room.
-  With no such adapter idle the request is refused with 429 (``LoraAdaptersBusyError``; retry). A request admitted
-  between its check and its adapter's eviction is 404'd at admission: the eviction takes the least recently named
-  first.
+  With no such adapter idle the request is refused with 429 (``LoraAdaptersBusyError``; retry). A request whose
+  adapter was unloaded for room between its front door's check and its admission (it may wait in the admission
+  queue) resolves it again there (``admit``).
 A ``lora_path`` that reads as a Hub id is pinned to its commit here, before any worker is asked (``pin_hub_adapter``).
 Per name, loads and unloads are serialized (vLLM's per-name lock); the worker calls of all of them and joins
 are serialized by one lock. Torch-free (router process).
@@ -127,6 +128,14 @@ class LoraAdapters:
             raise LoraAdapterNotFoundError(f"LoRA adapter {name!r} is not served (unloaded?)")
         self.inflight[name] += 1
         self.last_named[name] = time.monotonic()
+
+    async def admit(self, name: str | None) -> None:
+        """``begin`` for a request about to run: an adapter its front door found served (or resolved) but that was
+        unloaded for room since, while the request waited for admission, is resolved again first (a resolver's
+        adapter; anything else not served is the 404 ``begin`` raises)."""
+        if name is not None and name not in self.served and self.resolver is not None:
+            await self.resolve(name)
+        self.begin(name)
 
     def end(self, name: str | None) -> None:
         if name is None:

@@ -177,7 +177,7 @@ class ClusterBackend(WorkerFaults, Backend):
         self.demand.placed(len(prompt_token_ids), params.max_tokens)
         placements = migrations = 0
         ended = None  # the finish reason the client got
-        self.lora.begin(params.lora)  # an unload waits for the requests of its adapter admitted before it
+        await self.lora.admit(params.lora)  # an unload waits for the requests of its adapter admitted before it
         try:
             for attempt in itertools.count():
                 n_prior = len(sent.token_ids)

@@ -11,7 +11,13 @@ import os
 
 import pytest
 
-from engine.errors import ConfigError, LoraAdapterError, LoraAdaptersBusyError, LoraCapacityError
+from engine.errors import (
+    ConfigError,
+    LoraAdapterError,
+    LoraAdapterNotFoundError,
+    LoraAdaptersBusyError,
+    LoraCapacityError,
+)
 from router.lora_adapters import LoraAdapters, ServedAdapter
 from router.lora_resolver import LoraResolver
 
@@ -127,3 +133,17 @@ async def test_a_directory_that_is_no_adapter_is_refused_and_counted(root):
     with pytest.raises(LoraAdapterError, match="IA3"):
         await adapters.resolve("ia3")
     assert adapters.counters["resolve_failures"] == 1 and [w.loads for w in workers] == [0, 0]
+
+
+async def test_a_request_whose_adapter_was_unloaded_for_room_resolves_it_again_at_admission(root):
+    """Checked at the front door, then queued for admission while other requests' adapters took its place: admitted,
+    it loads its adapter again instead of a 404; a name no one serves or resolves is still the 404."""
+    adapters, workers = cache(root, capacity=2)  # named + one resolved
+    assert await adapters.resolve("a")
+    assert await adapters.resolve("b") and "a" not in adapters.served  # a unloaded for b
+    await adapters.admit("a")
+    assert adapters.inflight["a"] == 1 and "b" not in adapters.served and all("a" in w.held for w in workers)
+    adapters.end("a")
+    with pytest.raises(LoraAdapterNotFoundError):
+        await adapters.admit("nope")
+    await adapters.admit(None)  # the base model: nothing to do
