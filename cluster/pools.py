@@ -79,6 +79,7 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
         self._actions: dict[Role, asyncio.Task] = {}
         self._handshake = asyncio.Lock()
         self._forgets: set[asyncio.Task] = set()  # workers told of a prefill worker that drains or is gone
+        self.stopped = False
         self._probe_misses: collections.Counter[str] = collections.Counter()  # consecutive failed probes
         self._loops: list[asyncio.Task] = []
         self._next_index = {role: n for role, n in self.initial.items()}
@@ -101,10 +102,13 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
             self._loops.append(asyncio.create_task(self.timeline_series.run(), name="dashboard-timeline"))
 
     async def stop(self) -> None:
+        self.stopped = True  # no start, drain or flip after this: a cancelled start's reconcile would begin another
         tasks = (*self._loops, *self._actions.values(), *self.feeds.values(), *self._forgets)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for rec in self.registry.records(states=(WorkerState.STARTING,)):  # a start cancelled before it ran
+            self._end(rec.worker_id, "cancelled while starting", fault=False, kill=True)
 
     async def _every(self, interval_s: float, step) -> None:
         while True:
@@ -143,6 +147,8 @@ class PoolManager(RoleFlips, HealthChecks, Operator):
 
     # ---- reconcile ---------------------------------------------------------------------------------
     def reconcile(self) -> None:
+        if self.stopped:
+            return
         counts = {role: self._counts(role) for role in (Role.PREFILL, Role.DECODE)}
         if self._try_flip(counts):  # one flip is both pools' next step (cluster/flip.py)
             return

@@ -3,7 +3,8 @@
 the decode worker streaming an adapter's request is SIGKILLed mid-stream. The requests it held continue on the other
 worker with their adapter (the continuation is prefilled under the adapter's block namespace and decoded through its
 slot), so every request's tokens and text equal a fault-free engine's with the same adapters, and the migrations are
-counted."""
+counted. Then the pool is back at its target holding the adapters, and a stop that cancels a worker's start begins
+no other (a cancelled start reconciles: before the fix, a replacement started after the stop and its actor leaked)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,10 @@ import random
 import pytest
 
 from engine.request import SamplingParams
-from tests.cluster.test_operating import stream_killing
+from router.routing.policy import Role
+from router.workers.registry import WorkerState
+from tests.cluster.test_disagg_cluster import wait_for
+from tests.cluster.test_operating import ready, stream_killing
 from tests.engine.lora.peft_saved import save_peft_adapter
 
 pytestmark = pytest.mark.slow
@@ -47,3 +51,14 @@ def test_requests_on_adapters_migrate_with_their_adapters(cluster_factory, loop_
         assert tokens == ref["token_ids"], (i, ON[i])  # continued under its own adapter: nothing changed
         assert text == ref["text"], (i, ON[i])
     assert killed["busy"] >= 1 and backend.counters["migrated"] >= 1, backend.counters
+    back = wait_for(lambda: ready(cluster, Role.DECODE) == 2, timeout_s=90, interval_s=0.2)
+    assert back, cluster.pools.autoscaler_view()
+
+    async def stop_while_starting() -> list[str]:
+        cluster.pools.set_target(Role.DECODE, 3)
+        await asyncio.sleep(0.5)  # the start in flight: its actor spawned, waiting for it
+        await cluster.pools.stop()  # cancels it; its reconcile must begin nothing
+        await asyncio.sleep(0.2)
+        return [r.worker_id for r in cluster.registry.records(states=(WorkerState.STARTING,))]
+
+    assert loop_thread.run(stop_while_starting()) == []
