@@ -175,7 +175,6 @@ class LoraPool:
         return self._masks[per_slot]
 
 
-
 def _linear(layer, name: str):
     """The ``Linear`` at ``name`` in ``layer``, or None (a sparse MoE layer's MLP has no such projection)."""
     try:

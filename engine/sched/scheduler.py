@@ -373,4 +373,3 @@ class Scheduler:
         request.blocks = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
-
